@@ -1,0 +1,69 @@
+"""
+Influence estimators behind one interface: ``fit(model, x_train, y_train)`` then
+``scores(x_query, y_query)`` -> ``(n_query, n_train)`` float64 matrix, **positive = helpful**
+(removing the training example would raise the query's loss).
+
+- ``"ntk"`` (:class:`NTKInfluence`): exact leave-one-out of kernel ridge regression on the
+  empirical NTK (the paper's estimator);
+- ``"gradient"`` (:class:`GradientInfluence`): TracIn-CP gradient similarity with per-layer
+  factorisation;
+- ``"captum"`` (:class:`CaptumInfluence`): adapter over ``captum.influence.TracInCP``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from art_malleability.influence.base import (
+    LOSS_NAMES,
+    InfluenceEstimator,
+    labels_to_indices,
+    per_example_loss,
+)
+from art_malleability.influence.captum_tracin import CaptumInfluence
+from art_malleability.influence.gradient import GradientInfluence
+from art_malleability.influence.ntk import NTKInfluence
+
+logger = logging.getLogger(__name__)
+
+_REGISTRY: dict[str, type[InfluenceEstimator]] = {
+    "ntk": NTKInfluence,
+    "gradient": GradientInfluence,
+    "captum": CaptumInfluence,
+}
+
+INFLUENCE_NAMES: tuple[str, ...] = tuple(_REGISTRY)
+
+
+def get_influence(name_or_obj: str | InfluenceEstimator, **kwargs: object) -> InfluenceEstimator:
+    """
+    Influence estimator by name, or an estimator instance passed through unchanged.
+
+    :param name_or_obj: ``"ntk"``, ``"gradient"``, ``"captum"`` or an :class:`InfluenceEstimator`.
+    :param kwargs: Constructor arguments for the named estimator (ignored for an instance).
+    :return: The estimator.
+    :raises ValueError: For any other value.
+    """
+    if isinstance(name_or_obj, InfluenceEstimator):
+        if kwargs:
+            logger.debug("get_influence: ignoring %s for an estimator instance", sorted(kwargs))
+        return name_or_obj
+    if isinstance(name_or_obj, str) and name_or_obj in _REGISTRY:
+        return _REGISTRY[name_or_obj](**kwargs)
+    raise ValueError(
+        "influence must be one of 'ntk', 'gradient', 'captum' or an InfluenceEstimator instance, "
+        f"got {name_or_obj!r}"
+    )
+
+
+__all__ = [
+    "INFLUENCE_NAMES",
+    "LOSS_NAMES",
+    "CaptumInfluence",
+    "GradientInfluence",
+    "InfluenceEstimator",
+    "NTKInfluence",
+    "get_influence",
+    "labels_to_indices",
+    "per_example_loss",
+]

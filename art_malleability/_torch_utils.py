@@ -1,0 +1,178 @@
+"""Small PyTorch helpers shared across the package.
+
+Everything here follows the package rule of never mutating what the user passed: models are
+deep-copied before any work, inputs are copied when converted to tensors, and helpers that
+change a module (:func:`frozen_parameters_to_buffers`) are meant for such working copies only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """
+    Turn a device specification into a :class:`torch.device`.
+
+    :param device: ``"auto"`` (CUDA when available, otherwise CPU), a device string such as
+        ``"cpu"`` or ``"cuda:0"``, or a :class:`torch.device`.
+    :return: The resolved device.
+    :raises TypeError: If ``device`` is neither a string nor a :class:`torch.device`.
+    :raises ValueError: If ``device`` is a string that PyTorch does not understand.
+    """
+    if isinstance(device, torch.device):
+        return device
+    if not isinstance(device, str):
+        raise TypeError(f"device must be 'auto', a device string or a torch.device, got {device!r}")
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except RuntimeError as err:
+        raise ValueError(f"device must be 'auto', a device string or a torch.device, got {device!r}") from err
+
+
+def check_dtype(dtype: torch.dtype, name: str = "dtype") -> torch.dtype:
+    """
+    Check that ``dtype`` is a floating-point :class:`torch.dtype`.
+
+    :param dtype: The dtype to check.
+    :param name: Name of the argument, used in the error message.
+    :return: ``dtype`` unchanged.
+    :raises TypeError: If ``dtype`` is not a floating-point torch dtype.
+    """
+    if not isinstance(dtype, torch.dtype) or dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name} must be a floating-point torch.dtype (e.g. torch.float64), got {dtype!r}")
+    return dtype
+
+
+def to_tensor(
+    x: np.ndarray | torch.Tensor,
+    device: torch.device | str,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """
+    Convert an array to a tensor on ``device``, always as a copy (never a view of ``x``).
+
+    :param x: A numpy array or tensor.
+    :param device: Target device.
+    :param dtype: Target dtype; ``None`` keeps the dtype of ``x``.
+    :return: A new tensor that does not share memory with ``x`` and does not require grad.
+    """
+    if isinstance(x, torch.Tensor):
+        return x.detach().to(device=device, dtype=dtype, copy=True)
+    return torch.tensor(np.asarray(x), device=device, dtype=dtype)
+
+
+def working_copy(model: nn.Module, device: torch.device | str, dtype: torch.dtype | None) -> nn.Module:
+    """
+    Deep copy of ``model`` on ``device`` and in ``dtype`` (floating-point parameters and buffers
+    only), in evaluation mode. The original model is left untouched; ``requires_grad`` flags and
+    any context buffers (transductive models) are carried along by the copy.
+
+    :param model: The user's model.
+    :param device: Device for the copy.
+    :param dtype: Floating-point dtype for the copy; ``None`` keeps the model's dtype.
+    :return: The working copy.
+    """
+    clone = copy.deepcopy(model)
+    if dtype is None:
+        clone = clone.to(device=device)
+    else:
+        clone = clone.to(device=device, dtype=dtype)
+    return clone.eval()
+
+
+def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """
+    Named parameters of ``model`` with ``requires_grad=True`` (shared parameters listed once).
+
+    :param model: A module.
+    :return: List of ``(name, parameter)`` pairs in registration order.
+    """
+    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+
+def model_device_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
+    """
+    Device and floating-point dtype of a model, read from its first floating-point parameter
+    (or buffer when it has no parameters).
+
+    :param model: A module.
+    :return: ``(device, dtype)``; ``(cpu, torch.get_default_dtype())`` for a module without
+        floating-point tensors.
+    """
+    tensors: Iterator[torch.Tensor] = iter([*model.parameters(), *model.buffers()])
+    for t in tensors:
+        if t.is_floating_point():
+            return t.device, t.dtype
+    return torch.device("cpu"), torch.get_default_dtype()
+
+
+def frozen_parameters_to_buffers(module: nn.Module) -> nn.Module:
+    """
+    Re-register every parameter with ``requires_grad=False`` as a (persistent) buffer of the
+    same name, in place. Meant for working copies only: libraries that differentiate with
+    respect to ``module.parameters()`` then see only the trainable ones, while
+    ``state_dict`` keys stay the same so checkpoints still load.
+
+    :param module: A module, typically a working copy made by :func:`working_copy`.
+    :return: ``module`` itself.
+    """
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            if param is not None and not param.requires_grad:
+                del sub._parameters[name]
+                sub.register_buffer(name, param.detach())
+    return module
+
+
+@contextlib.contextmanager
+def no_tf32(device: torch.device) -> Iterator[None]:
+    """
+    Context manager that turns TF32 off for CUDA matrix products and cuDNN convolutions while
+    kernels are computed (TF32 silently rounds float32 GEMMs to 10 mantissa bits), and restores
+    the previous settings afterwards. Does nothing on other devices.
+
+    :param device: The compute device.
+    """
+    if device.type != "cuda":
+        yield
+        return
+    matmul_flag = torch.backends.cuda.matmul.allow_tf32
+    cudnn_flag = torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = matmul_flag
+        torch.backends.cudnn.allow_tf32 = cudnn_flag
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """
+    Context manager that puts ``model`` (and every submodule) in evaluation mode and restores
+    each submodule's own ``training`` flag afterwards.
+
+    :param model: A module.
+    """
+    flags = [(m, m.training) for m in model.modules()]
+    try:
+        model.eval()
+        yield model
+    finally:
+        for m, flag in flags:
+            m.training = flag

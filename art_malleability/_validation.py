@@ -1,0 +1,106 @@
+"""
+Checks of user input at the API boundary: clear errors that name the argument, and no mutation.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+from art.estimators.classification import PyTorchClassifier
+
+logger = logging.getLogger(__name__)
+
+
+def loss_name(classifier: PyTorchClassifier) -> str:
+    """
+    The package's name for the classifier's loss: ``"mse"`` for :class:`torch.nn.MSELoss`, else
+    ``"cross_entropy"`` (with a warning when the loss is neither).
+
+    :param classifier: An ART PyTorch classifier.
+    :return: ``"cross_entropy"`` or ``"mse"``.
+    """
+    loss = getattr(classifier, "_loss", None)
+    if isinstance(loss, torch.nn.MSELoss):
+        return "mse"
+    if not isinstance(loss, torch.nn.CrossEntropyLoss):
+        logger.warning("Loss %s is neither CrossEntropyLoss nor MSELoss; influence uses cross-entropy.", loss)
+    return "cross_entropy"
+
+
+def check_features(x: object, name: str, input_shape: tuple[int, ...]) -> np.ndarray:
+    """
+    Validate an input array and return a float32 copy.
+
+    :param x: Candidate array (n, *input_shape).
+    :param name: Argument name used in error messages.
+    :param input_shape: The classifier's input shape.
+    :return: A new float32 array.
+    """
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{name} must be a numpy array of shape (n, {_shape(input_shape)}), got {type(x).__name__}")
+    if not np.issubdtype(x.dtype, np.number) or np.issubdtype(x.dtype, np.complexfloating):
+        raise TypeError(f"{name} must hold real numbers, got dtype {x.dtype}")
+    if x.ndim < 1 or x.shape[0] == 0:
+        raise ValueError(f"{name} is empty (shape {x.shape}); at least one example is needed")
+    if tuple(x.shape[1:]) != tuple(input_shape):
+        raise ValueError(
+            f"{name} must have shape (n, {_shape(input_shape)}) to match the classifier's input_shape, "
+            f"got {x.shape}"
+        )
+    if not np.all(np.isfinite(x)):
+        raise ValueError(f"{name} contains NaN or infinite values ({int((~np.isfinite(x)).sum())} entries)")
+    return np.array(x, dtype=np.float32, copy=True)
+
+
+def check_labels(y: object, name: str, n: int, nb_classes: int) -> np.ndarray:
+    """
+    Validate labels (class indices of shape (n,) or one-hot of shape (n, nb_classes)) and return indices.
+
+    :param y: Candidate labels.
+    :param name: Argument name used in error messages.
+    :param n: Number of examples the labels must describe.
+    :param nb_classes: Number of classes.
+    :return: A new int64 array of class indices.
+    """
+    if not isinstance(y, np.ndarray):
+        raise TypeError(f"{name} must be a numpy array of class indices or one-hot rows, got {type(y).__name__}")
+    if y.shape[0:1] != (n,):
+        raise ValueError(f"{name} must have {n} rows to match the inputs, got shape {y.shape}")
+    if not (np.issubdtype(y.dtype, np.integer) or np.issubdtype(y.dtype, np.floating) or y.dtype == bool):
+        raise TypeError(f"{name} must hold integer class indices or one-hot rows, got dtype {y.dtype}")
+    values = y.astype(np.float64)
+    if not np.all(np.isfinite(values)):
+        raise ValueError(f"{name} contains NaN or infinite values")
+    if y.ndim == 2 and y.shape[1] == nb_classes:
+        if not (np.all((values == 0) | (values == 1)) and np.all(values.sum(axis=1) == 1)):
+            raise ValueError(f"{name} looks one-hot (shape {y.shape}) but its rows are not one-hot")
+        return values.argmax(axis=1).astype(np.int64)
+    if y.ndim == 2 and y.shape[1] == 1:
+        values = values[:, 0]
+    elif y.ndim != 1:
+        raise ValueError(f"{name} must have shape ({n},) or ({n}, {nb_classes}) (one-hot), got {y.shape}")
+    if not np.all(values == np.round(values)):
+        raise ValueError(f"{name} must hold integer class indices, got non-integer values")
+    if values.min() < 0 or values.max() >= nb_classes:
+        raise ValueError(
+            f"{name} must hold class indices in [0, {nb_classes - 1}], got values in "
+            f"[{int(values.min())}, {int(values.max())}]"
+        )
+    return values.astype(np.int64)
+
+
+def one_hot(y: np.ndarray, nb_classes: int) -> np.ndarray:
+    """
+    One-hot float32 rows of class indices (the label form ART's ``loss_gradient`` needs).
+
+    :param y: Class indices (n,).
+    :param nb_classes: Number of classes.
+    :return: Array (n, nb_classes).
+    """
+    return np.eye(nb_classes, dtype=np.float32)[y]
+
+
+def _shape(input_shape: tuple[int, ...]) -> str:
+    return ", ".join(str(s) for s in input_shape)

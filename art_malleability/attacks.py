@@ -1,0 +1,129 @@
+"""
+ART evasion attacks by name, and the perturbation of training sets.
+
+Named attacks are ℓ∞ and untargeted, built on the classifier's ``clip_values``:
+
+* ``"fgsm"``: :class:`art.attacks.evasion.FastGradientMethod`, one step of size ``eps``.
+* ``"pgd"``: :class:`art.attacks.evasion.ProjectedGradientDescent`, ``max_iter`` steps (default 20) of
+  size ``eps_step = 2.5 * eps / max_iter`` (the step rule of Madry et al.), no random start
+  (``num_random_init=0``), so the attack is deterministic.
+* ``"mim"``: :class:`art.attacks.evasion.MomentumIterativeMethod`, same steps, momentum decay 1.0.
+
+Attacks are crafted against the true labels (one-hot), not the model's predictions. A
+transductive model (one with ``set_context``) is attacked as the fixed function it is while the
+attack runs: its context stays the clean training set, and gradients flow through the attacked
+input alone.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+from art.attacks import EvasionAttack
+from art.attacks.evasion import FastGradientMethod, MomentumIterativeMethod, ProjectedGradientDescent
+from art.estimators.classification import PyTorchClassifier
+
+logger = logging.getLogger(__name__)
+
+ATTACK_NAMES = ("fgsm", "pgd", "mim")
+STRATEGIES = ("top", "all")
+
+
+def make_attack(
+    name: str,
+    classifier: PyTorchClassifier,
+    eps: float = 0.3,
+    max_iter: int = 20,
+    batch_size: int = 128,
+) -> EvasionAttack:
+    """
+    Build a named ℓ∞ ART attack with this package's documented defaults.
+
+    :param name: One of ``"fgsm"``, ``"pgd"``, ``"mim"``.
+    :param classifier: The ART classifier to attack; must have ``clip_values``.
+    :param eps: ℓ∞ budget in input units (pixels in [0, 1]: 0.3 as in the paper).
+    :param max_iter: Steps of the iterative attacks.
+    :param batch_size: ART's batch size.
+    :return: A ready :class:`art.attacks.EvasionAttack`.
+    """
+    if name not in ATTACK_NAMES:
+        raise ValueError(f"attacks must name one of {ATTACK_NAMES} or be ART EvasionAttack instances, got {name!r}")
+    if classifier.clip_values is None:
+        raise ValueError(
+            f"attack {name!r} needs the classifier's clip_values (the valid input range, e.g. (0.0, 1.0)); "
+            "the classifier has clip_values=None"
+        )
+    eps = float(eps)  # ART rejects numpy scalars
+    if name == "fgsm":
+        return FastGradientMethod(classifier, norm=np.inf, eps=eps, batch_size=batch_size)
+    eps_step = 2.5 * eps / max_iter
+    if name == "pgd":
+        return ProjectedGradientDescent(
+            classifier,
+            norm=np.inf,
+            eps=eps,
+            eps_step=eps_step,
+            max_iter=max_iter,
+            num_random_init=0,
+            batch_size=batch_size,
+            verbose=False,
+        )
+    return MomentumIterativeMethod(
+        classifier, norm=np.inf, eps=eps, eps_step=eps_step, decay=1.0, max_iter=max_iter,
+        batch_size=batch_size, verbose=False,
+    )
+
+
+def attack_label(attack: EvasionAttack) -> str:
+    """
+    Short name of an attack for reports: the package's name for a named attack's class, else the class name.
+
+    :param attack: An ART evasion attack.
+    :return: A label such as ``"pgd"``.
+    """
+    known = {FastGradientMethod: "fgsm", ProjectedGradientDescent: "pgd", MomentumIterativeMethod: "mim"}
+    return known.get(type(attack), type(attack).__name__)
+
+
+def attack_config(attack: EvasionAttack) -> dict:
+    """
+    The attack's ``attack_params`` as plain JSON-ready values (estimator and callables left out).
+
+    :param attack: An ART evasion attack.
+    :return: Dict of parameter names to values.
+    """
+    config = {}
+    for key in getattr(attack, "attack_params", []):
+        value = getattr(attack, key, None)
+        if isinstance(value, np.generic):
+            value = value.item()
+        if isinstance(value, float) and value == np.inf:
+            value = "inf"
+        if value is None or isinstance(value, (bool, int, float, str)):
+            config[key] = value
+    return config
+
+
+def perturb_training_set(
+    attack: EvasionAttack, x: np.ndarray, y_onehot: np.ndarray, indices: np.ndarray, seed: int = 0
+) -> np.ndarray:
+    """
+    Perturb the chosen rows of a training set with an attack; the other rows stay clean.
+
+    numpy's global generator (which ART's random starts use) is seeded with ``seed`` for the call;
+    the caller restores the global state (see :func:`art_malleability._state.preserved`).
+
+    :param attack: A ready ART evasion attack.
+    :param x: Training inputs (n, ...), float32; not modified.
+    :param y_onehot: One-hot true labels (n, nb_classes).
+    :param indices: Rows to perturb.
+    :param seed: Seed of the attack's random choices.
+    :return: A new float32 array, equal to ``x`` outside ``indices``.
+    """
+    x_adv = np.array(x, dtype=np.float32, copy=True)
+    if len(indices) == 0:
+        return x_adv
+    np.random.seed(seed)
+    x_adv[indices] = attack.generate(x=x_adv[indices], y=y_onehot[indices]).astype(np.float32)
+    return x_adv

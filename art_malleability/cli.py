@@ -1,0 +1,208 @@
+"""
+Command line: ``art-malleability audit`` (more subcommands come with the NTK checker and the
+paper reproduction).
+
+``art-malleability audit`` with no arguments trains the two reference models (2L-ReLU and MLP-Attn)
+on scikit-learn's bundled digits, audits both with FGSM, PGD and MIM, prints the tables and writes
+one report folder per model plus a side-by-side ``summary.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from art_malleability.attacks import ATTACK_NAMES, STRATEGIES
+from art_malleability.influence import INFLUENCE_NAMES
+from art_malleability.metrics import RANK_BY
+
+logger = logging.getLogger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """:return: The argument parser of the ``art-malleability`` command."""
+    parser = argparse.ArgumentParser(
+        prog="art-malleability",
+        description="Influence-malleability audits of PyTorch classifiers with ART attacks.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    audit = sub.add_parser(
+        "audit",
+        help="train or load models, attack their training data, report influence flip rates",
+        description="Audit influence malleability. With no arguments: both reference models on the "
+        "embedded scikit-learn digits, FGSM/PGD/MIM at eps 0.3.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    data = audit.add_argument_group("data")
+    data.add_argument(
+        "--dataset",
+        default="digits",
+        help="'digits' (embedded), 'mnist', 'fashion-mnist', 'cifar10' (torchvision, from --data-root) "
+        "or a path to an .npz file with arrays x and y",
+    )
+    data.add_argument("--data-root", default=None, help="local torchvision root folder (no download)")
+    data.add_argument("--classes", type=int, nargs="+", default=None, help="keep only these labels (e.g. 3 8)")
+    data.add_argument("--n-train", type=int, default=1000, help="training examples audited")
+    data.add_argument("--n-test", type=int, default=300, help="held-out examples (queries are drawn from them)")
+    model = audit.add_argument_group("model")
+    model.add_argument(
+        "--model",
+        action="append",
+        default=None,
+        help="reference model name ('2l-relu', 'mlp-attn') or 'package.module:factory' returning an "
+        "nn.Module (called with input_shape= and nb_classes= when it takes them); repeat for several; "
+        "default: both reference models",
+    )
+    model.add_argument(
+        "--weights",
+        default=None,
+        help="state_dict file loaded with torch.load(weights_only=True) instead of training (one model only)",
+    )
+    model.add_argument("--width", type=int, default=512, help="hidden width of the reference models")
+    model.add_argument("--epochs", type=int, default=100, help="training epochs (Adam)")
+    model.add_argument("--batch-size", type=int, default=128, help="training and attack batch size")
+    model.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
+    model.add_argument("--weight-decay", type=float, default=1e-3, help="L2 penalty (Adam weight_decay)")
+    model.add_argument("--loss", choices=("cross_entropy", "mse"), default="cross_entropy", help="training loss")
+    audit_group = audit.add_argument_group("audit")
+    audit_group.add_argument("--attacks", nargs="+", choices=ATTACK_NAMES, default=list(ATTACK_NAMES))
+    audit_group.add_argument("--eps", type=float, default=0.3, help="l-inf attack budget on [0, 1] inputs")
+    audit_group.add_argument("--attack-max-iter", type=int, default=20, help="steps of PGD and MIM")
+    audit_group.add_argument("--influence", choices=INFLUENCE_NAMES, default="ntk", help="influence estimator")
+    audit_group.add_argument("--ridge", type=float, default=1e-3, help="ridge lambda of the NTK influence")
+    audit_group.add_argument("--top-fraction", type=float, default=0.1, help="share of training data in the top set")
+    audit_group.add_argument("--strategy", choices=STRATEGIES, default="top", help="perturb the top set or all")
+    audit_group.add_argument("--rank-by", choices=RANK_BY, default="abs", help="rank the top set by |score| or score")
+    audit_group.add_argument("--n-queries", type=int, default=100, help="query points drawn from the test set")
+    audit_group.add_argument("--n-bootstrap", type=int, default=1000, help="bootstrap resamples for intervals")
+    run = audit.add_argument_group("run")
+    run.add_argument("--seed", type=int, default=0, help="seed of every random choice")
+    run.add_argument("--device", default="auto", help="'auto', 'cpu' or 'cuda'")
+    run.add_argument("--output", default="malleability-audit", help="report folder")
+    run.add_argument("--quiet", action="store_true", help="no progress bars")
+    audit.set_defaults(func=run_audit)
+    return parser
+
+
+def run_audit(args: argparse.Namespace) -> int:
+    """
+    Run the ``audit`` subcommand.
+
+    :param args: Parsed arguments.
+    :return: Exit status.
+    """
+    from art_malleability.datasets import load_dataset
+    from art_malleability.estimator import MalleabilityEstimator
+    from art_malleability.models import REFERENCE_MODELS
+    from art_malleability.report import comparison_table, slugify
+    from art_malleability.training import make_classifier, train_model
+
+    names = args.model or list(REFERENCE_MODELS)
+    if args.weights is not None and len(names) != 1:
+        raise ValueError("--weights loads one model: pass exactly one --model with it")
+    start = time.perf_counter()
+    data = load_dataset(
+        args.dataset, root=args.data_root, n_train=args.n_train, n_test=args.n_test, classes=args.classes,
+        seed=args.seed,
+    )
+    print(
+        f"data: {data.name}, {len(data.x_train)} train / {len(data.x_test)} test, input {data.input_shape}, "
+        f"{data.nb_classes} classes ({time.perf_counter() - start:.1f} s)"
+    )
+    out = Path(args.output)
+    reports = []
+    for name in names:
+        start = time.perf_counter()
+        module = _build_model(name, data.input_shape, data.nb_classes, args.width, args.seed)
+        if args.weights is not None:
+            state = torch.load(args.weights, map_location="cpu", weights_only=True)
+            module.load_state_dict(state)
+            what = f"loaded {args.weights}"
+        else:
+            module = train_model(
+                module, data.x_train, data.y_train, loss=args.loss, epochs=args.epochs, batch_size=args.batch_size,
+                lr=args.lr, weight_decay=args.weight_decay, seed=args.seed, device=args.device,
+                verbose=not args.quiet,
+            )
+            what = f"trained {args.epochs} epochs"
+        trained = time.perf_counter() - start
+        classifier = make_classifier(
+            module, data.input_shape, data.nb_classes, loss=args.loss, clip_values=data.clip_values,
+            device=args.device,
+        )
+        start = time.perf_counter()
+        report = MalleabilityEstimator(
+            classifier,
+            attacks=args.attacks,
+            eps=args.eps,
+            influence=args.influence,
+            top_fraction=args.top_fraction,
+            strategy=args.strategy,
+            ridge=args.ridge,
+            n_queries=args.n_queries,
+            rank_by=args.rank_by,
+            n_bootstrap=args.n_bootstrap,
+            attack_max_iter=args.attack_max_iter,
+            batch_size=args.batch_size,
+            seed=args.seed,
+            device=args.device,
+            verbose=not args.quiet,
+            model_name=name,
+        ).evaluate(data.x_train, data.y_train, data.x_test, data.y_test, dataset=data.name)
+        report.seconds["train"] = trained
+        folder = report.save(out / slugify(name))
+        print(f"\n{name}: {what} in {trained:.1f} s, audited in {time.perf_counter() - start:.1f} s -> {folder}")
+        print(report.summary())
+        reports.append(report)
+    table = comparison_table(reports)
+    (out / "summary.md").write_text(f"# Influence malleability on {data.name}\n\n{table}\n")
+    print(f"\n{table}\n\nreports in {out}/")
+    return 0
+
+
+def _build_model(name: str, input_shape: tuple[int, ...], nb_classes: int, width: int, seed: int) -> torch.nn.Module:
+    from art_malleability.models import REFERENCE_MODELS, build_reference_model
+
+    if name in REFERENCE_MODELS:
+        return build_reference_model(name, input_shape, nb_classes, width=width, seed=seed)
+    if ":" not in name:
+        raise ValueError(f"--model must be one of {REFERENCE_MODELS} or 'package.module:factory', got {name!r}")
+    module_name, _, attr = name.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"--model {name!r}: cannot import {attr!r} from {module_name!r} ({err})") from err
+    accepted = inspect.signature(factory).parameters
+    kwargs = {k: v for k, v in (("input_shape", input_shape), ("nb_classes", nb_classes)) if k in accepted}
+    model = factory(**kwargs)
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"--model {name!r} must return a torch.nn.Module, got {type(model).__name__}")
+    return model
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """
+    Entry point of the ``art-malleability`` command.
+
+    :param argv: Arguments (default: ``sys.argv[1:]``).
+    :return: Exit status (2 on bad input).
+    """
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, FileNotFoundError) as err:
+        print(f"art-malleability {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

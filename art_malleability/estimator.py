@@ -1,0 +1,392 @@
+"""
+The audit: influence on clean training data, ART attacks on that data, influence again, metrics.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import numpy as np
+import torch
+from art.attacks import EvasionAttack
+from art.estimators.classification import PyTorchClassifier
+from art.utils import compute_success
+from tqdm.auto import tqdm
+
+from art_malleability._state import preserved
+from art_malleability._torch_utils import resolve_device
+from art_malleability._validation import check_features, check_labels, loss_name, one_hot
+from art_malleability.attacks import (
+    ATTACK_NAMES,
+    STRATEGIES,
+    attack_config,
+    attack_label,
+    make_attack,
+    perturb_training_set,
+)
+from art_malleability.influence import INFLUENCE_NAMES, InfluenceEstimator, get_influence
+from art_malleability.metrics import RANK_BY, aggregate_scores, malleability_metrics, top_indices, top_k_count
+from art_malleability.report import AttackResult, MalleabilityReport
+
+logger = logging.getLogger(__name__)
+
+
+class MalleabilityEstimator:
+    """
+    Audit how much a classifier's reliance on its training data changes when that data is perturbed
+    adversarially (the *influence flip rate* of Miñoza et al., 2026).
+
+    :meth:`evaluate` computes the influence of every training example on a set of queries (matrix of
+    shape (n_query, n_train), **positive = helpful**: removing the example would raise the query's
+    loss), takes the ``top_fraction`` most influential examples (by ``|mean influence over queries|``),
+    perturbs training data with each attack (strategy ``"top"``: the influential set only; ``"all"``:
+    every example), recomputes the influence with the same trained weights, and reports the share of
+    the influential set whose influence changed sign, with Spearman correlation, top-k overlap and
+    bootstrap intervals over queries.
+
+    A transductive model (one with ``set_context(x_train)``, such as MLP-Attn) gets its context set to
+    the audited training set for the clean influence and to the perturbed set for the perturbed
+    influence, on a private copy; queries are mapped with that training-set context. Nothing the
+    user passed is changed: weights, buffers, training mode, ``requires_grad`` flags, gradients, the
+    loss's reduction, input arrays and global random states are restored on success and on failure.
+    """
+
+    estimator_params = [
+        "attacks",
+        "eps",
+        "influence",
+        "top_fraction",
+        "strategy",
+        "ridge",
+        "n_queries",
+        "rank_by",
+        "n_bootstrap",
+        "confidence",
+        "attack_max_iter",
+        "batch_size",
+        "seed",
+        "device",
+        "verbose",
+    ]
+
+    def __init__(
+        self,
+        classifier: PyTorchClassifier | torch.nn.Module,
+        attacks: Sequence[str | EvasionAttack] | str | EvasionAttack = ATTACK_NAMES,
+        eps: float = 0.3,
+        influence: str | InfluenceEstimator = "ntk",
+        top_fraction: float = 0.1,
+        strategy: str = "top",
+        ridge: float = 1e-3,
+        n_queries: int = 100,
+        rank_by: str = "abs",
+        n_bootstrap: int = 1000,
+        confidence: float = 0.95,
+        attack_max_iter: int = 20,
+        batch_size: int = 128,
+        seed: int = 0,
+        device: str = "auto",
+        verbose: bool = True,
+        input_shape: tuple[int, ...] | None = None,
+        nb_classes: int | None = None,
+        loss: str = "cross_entropy",
+        clip_values: tuple[float, float] | None = (0.0, 1.0),
+        model_name: str | None = None,
+    ) -> None:
+        """
+        :param classifier: An ART :class:`PyTorchClassifier`, or a raw :class:`torch.nn.Module` together
+               with ``input_shape`` and ``nb_classes`` (then wrapped with ``loss`` and ``clip_values``).
+        :param attacks: Attack names (``"fgsm"``, ``"pgd"``, ``"mim"``; see :mod:`art_malleability.attacks`
+               for their steps) or ready ART ``EvasionAttack`` instances.
+        :param eps: ℓ∞ budget of the named attacks, in input units (0.3 for pixels in [0, 1]).
+        :param influence: ``"ntk"`` (kernel ridge leave-one-out on the empirical NTK, the paper's),
+               ``"gradient"`` (TracIn at the final weights), ``"captum"`` (Captum's TracInCP), or an
+               :class:`InfluenceEstimator` instance.
+        :param top_fraction: Share of training examples in the influential set, in (0, 1].
+        :param strategy: ``"top"`` perturbs the influential set, ``"all"`` every training example.
+        :param ridge: Ridge λ of the NTK influence (> 0).
+        :param n_queries: Number of query points (a seeded sample when more are available).
+        :param rank_by: Top-set ranking: ``"abs"`` (magnitude) or ``"signed"`` (most helpful).
+        :param n_bootstrap: Bootstrap resamples over queries for the intervals.
+        :param confidence: Coverage of the intervals.
+        :param attack_max_iter: Steps of the named iterative attacks.
+        :param batch_size: Batch size of the attacks and predictions.
+        :param seed: Seed of every random choice (query sample, attacks' random starts, bootstrap).
+        :param device: Device of the influence computation: ``"auto"``, ``"cpu"``, ``"cuda"``.
+        :param verbose: Show progress bars.
+        :param input_shape: Input shape, only with a raw module.
+        :param nb_classes: Number of classes, only with a raw module.
+        :param loss: ``"cross_entropy"`` or ``"mse"``, only with a raw module.
+        :param clip_values: Valid input range, only with a raw module.
+        :param model_name: Name of the model in the report (default: the module's class name).
+        """
+        self.classifier = self._as_classifier(classifier, input_shape, nb_classes, loss, clip_values, device)
+        self.attacks = (attacks,) if isinstance(attacks, (str, EvasionAttack)) else tuple(attacks)
+        self.eps = eps
+        self.influence = influence
+        self.top_fraction = top_fraction
+        self.strategy = strategy
+        self.ridge = ridge
+        self.n_queries = n_queries
+        self.rank_by = rank_by
+        self.n_bootstrap = n_bootstrap
+        self.confidence = confidence
+        self.attack_max_iter = attack_max_iter
+        self.batch_size = batch_size
+        self.seed = seed
+        self.device = device
+        self.verbose = verbose
+        self.model_name = model_name or type(self.classifier.model).__name__
+        self._check_params()
+        self._attacks = [self._build_attack(a) for a in self.attacks]
+        labels = [attack_label(a) for a in self._attacks]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"attacks must be distinct (one result per attack), got {labels}")
+        self._influence = self._build_influence()
+
+    def evaluate(
+        self,
+        x: np.ndarray,
+        y: np.ndarray,
+        x_test: np.ndarray | None = None,
+        y_test: np.ndarray | None = None,
+        dataset: str | None = None,
+    ) -> MalleabilityReport:
+        """
+        Audit the influence malleability of the classifier on its training data.
+
+        :param x: Training inputs whose influence is audited, (n, *input_shape), in the classifier's input space.
+        :param y: Their labels: class indices (n,) or one-hot (n, nb_classes).
+        :param x_test: Query points; when omitted, a seeded sample of ``n_queries`` training examples
+               is used and each query's score on itself is excluded.
+        :param y_test: Labels of ``x_test``.
+        :param dataset: Optional name of the data set for the report.
+        :return: A :class:`MalleabilityReport`.
+        """
+        clf = self.classifier
+        shape, nb_classes = tuple(clf.input_shape), int(clf.nb_classes)
+        x = check_features(x, "x", shape)
+        y = check_labels(y, "y", len(x), nb_classes)
+        k = top_k_count(len(x), self.top_fraction)
+        if k < 1:
+            raise ValueError(
+                f"x has {len(x)} training examples, too few for top_fraction={self.top_fraction}: the influential "
+                f"set would be empty; pass at least {int(np.ceil(1 / self.top_fraction))} examples"
+            )
+        if (x_test is None) != (y_test is None):
+            raise ValueError("x_test and y_test must be given together (both or neither)")
+        rng = np.random.default_rng(self.seed)
+        if x_test is not None:
+            x_test = check_features(x_test, "x_test", shape)
+            y_test = check_labels(y_test, "y_test", len(x_test), nb_classes)
+            rows = np.arange(len(x_test))
+            if len(rows) > self.n_queries:
+                rows = np.sort(rng.choice(len(rows), self.n_queries, replace=False))
+            x_q, y_q, self_pairs, source = x_test[rows], y_test[rows], None, "test"
+            x_acc, y_acc = x_test, y_test
+        else:
+            if len(x) < 2:
+                raise ValueError("x needs at least 2 examples when queries are drawn from it (x_test is None)")
+            rows = np.sort(rng.choice(len(x), min(self.n_queries, len(x)), replace=False))
+            x_q, y_q, self_pairs, source = x[rows], y[rows], rows, "train"
+            x_acc, y_acc = x, y
+
+        with preserved(clf._model, getattr(clf, "_loss", None)):
+            return self._audit(x, y, x_q, y_q, self_pairs, source, x_acc, y_acc, k, dataset)
+
+    def _audit(self, x, y, x_q, y_q, self_pairs, source, x_acc, y_acc, k, dataset) -> MalleabilityReport:
+        clf, nb_classes = self.classifier, int(self.classifier.nb_classes)
+        y_onehot = one_hot(y, nb_classes)
+        work = copy.deepcopy(clf.model)
+        transductive = callable(getattr(work, "set_context", None))
+        seconds: dict[str, float] = {}
+        steps = tqdm(total=1 + 2 * len(self._attacks), desc="malleability", disable=not self.verbose)
+
+        def influence_on(x_train: np.ndarray) -> np.ndarray:
+            if transductive:
+                work.set_context(x_train)
+            scores = self._influence.fit(work, x_train, y).scores(x_q, y_q)
+            if self_pairs is not None:
+                scores[np.arange(len(self_pairs)), self_pairs] = np.nan
+            return scores
+
+        start = time.perf_counter()
+        pred = clf.predict(x_acc, batch_size=self.batch_size)
+        clean_accuracy = float(np.mean(pred.argmax(axis=1) == y_acc))
+        steps.set_postfix_str("influence (clean)")
+        before = influence_on(x)
+        seconds["influence_clean"] = time.perf_counter() - start
+        steps.update()
+        agg_before = aggregate_scores(before)
+        top = top_indices(agg_before, k, self.rank_by)
+        perturbed = top if self.strategy == "top" else np.arange(len(x))
+
+        results = []
+        for attack in self._attacks:
+            label = attack_label(attack)
+            timing = {}
+            steps.set_postfix_str(f"attack {label}")
+            start = time.perf_counter()
+            x_adv = perturb_training_set(attack, x, y_onehot, perturbed, seed=self.seed)
+            timing["attack"] = time.perf_counter() - start
+            success = compute_success(
+                clf, x[perturbed], y_onehot[perturbed], x_adv[perturbed], batch_size=self.batch_size
+            )
+            steps.update()
+            steps.set_postfix_str(f"influence ({label})")
+            start = time.perf_counter()
+            after = influence_on(x_adv)
+            timing["influence"] = time.perf_counter() - start
+            start = time.perf_counter()
+            metrics = malleability_metrics(
+                before, after, self.top_fraction, self.rank_by, self.n_bootstrap, self.confidence, self.seed
+            )
+            timing["metrics"] = time.perf_counter() - start
+            steps.update()
+            results.append(
+                AttackResult(
+                    attack=label,
+                    params=attack_config(attack),
+                    n_perturbed=len(perturbed),
+                    attack_success=float(success),
+                    max_perturbation=float(np.max(np.abs(x_adv - x))),
+                    scores_after=aggregate_scores(after),
+                    seconds=timing,
+                    **metrics,
+                )
+            )
+            logger.info("%s: flip rate %.3f", label, metrics["flip_rate"])
+        steps.close()
+        return MalleabilityReport(
+            model=self.model_name,
+            config=self.get_params(),
+            n_train=len(x),
+            n_queries=len(x_q),
+            query_source=source,
+            top_k=k,
+            top_indices=top,
+            clean_accuracy=clean_accuracy,
+            scores_before=agg_before,
+            results=results,
+            seconds=seconds,
+            versions=_versions(),
+            dataset=dataset,
+        )
+
+    def get_params(self) -> dict[str, Any]:
+        """:return: The estimator's parameters as JSON-ready values (attacks and influence by name)."""
+        params = {name: getattr(self, name) for name in self.estimator_params}
+        params["attacks"] = [attack_label(a) for a in self._attacks]
+        params["influence"] = getattr(self._influence, "name", type(self._influence).__name__)
+        return params
+
+    def _check_params(self) -> None:
+        if not self.attacks:
+            raise ValueError("attacks must name at least one attack")
+        for a in self.attacks:
+            if not isinstance(a, (str, EvasionAttack)):
+                raise TypeError(
+                    f"attacks must hold names {ATTACK_NAMES} or ART EvasionAttack instances, got {type(a).__name__}"
+                )
+            if isinstance(a, str) and a not in ATTACK_NAMES:
+                raise ValueError(f"attacks must name one of {ATTACK_NAMES}, got {a!r}")
+        if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float, np.number)):
+            raise TypeError(f"eps must be a positive number, got {type(self.eps).__name__}")
+        if not np.isfinite(self.eps) or self.eps <= 0:
+            raise ValueError(f"eps must be a positive finite number, got {self.eps!r}")
+        self.eps = float(self.eps)
+        if not isinstance(self.influence, (str, InfluenceEstimator)):
+            raise TypeError(
+                f"influence must be one of {INFLUENCE_NAMES} or an InfluenceEstimator, got {type(self.influence)}"
+            )
+        if isinstance(self.top_fraction, bool) or not 0.0 < float(self.top_fraction) <= 1.0:
+            raise ValueError(f"top_fraction must lie in (0, 1], got {self.top_fraction!r}")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if not float(self.ridge) > 0:
+            raise ValueError(f"ridge must be > 0, got {self.ridge!r}")
+        if self.rank_by not in RANK_BY:
+            raise ValueError(f"rank_by must be one of {RANK_BY}, got {self.rank_by!r}")
+        for name in ("n_queries", "n_bootstrap", "attack_max_iter", "batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not 0.0 < self.confidence < 1.0:
+            raise ValueError(f"confidence must lie in (0, 1), got {self.confidence!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)):
+            raise TypeError(f"seed must be an integer, got {self.seed!r}")
+        resolve_device(self.device)
+
+    def _build_attack(self, attack: str | EvasionAttack) -> EvasionAttack:
+        if isinstance(attack, EvasionAttack):
+            return attack
+        return make_attack(attack, self.classifier, self.eps, self.attack_max_iter, self.batch_size)
+
+    def _build_influence(self) -> InfluenceEstimator:
+        if isinstance(self.influence, InfluenceEstimator):
+            return self.influence
+        if self.influence == "ntk":
+            return get_influence("ntk", ridge=float(self.ridge), device=self.device)
+        return get_influence(self.influence, loss=loss_name(self.classifier), device=self.device)
+
+    @staticmethod
+    def _as_classifier(classifier, input_shape, nb_classes, loss, clip_values, device) -> PyTorchClassifier:
+        if isinstance(classifier, PyTorchClassifier):
+            return classifier
+        if isinstance(classifier, torch.nn.Module):
+            if input_shape is None or nb_classes is None:
+                raise ValueError("a raw torch.nn.Module needs input_shape and nb_classes to be wrapped")
+            from art_malleability.training import make_classifier
+
+            return make_classifier(
+                classifier, tuple(input_shape), int(nb_classes), loss=loss, clip_values=clip_values, device=device
+            )
+        raise TypeError(
+            "classifier must be an art.estimators.classification.PyTorchClassifier or a torch.nn.Module, "
+            f"got {type(classifier).__name__}"
+        )
+
+
+def influence_flip_rate(
+    classifier: PyTorchClassifier,
+    x: np.ndarray,
+    y: np.ndarray,
+    attack: str | EvasionAttack = "pgd",
+    x_test: np.ndarray | None = None,
+    y_test: np.ndarray | None = None,
+    **kwargs: Any,
+) -> float:
+    """
+    Influence flip rate of one attack, in the style of :mod:`art.metrics`.
+
+    :param classifier: An ART PyTorch classifier.
+    :param x: Training inputs.
+    :param y: Training labels (indices or one-hot).
+    :param attack: Attack name or ART ``EvasionAttack`` instance.
+    :param x_test: Optional query points.
+    :param y_test: Their labels.
+    :param kwargs: Further :class:`MalleabilityEstimator` parameters (``eps``, ``influence``, ``top_fraction``...).
+    :return: Share of the most influential training examples whose influence changes sign (positive =
+             helpful before and after).
+    """
+    kwargs.setdefault("verbose", False)
+    kwargs.setdefault("n_bootstrap", 1)
+    report = MalleabilityEstimator(classifier, attacks=(attack,), **kwargs).evaluate(x, y, x_test, y_test)
+    rate = report.results[0].flip_rate
+    return float("nan") if rate is None else rate
+
+
+def _versions() -> dict[str, str]:
+    names = ["art-malleability", "adversarial-robustness-toolbox", "torch", "captum", "numpy", "scipy"]
+    found = {}
+    for name in names:
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = "unknown"
+    return found

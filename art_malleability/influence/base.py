@@ -1,0 +1,302 @@
+"""
+Common interface of the influence estimators, and the per-example losses they share.
+
+Every estimator follows one convention: ``scores`` returns a matrix of shape
+``(n_query, n_train)`` (like Captum) where **positive means helpful**: removing (or
+down-weighting) the training example would *raise* the query's loss.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+from torch import nn
+
+from art_malleability._torch_utils import (
+    check_dtype,
+    resolve_device,
+    trainable_parameters,
+    working_copy,
+)
+
+logger = logging.getLogger(__name__)
+
+LOSS_NAMES = ("cross_entropy", "mse")
+
+
+def check_loss(loss: str) -> str:
+    """
+    Check a loss name.
+
+    :param loss: ``"cross_entropy"`` or ``"mse"``.
+    :return: ``loss`` unchanged.
+    :raises ValueError: For any other value.
+    """
+    if loss not in LOSS_NAMES:
+        raise ValueError(f"loss must be one of {LOSS_NAMES}, got {loss!r}")
+    return loss
+
+
+def regression_targets(y: torch.Tensor, n_outputs: int, dtype: torch.dtype) -> torch.Tensor:
+    """
+    Regression targets of the ``"mse"`` loss: one-hot rows of length ``n_outputs`` for class
+    indices ``y`` (any leading shape); for a single-output model the label itself, as a float.
+
+    Written with a comparison rather than :func:`torch.nn.functional.one_hot` so that it also
+    works under ``torch.func.vmap``.
+
+    :param y: Integer class indices, shape ``(...)``.
+    :param n_outputs: Number of model outputs ``C``.
+    :param dtype: Floating-point dtype of the result.
+    :return: Tensor of shape ``(..., C)``.
+    """
+    if n_outputs == 1:
+        return y.unsqueeze(-1).to(dtype)
+    classes = torch.arange(n_outputs, device=y.device)
+    return (y.unsqueeze(-1) == classes).to(dtype)
+
+
+def per_example_loss(outputs: torch.Tensor, y: torch.Tensor, loss: str) -> torch.Tensor:
+    """
+    Per-example loss shared by all influence estimators.
+
+    - ``"cross_entropy"``: ``logsumexp(f) - f[y]`` on logits ``f`` (softmax cross-entropy with a
+      class index);
+    - ``"mse"``: ``½‖f - onehot(y)‖²`` (for a single-output model: ``½ (f - y)²``).
+
+    :param outputs: Model outputs, shape ``(..., C)`` (leading dimensions are broadcast with ``y``).
+    :param y: Integer class indices, shape broadcastable to ``outputs.shape[:-1]``.
+    :param loss: ``"cross_entropy"`` or ``"mse"``.
+    :return: Loss per example, shape ``outputs.shape[:-1]``.
+    """
+    y = y.expand(outputs.shape[:-1])
+    if loss == "cross_entropy":
+        picked = outputs.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+        return torch.logsumexp(outputs, dim=-1) - picked
+    if loss == "mse":
+        target = regression_targets(y, outputs.shape[-1], outputs.dtype)
+        return 0.5 * (outputs - target).pow(2).sum(-1)
+    raise ValueError(f"loss must be one of {LOSS_NAMES}, got {loss!r}")
+
+
+def labels_to_indices(y: np.ndarray, name: str = "y") -> np.ndarray:
+    """
+    Class indices from labels given as indices ``(n,)`` or one-hot / scores ``(n, C)`` (argmax).
+
+    :param y: Labels.
+    :param name: Argument name used in error messages.
+    :return: ``int64`` array of shape ``(n,)``.
+    :raises ValueError: If ``y`` has another shape, or non-integer or negative values.
+    """
+    y = np.asarray(y)
+    if y.ndim == 2:
+        return np.argmax(y, axis=1).astype(np.int64)
+    if y.ndim != 1:
+        raise ValueError(f"{name} must be class indices (n,) or one-hot (n, C), got shape {y.shape}")
+    if y.size and not np.issubdtype(y.dtype, np.integer):
+        if not np.all(np.isfinite(y)) or not np.all(y == np.round(y)):
+            raise ValueError(f"{name} must hold integer class indices, got non-integer values")
+    y = y.astype(np.int64)
+    if y.size and y.min() < 0:
+        raise ValueError(f"{name} must hold non-negative class indices, got {int(y.min())}")
+    return y
+
+
+def check_data(x: np.ndarray, y: np.ndarray, x_name: str, y_name: str) -> tuple[np.ndarray, np.ndarray]:
+    """
+    Validate a pair of inputs and labels.
+
+    :param x: Inputs, shape ``(n, *input_shape)``.
+    :param y: Labels (indices or one-hot), ``n`` rows.
+    :param x_name: Name of the input argument (for error messages).
+    :param y_name: Name of the label argument (for error messages).
+    :return: ``(x, y)`` with ``x`` as a numpy array (not copied) and ``y`` as ``int64`` indices.
+    :raises ValueError: On empty inputs or mismatched lengths.
+    """
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu().numpy()
+    x = np.asarray(x)
+    if x.ndim < 1 or x.shape[0] == 0:
+        raise ValueError(
+            f"{x_name} must be a non-empty array of shape (n, *input_shape), got shape {x.shape}"
+        )
+    if isinstance(y, torch.Tensor):
+        y = y.detach().cpu().numpy()
+    y = labels_to_indices(y, y_name)
+    if y.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"{y_name} must have one label per row of {x_name}: got {y.shape[0]} labels for {x.shape[0]}"
+        )
+    return x, y
+
+
+class InfluenceEstimator(abc.ABC):  # noqa: B024 (either _fit/_scores or fit/scores may be overridden)
+    """
+    Base class of influence estimators: ``fit(model, x_train, y_train)`` then
+    ``scores(x_query, y_query)``, an ``(n_query, n_train)`` matrix where **positive = helpful**
+    (removing the training example would raise the query's loss).
+
+    Estimators work on a deep copy of the model (by default in float64, on ``device``, in
+    evaluation mode); the model passed to :meth:`fit` is never modified. Transductive models
+    (with ``set_context``) are treated as fixed functions: the copy carries the context that the
+    model holds at fit time.
+
+    Subclasses either implement :meth:`_fit` and :meth:`_scores` (and get argument checks, label
+    normalisation and the working copy from :meth:`fit` / :meth:`scores`), or override
+    :meth:`fit` and :meth:`scores` themselves, keeping their contract. The base class itself
+    cannot be instantiated.
+
+    :param loss: Per-example loss, ``"cross_entropy"`` (logits and class index) or ``"mse"``
+        (``½‖f - onehot(y)‖²``).
+    :param device: ``"auto"`` (CUDA when available, otherwise CPU), a device string or a
+        :class:`torch.device`.
+    :param dtype: Floating-point dtype of the computation (default ``torch.float64``).
+    :param batch_size: Examples per block in the per-example computations.
+    """
+
+    name: str = ""
+    estimator_params: tuple[str, ...] = ("loss", "device", "dtype", "batch_size")
+
+    def __init__(
+        self,
+        loss: str = "cross_entropy",
+        device: str | torch.device = "auto",
+        dtype: torch.dtype = torch.float64,
+        batch_size: int = 256,
+    ) -> None:
+        if type(self) is InfluenceEstimator:
+            raise TypeError(
+                "InfluenceEstimator is abstract; use NTKInfluence, GradientInfluence or CaptumInfluence"
+            )
+        self.loss = loss
+        self.device = device
+        self.dtype = dtype
+        self.batch_size = batch_size
+        self.model_: nn.Module | None = None
+        self._check_params()
+
+    def _check_params(self) -> None:
+        check_loss(self.loss)
+        resolve_device(self.device)
+        check_dtype(self.dtype)
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, (int, np.integer)):
+            raise ValueError(f"batch_size must be a positive integer, got {self.batch_size!r}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer, got {self.batch_size!r}")
+
+    def get_params(self) -> dict:
+        """
+        :return: The constructor parameters of this estimator.
+        """
+        return {name: getattr(self, name) for name in self.estimator_params}
+
+    def __repr__(self) -> str:
+        def short(value: object) -> str:
+            if isinstance(value, (list, tuple)) and value and isinstance(value[0], Mapping):
+                return f"[{len(value)} state dict(s)]"
+            return repr(value)
+
+        params = ", ".join(f"{k}={short(v)}" for k, v in self.get_params().items())
+        return f"{type(self).__name__}({params})"
+
+    @property
+    def is_fitted(self) -> bool:
+        """Whether :meth:`fit` has been called."""
+        return self.model_ is not None
+
+    def fit(self, model: nn.Module, x_train: np.ndarray, y_train: np.ndarray) -> InfluenceEstimator:
+        """
+        Prepare the estimator for ``model`` trained on ``(x_train, y_train)``.
+
+        :param model: The trained PyTorch model (outputs ``(n, C)``); it is copied, never modified.
+        :param x_train: Training inputs, shape ``(n_train, *input_shape)``, float32 (ART convention).
+        :param y_train: Training labels, class indices ``(n_train,)`` or one-hot ``(n_train, C)``.
+        :return: ``self``.
+        """
+        self._check_params()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not trainable_parameters(model):
+            raise ValueError("model has no trainable parameters (none with requires_grad=True)")
+        x_train, y_train = check_data(x_train, y_train, "x_train", "y_train")
+        self.device_ = resolve_device(self.device)
+        self.model_ = None
+        model_copy = working_copy(model, self.device_, self.dtype)
+        with torch.no_grad():
+            out = model_copy(torch.tensor(x_train[:1], dtype=self.dtype, device=self.device_))
+        if out.dim() != 2:
+            raise ValueError(f"model must return outputs of shape (n, C), got shape {tuple(out.shape)}")
+        self.n_outputs_ = int(out.shape[1])
+        if self.loss == "cross_entropy" and self.n_outputs_ < 2:
+            raise ValueError(
+                "loss 'cross_entropy' needs a model with at least 2 outputs (logits); use loss='mse'"
+            )
+        self._check_labels(y_train, "y_train")
+        self.n_train_ = int(x_train.shape[0])
+        self.input_shape_ = tuple(x_train.shape[1:])
+        self.x_train_ = np.array(x_train, copy=True)
+        self.y_train_ = y_train
+        self._fit(model_copy, x_train, y_train)
+        self.model_ = model_copy
+        logger.debug("%s fitted on %d training examples", type(self).__name__, self.n_train_)
+        return self
+
+    def scores(self, x_query: np.ndarray, y_query: np.ndarray) -> np.ndarray:
+        """
+        Influence of every training example on every query.
+
+        :param x_query: Query inputs, shape ``(n_query, *input_shape)``.
+        :param y_query: Query labels, class indices ``(n_query,)`` or one-hot ``(n_query, C)``.
+        :return: ``float64`` array of shape ``(n_query, n_train)``; **positive = helpful**
+            (removing the training example would raise the query's loss), negative = harmful.
+        :raises RuntimeError: If called before :meth:`fit`.
+        """
+        if not self.is_fitted:
+            raise RuntimeError(
+                f"{type(self).__name__}.scores() called before fit(); call fit(model, x, y) first"
+            )
+        x_query, y_query = self._check_query(x_query, y_query)
+        return np.asarray(self._scores(x_query, y_query), dtype=np.float64)
+
+    def _check_query(self, x_query: np.ndarray, y_query: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Validate queries against the fitted training data; labels become ``int64`` indices."""
+        x_query, y_query = check_data(x_query, y_query, "x_query", "y_query")
+        if tuple(x_query.shape[1:]) != self.input_shape_:
+            raise ValueError(
+                f"x_query must have input shape {self.input_shape_} like x_train, "
+                f"got {tuple(x_query.shape[1:])}"
+            )
+        self._check_labels(y_query, "y_query")
+        return x_query, y_query
+
+    def _check_labels(self, y: np.ndarray, name: str) -> None:
+        if self.n_outputs_ > 1 and y.size and y.max() >= self.n_outputs_:
+            raise ValueError(
+                f"{name} holds class index {int(y.max())} but the model has {self.n_outputs_} outputs"
+            )
+
+    def _fit(self, model: nn.Module, x_train: np.ndarray, y_train: np.ndarray) -> None:
+        """
+        Estimator-specific part of :meth:`fit` (subclasses implement it, or override :meth:`fit`).
+
+        :param model: Working copy of the model (compute device and dtype, evaluation mode); the
+            estimator may keep and modify it.
+        :param x_train: Validated training inputs.
+        :param y_train: Training labels as ``int64`` class indices.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must implement _fit() or override fit()")
+
+    def _scores(self, x_query: np.ndarray, y_query: np.ndarray) -> np.ndarray:
+        """
+        Estimator-specific part of :meth:`scores` (subclasses implement it, or override
+        :meth:`scores`).
+
+        :param x_query: Validated query inputs.
+        :param y_query: Query labels as ``int64`` class indices.
+        :return: ``(n_query, n_train)`` scores, positive = helpful.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must implement _scores() or override scores()")

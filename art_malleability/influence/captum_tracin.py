@@ -1,0 +1,196 @@
+"""
+Adapter over Captum's TracIn-CP (:class:`captum.influence.TracInCP`).
+
+For users who already rely on Captum, and as an independent reference for
+:class:`~art_malleability.influence.gradient.GradientInfluence`: both compute
+``Σ_k lr_k · g_q(θ_k) · g_i(θ_k)`` and agree to float precision. Captum computes one backward
+pass per example (``sample_wise_grads_per_batch=False``, its default and ours), so it is much
+slower than the factorised estimator.
+
+Captum is given a working copy of the model (never the user's model), its own loss module with
+the reduction it requires, in-memory checkpoints (no files are written) and data loaders with a
+private random generator (the global RNG is not advanced).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from art_malleability._torch_utils import frozen_parameters_to_buffers
+from art_malleability.influence.base import InfluenceEstimator, per_example_loss
+from art_malleability.influence.gradient import check_checkpoints, snapshot_state, validate_checkpoints
+
+logger = logging.getLogger(__name__)
+
+# Module types whose per-example gradients Captum's sample-wise trick supports.
+_SAMPLE_WISE_MODULES = (nn.Linear, nn.Conv2d)
+
+
+class CaptumLoss(nn.Module):
+    """
+    The package's per-example loss (:func:`~art_malleability.influence.base.per_example_loss`)
+    as a loss module with the ``reduction`` attribute Captum inspects.
+
+    :param loss: ``"cross_entropy"`` or ``"mse"``.
+    :param reduction: ``"none"``, ``"sum"`` or ``"mean"``.
+    """
+
+    def __init__(self, loss: str, reduction: str = "none") -> None:
+        super().__init__()
+        if reduction not in ("none", "sum", "mean"):
+            raise ValueError(f"reduction must be 'none', 'sum' or 'mean', got {reduction!r}")
+        self.loss = loss
+        self.reduction = reduction
+
+    def forward(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """
+        :param outputs: Model outputs ``(n, C)``.
+        :param targets: Class indices ``(n,)``.
+        :return: Per-example losses ``(n,)`` or their sum / mean.
+        """
+        losses = per_example_loss(outputs, targets, self.loss)
+        if self.reduction == "sum":
+            return losses.sum()
+        if self.reduction == "mean":
+            return losses.mean()
+        return losses
+
+
+class CaptumInfluence(InfluenceEstimator):
+    """
+    TracIn-CP influence through :class:`captum.influence.TracInCP`.
+
+    Scores have shape ``(n_query, n_train)``; **positive = helpful** (Captum's "proponents":
+    training on the example lowered the query's loss, removing it would raise it).
+
+    :param loss: Per-example loss, ``"cross_entropy"`` (default) or ``"mse"``.
+    :param checkpoints: ``None`` (the model's weights at :meth:`fit` time) or a list of state
+        dicts of the same model.
+    :param learning_rates: ``None`` (``1.0`` per checkpoint) or one learning rate per checkpoint.
+    :param device: ``"auto"``, a device string or a :class:`torch.device`.
+    :param dtype: Dtype of the computation (default ``torch.float64``).
+    :param batch_size: Batch size of the data loaders handed to Captum.
+    :param sample_wise_grads_per_batch: Use Captum's hook-based per-example gradients (faster,
+        but only for models whose trainable parameters all belong to ``nn.Linear`` /
+        ``nn.Conv2d`` layers, each called once) instead of one backward pass per example.
+    """
+
+    name = "captum"
+    estimator_params = (
+        "loss",
+        "checkpoints",
+        "learning_rates",
+        "device",
+        "dtype",
+        "batch_size",
+        "sample_wise_grads_per_batch",
+    )
+
+    def __init__(
+        self,
+        loss: str = "cross_entropy",
+        checkpoints: Sequence[Mapping[str, torch.Tensor]] | None = None,
+        learning_rates: Sequence[float] | None = None,
+        device: str | torch.device = "auto",
+        dtype: torch.dtype = torch.float64,
+        batch_size: int = 64,
+        sample_wise_grads_per_batch: bool = False,
+    ) -> None:
+        self.checkpoints = checkpoints
+        self.learning_rates = learning_rates
+        self.sample_wise_grads_per_batch = sample_wise_grads_per_batch
+        super().__init__(loss=loss, device=device, dtype=dtype, batch_size=batch_size)
+
+    def _check_params(self) -> None:
+        super()._check_params()
+        check_checkpoints(self.checkpoints, self.learning_rates)
+        if not isinstance(self.sample_wise_grads_per_batch, bool):
+            raise ValueError(
+                f"sample_wise_grads_per_batch must be a bool, got {self.sample_wise_grads_per_batch!r}"
+            )
+
+    def _loader(self, x: np.ndarray, y: np.ndarray) -> DataLoader:
+        dataset = TensorDataset(
+            torch.tensor(x, dtype=self.dtype, device=self.device_),
+            torch.tensor(y, dtype=torch.long, device=self.device_),
+        )
+        # a private generator: iterating a DataLoader otherwise draws from the global RNG
+        return DataLoader(dataset, batch_size=self.batch_size, shuffle=False, generator=torch.Generator())
+
+    def _fit(self, model: nn.Module, x_train: np.ndarray, y_train: np.ndarray) -> None:
+        from captum.influence import TracInCP
+
+        checkpoints, learning_rates = check_checkpoints(self.checkpoints, self.learning_rates)
+        validate_checkpoints(model, checkpoints)
+        # Captum differentiates with respect to every entry of model.parameters(): frozen
+        # parameters (e.g. a fixed output layer) become buffers of the working copy.
+        frozen_parameters_to_buffers(model)
+        if self.sample_wise_grads_per_batch:
+            for name, module in model.named_modules():
+                own = [p for p in module.parameters(recurse=False) if p.requires_grad]
+                if own and not isinstance(module, _SAMPLE_WISE_MODULES):
+                    raise ValueError(
+                        "sample_wise_grads_per_batch=True needs every trainable parameter to belong to an "
+                        f"nn.Linear or nn.Conv2d layer; module {name or '<root>'!r} "
+                        f"({type(module).__name__}) has trainable parameters"
+                    )
+        final = snapshot_state(model)
+        states = [final if sd is None else sd for sd in checkpoints]
+
+        def load_checkpoint(module: nn.Module, index: int) -> float:
+            module.load_state_dict(states[index])
+            return learning_rates[index]
+
+        reduction = "sum" if self.sample_wise_grads_per_batch else "none"
+        self._tracin = TracInCP(
+            model,
+            self._loader(x_train, y_train),
+            checkpoints=list(range(len(states))),
+            checkpoints_load_func=load_checkpoint,
+            loss_fn=CaptumLoss(self.loss, reduction),
+            sample_wise_grads_per_batch=self.sample_wise_grads_per_batch,
+        )
+        self._final_state = final
+
+    def _run(self, x_query: np.ndarray, y_query: np.ndarray, **kwargs: object) -> object:
+        try:
+            with torch.enable_grad(), warnings.catch_warnings():
+                # the sample-wise path marks its own input copies as requiring grad and says so
+                warnings.filterwarnings("ignore", message="Input Tensor .* did not already require gradients")
+                return self._tracin.influence(self._loader(x_query, y_query), **kwargs)
+        finally:
+            self.model_.load_state_dict(self._final_state)
+
+    def _scores(self, x_query: np.ndarray, y_query: np.ndarray) -> np.ndarray:
+        result = self._run(x_query, y_query, k=None)
+        return result.detach().to(torch.float64).cpu().numpy()
+
+    def top_k(
+        self, x_query: np.ndarray, y_query: np.ndarray, k: int, proponents: bool = True
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """
+        Captum's k-most-influential mode: for every query, the ``k`` training examples with the
+        highest scores (``proponents=True``, most helpful) or lowest (most harmful).
+
+        :param x_query: Query inputs, shape ``(n_query, *input_shape)``.
+        :param y_query: Query labels (indices or one-hot).
+        :param k: Number of training examples per query (``1 <= k <= n_train``).
+        :param proponents: Most helpful (``True``) or most harmful (``False``) examples.
+        :return: ``(indices, scores)``, both of shape ``(n_query, k)``, sorted by score.
+        """
+        if not self.is_fitted:
+            raise RuntimeError(
+                f"{type(self).__name__}.top_k() called before fit(); call fit(model, x, y) first"
+            )
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= self.n_train_:
+            raise ValueError(f"k must be an integer between 1 and n_train={self.n_train_}, got {k!r}")
+        x_query, y_query = self._check_query(x_query, y_query)
+        indices, scores = self._run(x_query, y_query, k=int(k), proponents=bool(proponents))
+        return indices.cpu().numpy().astype(np.int64), scores.detach().to(torch.float64).cpu().numpy()

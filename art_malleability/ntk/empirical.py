@@ -1,0 +1,431 @@
+"""
+Empirical neural tangent kernel (eNTK) of a PyTorch model.
+
+The empirical NTK of a model ``f`` with trainable parameters ``θ`` is
+
+    K[a, b] = Σ_c Σ_θ ∂f_c(x1_a)/∂θ · ∂f_c(x2_b)/∂θ        (``trace=True``, the default)
+
+i.e. the Gram matrix of per-example Jacobians, traced over the model outputs (logits). With
+``trace=False`` the full block ``K[a, b, c, d] = Σ_θ ∂f_c(x1_a)/∂θ · ∂f_d(x2_b)/∂θ`` is returned.
+Only parameters with ``requires_grad=True`` count.
+
+Two methods give the same numbers (to float precision):
+
+- ``"structured"`` (``"auto"``): for every ``nn.Linear`` layer called exactly once per forward
+  pass on 2-D inputs, the per-example Jacobian factorises into the layer input ``a`` and the
+  gradient ``δ_c`` of output ``c`` with respect to the layer output, so the layer's share of the
+  kernel is ``(A1 A2ᵀ) ⊙ Σ_c Δ1_c Δ2_cᵀ`` for the weight and ``Σ_c Δ1_c Δ2_cᵀ`` for the bias. This
+  costs one forward and ``C`` backward passes per batch and never materialises a Jacobian. All
+  other trainable parameters (convolutions, shared or reused layers, 3-D inputs, free-standing
+  parameters, ...) go through the ``torch.func`` fallback below.
+- ``"jacobian"``: per-example Jacobians of every trainable parameter with
+  ``torch.func.vmap(torch.func.jacrev(...))`` over ``functional_call``, contracted as
+  ``Σ_c J1_c J2_cᵀ``. Exact for any model; the reference the structured path is tested against.
+
+Both assume that examples are independent in the forward pass (true in evaluation mode; the
+model is put in evaluation mode while the kernel is computed and its flags are restored after).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import numpy as np
+import torch
+from torch import nn
+from torch.func import functional_call, jacrev, vmap
+
+from art_malleability._torch_utils import (
+    eval_mode,
+    model_device_dtype,
+    no_tf32,
+    to_tensor,
+    trainable_parameters,
+)
+
+logger = logging.getLogger(__name__)
+
+NTK_METHODS = ("auto", "structured", "jacobian")
+
+# Per-block features of the second argument are cached when they fit in this many elements
+# (512 MiB in float64); otherwise they are recomputed for every block of the first argument.
+_FEATURE_CACHE_ELEMENTS = 2**26
+
+OutputFn = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+@dataclass
+class _LinearPlan:
+    """A ``nn.Linear`` layer handled by the structured (factorised) path."""
+
+    name: str
+    module: nn.Linear
+    weight: bool
+    bias: bool
+
+
+@dataclass
+class _Features:
+    """Per-example Jacobian factors of one batch."""
+
+    n: int
+    acts: list[torch.Tensor | None]  # per structured layer: (n, in) layer inputs, None if weight frozen
+    grads: list[torch.Tensor]  # per structured layer: (n, C, out) output gradients
+    jac: torch.Tensor | None  # (n, C, P) Jacobian of the fallback parameters
+
+
+def _check_method(method: str) -> str:
+    if method not in NTK_METHODS:
+        raise ValueError(f"method must be one of {NTK_METHODS}, got {method!r}")
+    return method
+
+
+def _check_batch_size(batch_size: int) -> int:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    return int(batch_size)
+
+
+class JacobianGram:
+    """
+    Gram matrices of per-example Jacobians of ``g(x, y) = output_fn(model(x), y)`` with respect
+    to the trainable parameters of ``model`` (the engine behind :func:`empirical_ntk` and the
+    gradient-similarity influence).
+
+    With ``output_fn=None`` the Gram matrix is the empirical NTK over the model outputs. With
+    ``output_fn`` returning one per-example loss, it is the matrix of per-example loss-gradient
+    dot products ``g_a · g_b`` used by TracIn.
+
+    The model is used as is (no copy): it is evaluated in evaluation mode, forward hooks are
+    registered only for the duration of a forward pass and removed in ``finally``, gradients are
+    taken with :func:`torch.autograd.grad` (``.grad`` fields are never written), so the model's
+    weights, flags and mode are left as they were.
+
+    :param model: The model; computations run in its dtype and on its device.
+    :param method: ``"auto"`` / ``"structured"`` (factorised ``nn.Linear`` layers plus a
+        ``torch.func`` fallback for the other parameters) or ``"jacobian"`` (``torch.func`` for all).
+    :param batch_size: Number of examples per block; bounds the memory of the per-example factors.
+    :param output_fn: Optional map ``(model outputs (n, C), labels (n,) or None) -> (n, C')``
+        (or ``(n,)``) applied after the model; it must treat examples independently.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        method: str = "auto",
+        batch_size: int = 256,
+        output_fn: OutputFn | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        self.model = model
+        self.method = _check_method(method)
+        self.batch_size = _check_batch_size(batch_size)
+        self.output_fn = output_fn
+        self.device, self.dtype = model_device_dtype(model)
+        if not trainable_parameters(model):
+            raise ValueError("model has no trainable parameters (none with requires_grad=True)")
+        self._layers: list[_LinearPlan] | None = None
+        self._fallback: list[tuple[str, nn.Parameter]] = []
+        self._n_outputs: int = 0
+
+    # ------------------------------------------------------------------ planning
+    def _apply_output_fn(self, out: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
+        g = out if self.output_fn is None else self.output_fn(out, y)
+        if g.dim() == 1:
+            return g.unsqueeze(1)
+        if g.dim() > 2:
+            return g.flatten(1)
+        return g
+
+    def _linear_candidates(self) -> list[_LinearPlan]:
+        uses = Counter(id(p) for _, p in self.model.named_parameters(remove_duplicate=False))
+        candidates = []
+        for name, module in self.model.named_modules():
+            if not isinstance(module, nn.Linear) or type(module).forward is not nn.Linear.forward:
+                continue
+            weight = module._parameters.get("weight")
+            bias = module._parameters.get("bias")
+            if weight is None or (module.bias is not None and bias is None):
+                continue  # parametrised weights are not plain parameters
+            if uses[id(weight)] != 1 or (bias is not None and uses[id(bias)] != 1):
+                continue  # shared (tied) parameters go through the fallback
+            w_train = weight.requires_grad
+            b_train = bias is not None and bias.requires_grad
+            if w_train or b_train:
+                candidates.append(_LinearPlan(name, module, w_train, b_train))
+        return candidates
+
+    def _plan(self, x_probe: torch.Tensor, y_probe: torch.Tensor | None) -> None:
+        """Decide which ``nn.Linear`` layers take the structured path (probe forward pass)."""
+        if self._layers is not None:
+            return
+        candidates = [] if self.method == "jacobian" else self._linear_candidates()
+        calls: list[list[bool]] = [[] for _ in candidates]
+
+        def record(k: int, module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+            ok = (
+                len(inputs) == 1
+                and isinstance(inputs[0], torch.Tensor)
+                and inputs[0].dim() == 2
+                and isinstance(output, torch.Tensor)
+                and output.dim() == 2
+            )
+            calls[k].append(ok)
+
+        handles = [c.module.register_forward_hook(partial(record, k)) for k, c in enumerate(candidates)]
+        try:
+            with torch.no_grad():
+                out = self.model(x_probe)
+        finally:
+            for h in handles:
+                h.remove()
+        with torch.no_grad():
+            self._n_outputs = int(self._apply_output_fn(out, y_probe).shape[1])
+        layers = [c for k, c in enumerate(candidates) if calls[k] == [True]]
+        covered = set()
+        for c in layers:
+            if c.weight:
+                covered.add(id(c.module.weight))
+            if c.bias:
+                covered.add(id(c.module.bias))
+        self._fallback = [(n, p) for n, p in trainable_parameters(self.model) if id(p) not in covered]
+        self._layers = layers
+        logger.debug(
+            "eNTK plan: %d structured linear layer(s) %s, %d fallback parameter(s) %s",
+            len(layers),
+            [c.name for c in layers],
+            len(self._fallback),
+            [n for n, _ in self._fallback],
+        )
+
+    def _feature_size(self) -> int:
+        """Number of stored elements per example (for the caching decision)."""
+        c = self._n_outputs
+        size = sum(
+            c * m.module.out_features + (m.module.in_features if m.weight else 0) for m in self._layers
+        )
+        size += c * sum(p.numel() for _, p in self._fallback)
+        return size
+
+    # ------------------------------------------------------------------ features
+    def features(self, x: torch.Tensor, y: torch.Tensor | None = None) -> _Features:
+        """
+        Per-example Jacobian factors of one batch (call inside :meth:`gram`, which plans first).
+
+        :param x: Batch of inputs on the model's device and dtype.
+        :param y: Labels of the batch (passed to ``output_fn``), or ``None``.
+        :return: The factors.
+        """
+        n = x.shape[0]
+        acts: list[torch.Tensor | None] = []
+        grads: list[torch.Tensor] = []
+        if self._layers:
+            captured: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(self._layers)
+
+            def hook(k: int, module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+                captured[k] = (inputs[0].detach().clone(), output)
+                # hand a copy downstream so that in-place ops after the layer cannot alter the
+                # captured output tensor we differentiate against
+                return output.clone()
+
+            handles = [
+                c.module.register_forward_hook(partial(hook, k), prepend=True)
+                for k, c in enumerate(self._layers)
+            ]
+            try:
+                with torch.enable_grad():
+                    g = self._apply_output_fn(self.model(x), y)
+            finally:
+                for h in handles:
+                    h.remove()
+            if any(c is None for c in captured):
+                raise RuntimeError(
+                    "a linear layer seen in the planning pass was not called; use method='jacobian'"
+                )
+            outs = [c[1] for c in captured]
+            n_out = g.shape[1]
+            per_layer: list[list[torch.Tensor]] = [[] for _ in outs]
+            for c in range(n_out):
+                if g.requires_grad:
+                    dc = torch.autograd.grad(
+                        g[:, c].sum(), outs, retain_graph=c < n_out - 1, allow_unused=True
+                    )
+                else:
+                    dc = (None,) * len(outs)
+                for k, (d, o) in enumerate(zip(dc, outs, strict=True)):
+                    per_layer[k].append(torch.zeros_like(o) if d is None else d)
+            grads = [torch.stack(lst, dim=1).detach() for lst in per_layer]
+            acts = [c[0] if plan.weight else None for c, plan in zip(captured, self._layers, strict=True)]
+            del g, outs, captured
+
+        jac = None
+        if self._fallback:
+            jac = self._fallback_jacobian(x, y)
+        return _Features(n=n, acts=acts, grads=grads, jac=jac)
+
+    def _fallback_jacobian(self, x: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
+        names = [name for name, _ in self._fallback]
+        params = {name: p.detach() for name, p in self._fallback}
+        model = self.model
+
+        if y is None:
+
+            def single(p: dict[str, torch.Tensor], xi: torch.Tensor) -> torch.Tensor:
+                out = functional_call(model, p, (xi.unsqueeze(0),))
+                return self._apply_output_fn(out, None).reshape(-1)
+
+            args: tuple = (params, x)
+            in_dims: tuple = (None, 0)
+        else:
+
+            def single(p: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
+                out = functional_call(model, p, (xi.unsqueeze(0),))
+                return self._apply_output_fn(out, yi.unsqueeze(0)).reshape(-1)
+
+            args = (params, x, y)
+            in_dims = (None, 0, 0)
+
+        with torch.no_grad():
+            jd = vmap(jacrev(single), in_dims=in_dims)(*args)
+        n = x.shape[0]
+        return torch.cat([jd[name].reshape(n, jd[name].shape[1], -1) for name in names], dim=2)
+
+    # ------------------------------------------------------------------ contraction
+    def contract(self, f1: _Features, f2: _Features, trace: bool = True) -> torch.Tensor:
+        """
+        Gram block between two batches of features.
+
+        :param f1: Features of the first batch (``n1`` examples).
+        :param f2: Features of the second batch (``n2`` examples).
+        :param trace: Sum over outputs (``(n1, n2)``) or keep them (``(n1, n2, C, C)``).
+        :return: The block.
+        """
+        c = self._n_outputs
+        shape = (f1.n, f2.n) if trace else (f1.n, f2.n, c, c)
+        k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        for plan, a1, d1, a2, d2 in zip(self._layers, f1.acts, f1.grads, f2.acts, f2.grads, strict=True):
+            if trace:
+                s = d1.reshape(f1.n, -1) @ d2.reshape(f2.n, -1).T
+            else:
+                s = torch.einsum("acn,bdn->abcd", d1, d2)
+            if plan.weight:
+                gram_a = a1 @ a2.T
+                if plan.bias:
+                    gram_a = gram_a + 1.0
+                k += s * (gram_a if trace else gram_a[:, :, None, None])
+            else:
+                k += s
+        if f1.jac is not None:
+            if trace:
+                k += f1.jac.reshape(f1.n, -1) @ f2.jac.reshape(f2.n, -1).T
+            else:
+                k += torch.einsum("acp,bdp->abcd", f1.jac, f2.jac)
+        return k
+
+    # ------------------------------------------------------------------ full matrix
+    def gram(
+        self,
+        x1: np.ndarray | torch.Tensor,
+        x2: np.ndarray | torch.Tensor | None = None,
+        y1: np.ndarray | torch.Tensor | None = None,
+        y2: np.ndarray | torch.Tensor | None = None,
+        *,
+        trace: bool = True,
+    ) -> torch.Tensor:
+        """
+        Gram matrix between the per-example Jacobians of ``x1`` and ``x2``, computed block by
+        block (``batch_size`` examples at a time).
+
+        :param x1: First inputs, shape ``(n1, *input_shape)``.
+        :param x2: Second inputs, shape ``(n2, *input_shape)``; ``None`` means ``x1`` (only the
+            upper block triangle is computed and mirrored).
+        :param y1: Labels for ``x1`` (only used by ``output_fn``).
+        :param y2: Labels for ``x2``; ignored when ``x2`` is ``None``.
+        :param trace: Sum over outputs (``(n1, n2)``) or keep them (``(n1, n2, C, C)``).
+        :return: The Gram matrix on the model's device, in the model's dtype.
+        """
+        x1 = to_tensor(x1, self.device, self.dtype)
+        y1 = None if y1 is None else to_tensor(y1, self.device, torch.long)
+        sym = x2 is None
+        if sym:
+            x2, y2 = x1, y1
+        else:
+            x2 = to_tensor(x2, self.device, self.dtype)
+            y2 = None if y2 is None else to_tensor(y2, self.device, torch.long)
+        n1, n2 = x1.shape[0], x2.shape[0]
+        if n1 == 0 or n2 == 0:
+            raise ValueError(f"empty input: x1 has {n1} and x2 has {n2} examples")
+
+        with eval_mode(self.model), no_tf32(self.device):
+            self._plan(x1[:2], None if y1 is None else y1[:2])
+            c = self._n_outputs
+            bs = self.batch_size
+            shape = (n1, n2) if trace else (n1, n2, c, c)
+            kernel = torch.empty(shape, dtype=self.dtype, device=self.device)
+            use_cache = n2 * self._feature_size() <= _FEATURE_CACHE_ELEMENTS
+            cache: dict[int, _Features] = {}
+
+            def second(j: int) -> _Features:
+                if j in cache:
+                    return cache[j]
+                f = self.features(x2[j : j + bs], None if y2 is None else y2[j : j + bs])
+                if use_cache:
+                    cache[j] = f
+                return f
+
+            for i in range(0, n1, bs):
+                if sym:
+                    f1 = second(i)
+                else:
+                    f1 = self.features(x1[i : i + bs], None if y1 is None else y1[i : i + bs])
+                for j in range(i if sym else 0, n2, bs):
+                    f2 = f1 if (sym and j == i) else second(j)
+                    block = self.contract(f1, f2, trace=trace)
+                    if sym and j == i:
+                        block = 0.5 * (block + (block.T if trace else block.permute(1, 0, 3, 2)))
+                    kernel[i : i + f1.n, j : j + f2.n] = block
+                    if sym and j > i:
+                        kernel[j : j + f2.n, i : i + f1.n] = block.T if trace else block.permute(1, 0, 3, 2)
+        return kernel
+
+
+def empirical_ntk(
+    model: nn.Module,
+    x1: np.ndarray | torch.Tensor,
+    x2: np.ndarray | torch.Tensor | None = None,
+    *,
+    method: str = "auto",
+    batch_size: int = 256,
+    trace: bool = True,
+) -> torch.Tensor:
+    """
+    Empirical NTK of ``model`` between ``x1`` and ``x2``, over its trainable parameters.
+
+    ``K[a, b] = Σ_c Σ_θ ∂f_c(x1_a)/∂θ · ∂f_c(x2_b)/∂θ`` (traced over the outputs/logits ``c``,
+    the package-wide convention); with ``trace=False``, ``K[a, b, c, d] = Σ_θ ∂f_c(x1_a)/∂θ ·
+    ∂f_d(x2_b)/∂θ``. Computed in the model's dtype and on its device (inputs are converted); the
+    model is not copied and not modified (its mode is switched to evaluation for the duration and
+    restored).
+
+    :param model: A PyTorch model mapping ``(n, *input_shape)`` to outputs ``(n, C)``.
+    :param x1: Inputs, shape ``(n1, *input_shape)`` (numpy array or tensor).
+    :param x2: Inputs, shape ``(n2, *input_shape)``; ``None`` means ``x1`` (symmetric kernel).
+    :param method: ``"auto"`` or ``"structured"`` (factorised ``nn.Linear`` layers with a
+        ``torch.func`` fallback for the rest) or ``"jacobian"`` (``torch.func`` Jacobian
+        contraction for every parameter; slow, the reference).
+    :param batch_size: Examples per block; bounds memory.
+    :param trace: Sum over outputs (default) or return the full output block.
+    :return: Tensor of shape ``(n1, n2)`` (``trace=True``) or ``(n1, n2, C, C)``.
+    :raises ValueError: On an unknown ``method``, a non-positive ``batch_size``, empty inputs or a
+        model without trainable parameters.
+    """
+    if not isinstance(trace, bool):
+        raise TypeError(f"trace must be a bool, got {trace!r}")
+    engine = JacobianGram(model, method=method, batch_size=batch_size)
+    return engine.gram(x1, x2, trace=trace)

@@ -1,0 +1,302 @@
+"""
+Reference training loop of the study and wrapping of trained models as ART classifiers.
+
+The protocol follows the paper: Adam (learning rate 1e-3), mini-batches of 128, L2 regularisation 1e-3 through
+Adam's ``weight_decay``, cross-entropy for multi-class tasks or mean squared error on one-hot targets. The
+paper trains for 500 epochs; the default here is 100 so that CPU runs stay short.
+
+Notes on ART 1.20's :class:`~art.estimators.classification.PyTorchClassifier`, which :func:`make_classifier`
+returns:
+
+- ``predict`` expects float32 inputs (float64 fails).
+- ``loss_gradient`` needs one-hot labels (``art.utils.to_categorical``), float or integer dtype. With
+  ``torch.nn.CrossEntropyLoss`` the classifier reduces them to indices (``reduce_labels``); index labels of
+  shape `(n,)` fail (more than two classes: ``argmax`` over a missing axis; two classes: they are cast to
+  float). With ``torch.nn.MSELoss`` ART passes labels to the loss unchanged, so one-hot labels are regressed
+  as they are and index labels fail on the shape mismatch with the `(n, nb_classes)` outputs. ART's attacks
+  and ``compute_loss`` convert index labels to one-hot themselves, so they accept both.
+- With ``torch.nn.MSELoss``, ``compute_loss`` with ``reduction="none"`` returns one loss per output entry,
+  shape `(n, nb_classes)`, not one per example.
+- Deep-copying or pickling a ``PyTorchClassifier`` writes files under ``~/.art``; copy the ``nn.Module``
+  instead.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from art.estimators.classification import PyTorchClassifier
+from torch import nn
+from tqdm.auto import tqdm
+
+logger = logging.getLogger(__name__)
+
+LOSSES: tuple[str, ...] = ("cross_entropy", "mse")
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """
+    Turn a device specification into a :class:`torch.device`.
+
+    :param device: ``"auto"`` (CUDA when available, otherwise CPU), ``"cpu"``, ``"gpu"``/``"cuda"``,
+                   ``"cuda:k"`` or a :class:`torch.device`.
+    :return: The device.
+    """
+    if isinstance(device, torch.device):
+        resolved = device
+    elif isinstance(device, str):
+        key = device.strip().lower()
+        if key == "auto":
+            resolved = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        elif key == "gpu":
+            resolved = torch.device("cuda")
+        else:
+            try:
+                resolved = torch.device(key)
+            except RuntimeError as error:
+                raise ValueError(
+                    f"device must be 'auto', 'cpu', 'gpu', 'cuda' or 'cuda:k', got {device!r}."
+                ) from error
+    else:
+        raise TypeError(f"device must be a str or a torch.device, got {type(device).__name__}.")
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} asks for CUDA, but CUDA is not available.")
+    return resolved
+
+
+def _check_loss_name(loss: str) -> str:
+    if not isinstance(loss, str) or loss.strip().lower().replace("-", "_") not in LOSSES:
+        raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}.")
+    return loss.strip().lower().replace("-", "_")
+
+
+def _label_indices(y: np.ndarray, n: int) -> np.ndarray:
+    """
+    Class indices from index labels `(n,)`/`(n, 1)` or one-hot labels `(n, k)`.
+
+    :param y: Labels.
+    :param n: Expected number of examples.
+    :return: int64 array of shape `(n,)`.
+    """
+    y = np.asarray(y)
+    if y.ndim == 2 and y.shape[1] == 1:
+        y = y[:, 0]
+    if y.ndim == 2:
+        indices = np.argmax(y, axis=1)
+    elif y.ndim == 1:
+        if not (np.issubdtype(y.dtype, np.integer) or np.all(np.mod(y, 1) == 0)):
+            raise ValueError(
+                "y must hold integer class indices of shape (n,) or one-hot labels of shape (n, k)."
+            )
+        indices = y
+    else:
+        raise ValueError(f"y must have shape (n,) or (n, nb_classes), got {y.shape}.")
+    if indices.shape[0] != n:
+        raise ValueError(f"x and y must have the same number of examples, got {n} and {indices.shape[0]}.")
+    if indices.size and indices.min() < 0:
+        raise ValueError("y must not hold negative class indices.")
+    return indices.astype(np.int64)
+
+
+def train_model(
+    model: nn.Module,
+    x: np.ndarray,
+    y: np.ndarray,
+    *,
+    loss: str = "cross_entropy",
+    epochs: int = 100,
+    batch_size: int = 128,
+    lr: float = 1e-3,
+    weight_decay: float = 1e-3,
+    seed: int = 0,
+    device: str | torch.device = "auto",
+    verbose: bool = True,
+) -> nn.Module:
+    """
+    Train a model with the paper's protocol: Adam, L2 regularisation through Adam's ``weight_decay``, shuffled
+    mini-batches.
+
+    The model is trained in place (meant for models built by this package, e.g. with
+    :func:`art_malleability.models.build_reference_model`) and returned in eval mode on the training device. A
+    model with ``set_context`` (transductive, e.g. MLP-Attn) first gets the training inputs `x` as its
+    context. Only parameters with ``requires_grad`` are trained. The shuffling uses a local generator seeded
+    by `seed`; the global random state and the arrays passed are left unchanged.
+
+    :param model: PyTorch module mapping inputs `(b, *input_shape)` to outputs `(b, nb_classes)`.
+    :param x: Training inputs, float array of shape `(n, *input_shape)` (cast to float32).
+    :param y: Labels, class indices of shape `(n,)` or one-hot of shape `(n, nb_classes)`.
+    :param loss: ``"cross_entropy"`` (on logits) or ``"mse"`` (mean squared error between outputs and one-hot
+                 targets, averaged over examples and classes like ``torch.nn.MSELoss``).
+    :param epochs: Number of passes over the training set (>= 1).
+    :param batch_size: Mini-batch size (>= 1).
+    :param lr: Adam learning rate (> 0).
+    :param weight_decay: L2 regularisation coefficient of Adam (>= 0).
+    :param seed: Seed of the mini-batch shuffling.
+    :param device: ``"auto"`` (CUDA when available, otherwise CPU), ``"cpu"``, ``"cuda"``/``"gpu"`` or a
+                   device.
+    :param verbose: Show a progress bar over epochs.
+    :return: The trained model, in eval mode, on the training device.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+    loss_name = _check_loss_name(loss)
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"x must be a numpy array of shape (n, *input_shape), got {type(x).__name__}.")
+    if x.ndim < 2 or x.shape[0] < 1:
+        raise ValueError(f"x must have shape (n, *input_shape) with n >= 1, got {x.shape}.")
+    y_idx = _label_indices(y, x.shape[0])
+    for arg_name, value, minimum in (("epochs", epochs, 1), ("batch_size", batch_size, 1)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+            raise ValueError(f"{arg_name} must be an int >= {minimum}, got {value!r}.")
+    if not lr > 0:
+        raise ValueError(f"lr must be > 0, got {lr!r}.")
+    if not weight_decay >= 0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}.")
+    torch_device = resolve_device(device)
+
+    model.to(torch_device)
+    dtype = next((p.dtype for p in model.parameters()), torch.float32)
+    x_t = torch.as_tensor(np.ascontiguousarray(x, dtype=np.float32), device=torch_device).to(dtype)
+    y_t = torch.as_tensor(y_idx, device=torch_device)
+    if hasattr(model, "set_context"):
+        logger.debug("Setting the context of %s to the %d training inputs.", type(model).__name__, x.shape[0])
+        model.set_context(x_t)
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("model has no parameter with requires_grad=True to train.")
+
+    with torch.no_grad():
+        nb_outputs = model(x_t[:1]).shape[-1]
+    if int(y_t.max()) >= nb_outputs:
+        raise ValueError(
+            f"y holds class index {int(y_t.max())}, but the model has only {nb_outputs} outputs."
+        )
+    if np.asarray(y).ndim == 2 and np.asarray(y).shape[1] not in (1, nb_outputs):
+        raise ValueError(
+            f"One-hot y has {np.asarray(y).shape[1]} columns, but the model has {nb_outputs} outputs."
+        )
+    targets = y_t if loss_name == "cross_entropy" else F.one_hot(y_t, nb_outputs).to(dtype)
+
+    optimizer = torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+    generator = torch.Generator().manual_seed(int(seed))
+    n = x_t.shape[0]
+
+    model.train()
+    progress = tqdm(range(int(epochs)), desc=f"Training {type(model).__name__}", disable=not verbose)
+    for _ in progress:
+        order = torch.randperm(n, generator=generator).to(torch_device)
+        total = 0.0
+        for start in range(0, n, int(batch_size)):
+            batch = order[start : start + int(batch_size)]
+            outputs = model(x_t[batch])
+            if loss_name == "cross_entropy":
+                batch_loss = F.cross_entropy(outputs, targets[batch])
+            else:
+                batch_loss = F.mse_loss(outputs, targets[batch])
+            optimizer.zero_grad(set_to_none=True)
+            batch_loss.backward()
+            optimizer.step()
+            total += float(batch_loss.detach()) * batch.shape[0]
+        progress.set_postfix(loss=f"{total / n:.4f}")
+    logger.info(
+        "Trained %s for %d epochs, final mean training loss %.4g.", type(model).__name__, epochs, total / n
+    )
+    return model.eval()
+
+
+def make_classifier(
+    model: nn.Module,
+    input_shape: int | tuple[int, ...],
+    nb_classes: int,
+    *,
+    loss: str = "cross_entropy",
+    clip_values: tuple[float, float] | None = (0.0, 1.0),
+    device: str | torch.device = "auto",
+) -> PyTorchClassifier:
+    """
+    Wrap a trained module as an ART :class:`~art.estimators.classification.PyTorchClassifier` (no optimizer).
+
+    With ``loss="cross_entropy"`` the classifier's loss is ``torch.nn.CrossEntropyLoss()`` and ART reduces
+    one-hot labels to indices. With ``loss="mse"`` it is ``torch.nn.MSELoss()``, which ART applies to the
+    labels as given, so labels must be one-hot. For both losses and any number of classes, pass one-hot labels
+    to ``loss_gradient`` (index labels of shape `(n,)` fail there) and float32 inputs to ``predict``.
+
+    :param model: The module, mapping `(b, *input_shape)` to `(b, nb_classes)` outputs (logits for
+                  cross-entropy).
+    :param input_shape: Shape of one input, or its number of features.
+    :param nb_classes: Number of classes (>= 2).
+    :param loss: ``"cross_entropy"`` or ``"mse"``, the loss the model was trained with.
+    :param clip_values: `(min, max)` of the input features, used by ART's attacks, or `None`.
+    :param device: ``"auto"``, ``"cpu"`` or ``"cuda"``/``"gpu"``; ART's ``device_type`` is ``"gpu"`` for CUDA
+                   (ART then uses the current CUDA device) and ``"cpu"`` otherwise.
+    :return: The ART classifier; the module is moved to its device.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+    loss_name = _check_loss_name(loss)
+    if isinstance(input_shape, (int, np.integer)) and not isinstance(input_shape, bool):
+        shape: tuple[int, ...] = (int(input_shape),)
+    elif isinstance(input_shape, (tuple, list, torch.Size)) and all(
+        isinstance(s, (int, np.integer)) and s >= 1 for s in input_shape
+    ):
+        shape = tuple(int(s) for s in input_shape)
+    else:
+        raise ValueError(
+            f"input_shape must be a positive int or a tuple of positive ints, got {input_shape!r}."
+        )
+    if isinstance(nb_classes, bool) or not isinstance(nb_classes, (int, np.integer)) or nb_classes < 2:
+        raise ValueError(f"nb_classes must be an int >= 2, got {nb_classes!r}.")
+    torch_device = resolve_device(device)
+    loss_fn: nn.Module = nn.CrossEntropyLoss() if loss_name == "cross_entropy" else nn.MSELoss()
+    return PyTorchClassifier(
+        model=model,
+        loss=loss_fn,
+        input_shape=shape,
+        nb_classes=int(nb_classes),
+        clip_values=clip_values,
+        device_type="gpu" if torch_device.type == "cuda" else "cpu",
+    )
+
+
+def train_classifier(
+    model: nn.Module,
+    x: np.ndarray,
+    y: np.ndarray,
+    *,
+    input_shape: int | tuple[int, ...] | None = None,
+    nb_classes: int | None = None,
+    loss: str = "cross_entropy",
+    clip_values: tuple[float, float] | None = (0.0, 1.0),
+    device: str | torch.device = "auto",
+    **train_kwargs,
+) -> PyTorchClassifier:
+    """
+    Train a model with :func:`train_model` and wrap it with :func:`make_classifier`.
+
+    :param model: The module to train in place.
+    :param x: Training inputs of shape `(n, *input_shape)`.
+    :param y: Labels, class indices `(n,)` or one-hot `(n, nb_classes)`.
+    :param input_shape: Shape of one input; `None` takes `x.shape[1:]`.
+    :param nb_classes: Number of classes; `None` takes the model's number of outputs.
+    :param loss: ``"cross_entropy"`` or ``"mse"``.
+    :param clip_values: `(min, max)` of the input features, or `None`.
+    :param device: ``"auto"``, ``"cpu"`` or ``"cuda"``/``"gpu"``.
+    :param train_kwargs: Further keyword arguments of :func:`train_model` (``epochs``, ``batch_size``, ``lr``,
+                         ``weight_decay``, ``seed``, ``verbose``).
+    :return: The ART classifier around the trained model.
+    """
+    trained = train_model(model, x, y, loss=loss, device=device, **train_kwargs)
+    if input_shape is None:
+        input_shape = tuple(int(s) for s in np.asarray(x).shape[1:])
+    if nb_classes is None:
+        reference = next(trained.parameters())
+        probe = torch.as_tensor(np.ascontiguousarray(x[:1]), dtype=reference.dtype, device=reference.device)
+        with torch.no_grad():
+            nb_classes = int(trained(probe).shape[-1])
+    return make_classifier(
+        trained, input_shape, nb_classes, loss=loss, clip_values=clip_values, device=device
+    )

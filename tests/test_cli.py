@@ -1,0 +1,82 @@
+"""The art-malleability command line, on tiny settings."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from art_malleability.cli import main
+from art_malleability.models import build_reference_model
+
+TINY = [
+    "--n-train", "100", "--n-test", "30", "--epochs", "3", "--width", "32", "--n-queries", "10",
+    "--n-bootstrap", "20", "--quiet",
+]
+
+
+def test_audit_both_reference_models(tmp_path, capsys):
+    out = tmp_path / "audit"
+    assert main(["audit", *TINY, "--attacks", "fgsm", "mim", "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "2l-relu" in printed and "mlp-attn" in printed and "flip rate" in printed
+    for model in ("2l-relu", "mlp-attn"):
+        data = json.loads((out / model / "report.json").read_text())
+        assert [r["attack"] for r in data["results"]] == ["fgsm", "mim"]
+        assert data["dataset"] == "digits" and "train" in data["seconds"]
+        assert (out / model / "flip_rates.png").exists() and (out / model / "report.md").exists()
+    assert "| mlp-attn |" in (out / "summary.md").read_text()
+
+
+def test_audit_custom_factory_with_weights(tmp_path, capsys):
+    model = build_reference_model("2l-relu", (1, 8, 8), 10, width=16, seed=3)
+    weights = tmp_path / "w.pt"
+    torch.save(model.state_dict(), weights)
+    code = main(
+        ["audit", *TINY, "--attacks", "fgsm", "--output", str(tmp_path / "o"), "--weights", str(weights),
+         "--model", "cli_factory:make"]
+    )
+    assert code == 0
+    assert (tmp_path / "o" / "cli_factory_make" / "report.json").exists()
+
+
+def test_audit_npz_dataset(tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 256, size=(120, 6, 6), dtype=np.uint8)
+    y = (x.reshape(120, -1).mean(axis=1) > 127).astype(np.int64)
+    np.savez(tmp_path / "toy.npz", x=x, y=y)
+    args = ["audit", *TINY, "--n-train", "80", "--n-test", "20", "--attacks", "fgsm", "--model", "2l-relu"]
+    assert main([*args, "--dataset", str(tmp_path / "toy.npz"), "--output", str(tmp_path / "o")]) == 0
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--dataset", "/nonexistent/data.npz"], "does not exist"),
+        (["--dataset", "imagenet"], "dataset"),
+        (["--model", "resnet"], "--model"),
+        (["--model", "no_such_module:f"], "cannot import"),
+        (["--eps", "0"], "eps"),
+        (["--top-fraction", "2"], "top_fraction"),
+    ],
+)
+def test_audit_bad_input_exits_2(tmp_path, capsys, args, message):
+    assert main(["audit", *TINY, "--output", str(tmp_path), *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_wrong_npz_arrays(tmp_path, capsys):
+    np.savez(tmp_path / "bad.npz", images=np.zeros((4, 2, 2)))
+    assert main(["audit", *TINY, "--dataset", str(tmp_path / "bad.npz"), "--output", str(tmp_path)]) == 2
+    assert "x" in capsys.readouterr().err
+
+
+def test_help_runs_as_console_module():
+    done = subprocess.run(
+        [sys.executable, "-m", "art_malleability.cli", "audit", "--help"], capture_output=True, text=True
+    )
+    assert done.returncode == 0
+    for option in ("--dataset", "--model", "--weights", "--attacks", "--eps", "--influence", "--seed", "--device"):
+        assert option in done.stdout

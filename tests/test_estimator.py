@@ -1,0 +1,273 @@
+"""MalleabilityEstimator end to end: results against an explicit recomputation, no mutation, bad input."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import numpy as np
+import pytest
+import torch
+from art.attacks.evasion import FastGradientMethod
+from art.estimators.classification import PyTorchClassifier
+from helpers import digits, trained_classifier
+
+from art_malleability import MalleabilityEstimator, influence_flip_rate
+from art_malleability.influence import InfluenceEstimator, NTKInfluence
+from art_malleability.metrics import aggregate_scores, flip_rate, spearman, top_indices
+
+FAST = {"n_queries": 15, "n_bootstrap": 50, "verbose": False, "device": "cpu"}
+
+
+@pytest.fixture(scope="module")
+def relu_clf():
+    return trained_classifier("2l-relu")
+
+
+@pytest.fixture(scope="module")
+def attn_clf():
+    return trained_classifier("mlp-attn")
+
+
+@pytest.mark.parametrize("name", ["2l-relu", "mlp-attn"])
+def test_fgsm_flip_rate_equals_explicit_recomputation(name, relu_clf, attn_clf):
+    """The orchestration (top set, perturbation, context refresh, metrics) matches a by-hand pipeline."""
+    clf = relu_clf if name == "2l-relu" else attn_clf
+    data = digits()
+    x, y, xq, yq = data.x_train, data.y_train, data.x_test[:15], data.y_test[:15]
+    report = MalleabilityEstimator(clf, attacks=["fgsm"], **FAST).evaluate(x, y, xq, yq)
+
+    model = copy.deepcopy(clf.model)
+    if name == "mlp-attn":
+        model.set_context(x)
+    before = NTKInfluence(ridge=1e-3, device="cpu").fit(model, x, y).scores(xq, yq)
+    top = top_indices(aggregate_scores(before), 20)
+    x_adv = x.copy()
+    y_onehot = np.eye(10, dtype=np.float32)[y]
+    x_adv[top] = FastGradientMethod(clf, eps=0.3).generate(x[top], y_onehot[top])
+    if name == "mlp-attn":
+        model.set_context(x_adv)
+    after = NTKInfluence(ridge=1e-3, device="cpu").fit(model, x_adv, y).scores(xq, yq)
+
+    result = report.result("fgsm")
+    assert report.top_indices == top.tolist()
+    assert result.flip_rate == pytest.approx(flip_rate(before, after, 0.1))
+    assert result.spearman == pytest.approx(spearman(before, after))
+    assert result.n_perturbed == 20
+    assert result.max_perturbation <= 0.3 + 1e-6
+    np.testing.assert_allclose(report.scores_before, aggregate_scores(before), rtol=1e-10)
+
+
+def test_three_attacks_report_is_sane(attn_clf):
+    data = digits()
+    report = MalleabilityEstimator(attn_clf, **FAST).evaluate(data.x_train, data.y_train, data.x_test, data.y_test)
+    assert [r.attack for r in report.results] == ["fgsm", "pgd", "mim"]
+    assert report.query_source == "test" and report.n_queries == 15 and report.top_k == 20
+    assert 0.5 < report.clean_accuracy <= 1.0
+    for r in report.results:
+        assert 0.0 <= r.flip_rate <= 1.0
+        assert r.flip_rate_ci[0] <= r.flip_rate <= r.flip_rate_ci[1]
+        assert -1.0 <= r.spearman <= 1.0
+        assert 0.0 <= r.attack_success <= 1.0
+        assert r.max_perturbation <= 0.3 + 1e-6
+        assert r.params["eps"] == 0.3
+    assert report.result("pgd").params["max_iter"] == 20
+    assert "fgsm" in report.summary() and "flip rate" in report.summary()
+
+
+def test_strategy_all_and_queries_from_training(relu_clf):
+    data = digits()
+    report = MalleabilityEstimator(relu_clf, attacks="pgd", strategy="all", **FAST).evaluate(
+        data.x_train, data.y_train
+    )
+    assert report.query_source == "train"
+    assert report.result("pgd").n_perturbed == len(data.x_train)
+    assert all(v is not None for v in report.scores_before)
+
+
+class _Recorder(InfluenceEstimator):
+    """Records what the estimator hands to the influence engine; scores are a fixed function of x."""
+
+    name = "recorder"
+
+    def __init__(self, fail_on_call: int | None = None):
+        self.contexts, self.calls, self.fail_on_call = [], 0, fail_on_call
+
+    def fit(self, model, x_train, y_train):
+        self.calls += 1
+        if self.fail_on_call == self.calls:
+            raise RuntimeError("planned failure")
+        self.contexts.append(None if not hasattr(model, "attention") else model.attention.context.clone())
+        self.x_train = x_train.reshape(len(x_train), -1).astype(np.float64)
+        return self
+
+    def scores(self, x_query, y_query):
+        return x_query.reshape(len(x_query), -1).astype(np.float64) @ self.x_train.T - 5.0
+
+
+def test_transductive_context_refreshed_on_a_copy_only(attn_clf):
+    data = digits()
+    context = attn_clf.model.attention.context.clone()
+    recorder = _Recorder()
+    report = MalleabilityEstimator(attn_clf, attacks=["fgsm"], influence=recorder, **FAST).evaluate(
+        data.x_train, data.y_train
+    )
+    clean, perturbed = recorder.contexts
+    assert torch.equal(clean, context)  # the model was trained with this training set as context
+    assert not torch.allclose(clean, perturbed)
+    assert torch.equal(attn_clf.model.attention.context, context)
+    assert report.config["influence"] == "recorder"
+
+
+def _snapshot(clf: PyTorchClassifier):
+    module = clf.model
+    return {
+        "state": {k: v.clone() for k, v in module.state_dict().items()},
+        "modes": [m.training for m in module.modules()],
+        "flags": [p.requires_grad for p in module.parameters()],
+        "grads": [None if p.grad is None else p.grad.clone() for p in module.parameters()],
+        "reduction": clf._loss.reduction,
+        "np": np.random.get_state()[1].copy(),
+        "torch": torch.get_rng_state().clone(),
+        "random": random.getstate(),
+    }
+
+
+def _assert_same(a, b):
+    assert a["state"].keys() == b["state"].keys()
+    assert all(torch.equal(a["state"][k], b["state"][k]) for k in a["state"])
+    assert a["modes"] == b["modes"] and a["flags"] == b["flags"] and a["reduction"] == b["reduction"]
+    assert all((g is None and h is None) or torch.equal(g, h) for g, h in zip(a["grads"], b["grads"], strict=True))
+    assert np.array_equal(a["np"], b["np"]) and torch.equal(a["torch"], b["torch"]) and a["random"] == b["random"]
+
+
+@pytest.mark.parametrize("fail_on_call", [None, 2])
+def test_evaluate_changes_nothing_on_success_and_failure(fail_on_call):
+    clf = trained_classifier("mlp-attn", epochs=2)
+    module = clf.model
+    module.train()  # unusual but legal user state: train mode, a stale gradient
+    module.hidden.weight.grad = torch.full_like(module.hidden.weight, 0.5)
+    data = digits()
+    x, y = data.x_train.copy(), np.eye(10, dtype=np.float32)[data.y_train]
+    x_keep, y_keep = x.copy(), y.copy()
+    before = _snapshot(clf)
+    influence = _Recorder(fail_on_call) if fail_on_call else "ntk"
+    estimator = MalleabilityEstimator(clf, attacks=["fgsm", "pgd"], influence=influence, **FAST)
+    if fail_on_call:
+        with pytest.raises(RuntimeError, match="planned failure"):
+            estimator.evaluate(x, y)
+    else:
+        estimator.evaluate(x, y)
+    _assert_same(before, _snapshot(clf))
+    np.testing.assert_array_equal(x, x_keep)
+    np.testing.assert_array_equal(y, y_keep)
+
+
+def test_same_seed_same_report(relu_clf):
+    data = digits()
+
+    def run(seed):
+        report = MalleabilityEstimator(relu_clf, attacks=["pgd"], seed=seed, **FAST).evaluate(
+            data.x_train, data.y_train
+        )
+        out = report.to_dict()
+        out.pop("seconds")
+        for r in out["results"]:
+            r.pop("seconds")
+        return out
+
+    first = run(0)
+    assert first == run(0)
+    assert first != run(1)  # another seed draws other queries
+
+
+def test_raw_module_and_ready_attack_and_function_form(relu_clf):
+    data = digits()
+    module = copy.deepcopy(relu_clf.model)
+    estimator = MalleabilityEstimator(module, input_shape=data.input_shape, nb_classes=10, attacks="fgsm", **FAST)
+    assert isinstance(estimator.classifier, PyTorchClassifier)
+    ready = FastGradientMethod(relu_clf, eps=0.1)
+    report = MalleabilityEstimator(relu_clf, attacks=[ready], **FAST).evaluate(data.x_train, data.y_train)
+    assert report.results[0].attack == "fgsm" and report.results[0].params["eps"] == pytest.approx(0.1)
+    rate = influence_flip_rate(relu_clf, data.x_train, data.y_train, "fgsm", eps=0.1, n_queries=15, device="cpu")
+    assert rate == pytest.approx(report.results[0].flip_rate)
+
+
+def test_gradient_influence_through_the_estimator(relu_clf):
+    data = digits()
+    report = MalleabilityEstimator(relu_clf, attacks=["fgsm"], influence="gradient", **FAST).evaluate(
+        data.x_train, data.y_train, data.x_test, data.y_test
+    )
+    assert report.config["influence"] == "gradient"
+    assert 0.0 <= report.results[0].flip_rate <= 1.0
+
+
+# ---------------------------------------------------------------- bad input: each names its argument
+
+
+def test_bad_classifier_and_parameters(relu_clf):
+    with pytest.raises(TypeError, match="classifier must be"):
+        MalleabilityEstimator(object())
+    with pytest.raises(ValueError, match="input_shape and nb_classes"):
+        MalleabilityEstimator(torch.nn.Linear(3, 2))
+    cases = [
+        ({"attacks": ["cw"]}, ValueError, "attacks"),
+        ({"attacks": []}, ValueError, "attacks"),
+        ({"attacks": [3]}, TypeError, "attacks"),
+        ({"attacks": ["fgsm", "fgsm"]}, ValueError, "distinct"),
+        ({"influence": "shapley"}, ValueError, "influence"),
+        ({"influence": 3}, TypeError, "influence"),
+        ({"eps": 0.0}, ValueError, "eps"),
+        ({"eps": -0.1}, ValueError, "eps"),
+        ({"eps": "0.3"}, TypeError, "eps"),
+        ({"top_fraction": 0.0}, ValueError, "top_fraction"),
+        ({"top_fraction": 1.5}, ValueError, "top_fraction"),
+        ({"strategy": "random"}, ValueError, "strategy"),
+        ({"ridge": 0.0}, ValueError, "ridge"),
+        ({"rank_by": "size"}, ValueError, "rank_by"),
+        ({"n_queries": 0}, ValueError, "n_queries"),
+        ({"confidence": 1.0}, ValueError, "confidence"),
+        ({"seed": 1.5}, TypeError, "seed"),
+        ({"device": 3}, TypeError, "device"),
+    ]
+    for kwargs, error, match in cases:
+        with pytest.raises(error, match=match):
+            MalleabilityEstimator(relu_clf, **kwargs)
+
+
+def test_missing_clip_values_for_named_attack(relu_clf):
+    clf = PyTorchClassifier(
+        copy.deepcopy(relu_clf.model), torch.nn.CrossEntropyLoss(), (1, 8, 8), 10, clip_values=None
+    )
+    with pytest.raises(ValueError, match="clip_values"):
+        MalleabilityEstimator(clf, attacks=["pgd"])
+
+
+def test_bad_data(relu_clf):
+    data = digits()
+    x, y = data.x_train, data.y_train
+    estimator = MalleabilityEstimator(relu_clf, attacks=["fgsm"], **FAST)
+    nan_x = x.copy()
+    nan_x[0, 0, 0, 0] = np.nan
+    cases = [
+        ((x[:10].tolist(), y[:10]), TypeError, "x must be a numpy array"),
+        ((x, y[:-1]), ValueError, "y must have 200 rows"),
+        ((x.reshape(200, 64), y), ValueError, r"x must have shape \(n, 1, 8, 8\)"),
+        ((x, y + 5), ValueError, r"class indices in \[0, 9\]"),
+        ((x, y - 1), ValueError, "class indices"),
+        ((x, y.astype(str)), TypeError, "y must hold integer"),
+        ((x, y + 0.5), ValueError, "non-integer"),
+        ((x, np.ones((200, 10))), ValueError, "not one-hot"),
+        ((nan_x, y), ValueError, "x contains NaN"),
+        ((x[:0], y[:0]), ValueError, "x is empty"),
+        ((x[:9], y[:9]), ValueError, "too few for top_fraction"),
+        ((x, y, data.x_test), ValueError, "x_test and y_test"),
+        ((x, y, data.x_test[:, :, :4], data.y_test), ValueError, "x_test must have shape"),
+    ]
+    for args, error, match in cases:
+        keep = [a.copy() if isinstance(a, np.ndarray) else a for a in args]
+        with pytest.raises(error, match=match):
+            estimator.evaluate(*args)
+        for a, k in zip(args, keep, strict=True):
+            if isinstance(a, np.ndarray):
+                np.testing.assert_array_equal(a, k)

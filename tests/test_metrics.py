@@ -1,0 +1,135 @@
+"""Malleability metrics: hand-computed cases, edge cases, and the fast bootstrap against its slow twin."""
+
+import numpy as np
+import pytest
+from scipy.stats import spearmanr
+
+from art_malleability import metrics as M
+from art_malleability.metrics import _ResampledSpearman
+
+
+def test_top_k_count():
+    assert M.top_k_count(100, 0.1) == 10
+    assert M.top_k_count(30, 0.1) == 3  # 0.1 * 30 is 3.0000000000000004 in floats
+    assert M.top_k_count(9, 0.1) == 0
+    assert M.top_k_count(5, 1.0) == 5
+    for bad in (0.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match="top_fraction"):
+            M.top_k_count(10, bad)
+
+
+def test_top_indices_ties_nan_and_ranking():
+    values = np.array([1.0, -3.0, 3.0, np.nan, 0.5])
+    assert M.top_indices(values, 2).tolist() == [1, 2]  # tie on |3|: lower index first
+    assert M.top_indices(values, 2, "signed").tolist() == [2, 0]
+    assert M.top_indices(values, 10).tolist() == [1, 2, 0, 4]  # NaN never selected
+    assert M.top_indices(values, 0).tolist() == []
+    with pytest.raises(ValueError, match="rank_by"):
+        M.top_indices(values, 1, "size")
+
+
+def test_flip_mask_zero_and_nan_are_not_flips():
+    before = np.array([1.0, 1.0, -2.0, 0.0, 1.0, np.nan])
+    after = np.array([-1.0, 0.0, 3.0, -1.0, 2.0, -1.0])
+    assert M.flip_mask(before, after).tolist() == [True, False, True, False, False, False]
+
+
+def test_flip_rate_hand_computed():
+    # two queries, ten training examples; aggregate = column mean
+    before = np.array([[5.0, -4.0, 1, 1, 1, 1, 1, 1, 1, 1], [3.0, -2.0, 1, 1, 1, 1, 1, 1, 1, 1]])
+    after = before.copy()
+    after[:, 0] = -1.0  # the most influential example flips
+    # top_fraction 0.2 -> k = 2: examples 0 (|4|) and 1 (|-3|); one of two flips
+    assert M.flip_rate(before, after, 0.2) == 0.5
+    assert M.flip_rate(before, after, 0.1) == 1.0
+    # signed ranking picks 0 and then the first of the tied +1 columns (index 2), which does not flip
+    assert M.flip_rate(before, after, 0.2, rank_by="signed") == 0.5
+    assert M.flip_rate(before, before, 0.2) == 0.0
+
+
+def test_flip_rate_empty_set_is_nan():
+    before = np.ones((3, 5))
+    assert np.isnan(M.flip_rate(before, before, 0.1))
+    assert np.isnan(M.top_k_jaccard(before, before, 0.1))
+
+
+def test_per_query_flip_rates_ignore_excluded_pairs():
+    before = np.array([[np.nan, 2.0, -1.0, 0.5], [4.0, np.nan, 1.0, -3.0]])
+    after = np.array([[np.nan, -2.0, -1.0, 0.5], [4.0, np.nan, 1.0, 3.0]])
+    # 3 finite per row, top_fraction 0.34 -> k = 1: row 0 picks index 1 (flips), row 1 picks index 0 (no)
+    assert M.per_query_flip_rates(before, after, 0.34).tolist() == [1.0, 0.0]
+
+
+def test_aggregate_scores_nan_and_weights():
+    scores = np.array([[np.nan, 2.0], [1.0, 4.0]])
+    assert M.aggregate_scores(scores).tolist() == [1.0, 3.0]
+    assert M.aggregate_scores(scores, np.array([2.0, 1.0])).tolist() == [1.0, pytest.approx(8 / 3)]
+    assert np.isnan(M.aggregate_scores(np.array([[np.nan, 1.0]]))[0])
+
+
+def test_spearman_matches_scipy_and_edge_cases(rng):
+    before = rng.normal(size=(5, 20))
+    after = before + rng.normal(size=before.shape)
+    assert M.spearman(before, after) == pytest.approx(spearmanr(before.ravel(), after.ravel()).statistic)
+    assert np.isnan(M.spearman(np.ones((2, 3)), rng.normal(size=(2, 3))))
+    assert np.isnan(M.spearman(np.array([[1.0]]), np.array([[2.0]])))
+    before[0, 0] = np.nan
+    keep = np.isfinite(before)
+    assert M.spearman(before, after) == pytest.approx(spearmanr(before[keep], after[keep]).statistic)
+
+
+def test_jaccard_hand_computed():
+    before = np.array([[5.0, 4.0, 1.0, 0.5, 0.1]])
+    after = np.array([[5.0, 0.0, 4.0, 0.5, 0.1]])
+    # k = 2: {0, 1} vs {0, 2} -> 1 / 3
+    assert M.top_k_jaccard(before, after, 0.4) == pytest.approx(1 / 3)
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_resampled_spearman_equals_explicit_resample(rng, ties):
+    before = rng.normal(size=(12, 30))
+    after = before + rng.normal(size=before.shape)
+    if ties:
+        before = np.round(before)
+        after = np.round(after)
+        before[2, 3] = np.nan
+    fast = _ResampledSpearman(before, after)
+    for _ in range(20):
+        rows = rng.integers(0, 12, 12)
+        assert fast(rows) == pytest.approx(M.spearman(before[rows], after[rows]), abs=1e-12)
+
+
+def test_bootstrap_interval_contains_estimate_and_single_query_is_nan(rng):
+    before = rng.normal(size=(40, 50))
+    after = before + 0.5 * rng.normal(size=before.shape)
+    result = M.malleability_metrics(before, after, n_bootstrap=200)
+    for name in ("flip_rate", "per_query_flip_rate", "spearman", "top_k_jaccard"):
+        low, high = result[name + "_ci"]
+        assert low <= result[name] <= high, name
+    single = M.malleability_metrics(before[:1], after[:1], n_bootstrap=50)
+    assert all(np.isnan(v) for v in single["spearman_ci"])
+    assert np.isfinite(single["spearman"])
+
+
+def test_bootstrap_is_deterministic_and_validated(rng):
+    before = rng.normal(size=(10, 30))
+    after = before + rng.normal(size=before.shape)
+    assert M.malleability_metrics(before, after, seed=3) == M.malleability_metrics(before, after, seed=3)
+    with pytest.raises(ValueError, match="confidence"):
+        M.bootstrap_interval(lambda r: 0.0, 10, confidence=1.0)
+    with pytest.raises(ValueError, match="n_bootstrap"):
+        M.bootstrap_interval(lambda r: 0.0, 10, n_bootstrap=0)
+    with pytest.raises(ValueError, match="same shape"):
+        M.flip_rate(before, after[:, :5])
+    with pytest.raises(ValueError, match="influence matrix"):
+        M.spearman(np.zeros((2, 2, 2)), np.zeros((2, 2, 2)))
+
+
+def test_inputs_not_mutated(rng):
+    before = rng.normal(size=(6, 20))
+    after = rng.normal(size=(6, 20))
+    before[0, 0] = np.nan
+    copies = before.copy(), after.copy()
+    M.malleability_metrics(before, after, n_bootstrap=20)
+    np.testing.assert_array_equal(before, copies[0])
+    np.testing.assert_array_equal(after, copies[1])

@@ -1,0 +1,87 @@
+"""MalleabilityReport: round trip, files, tables, undefined values."""
+
+import json
+
+import numpy as np
+import pytest
+
+from art_malleability.report import AttackResult, MalleabilityReport, comparison_table
+
+
+def _report(n_queries: int = 10) -> MalleabilityReport:
+    rng = np.random.default_rng(0)
+    before = rng.normal(size=50)
+    results = []
+    for name in ("fgsm", "pgd"):
+        results.append(
+            AttackResult(
+                attack=name,
+                params={"eps": np.float32(0.3), "norm": "inf"},
+                n_perturbed=5,
+                attack_success=0.4,
+                max_perturbation=0.3,
+                flip_rate=np.float64(0.2),
+                flip_rate_ci=(0.0, 0.6),
+                per_query_flip_rate=0.25,
+                per_query_flip_rate_ci=(np.nan, np.nan) if n_queries == 1 else (0.1, 0.4),
+                spearman=0.8,
+                spearman_ci=(0.7, 0.9),
+                top_k_jaccard=0.5,
+                top_k_jaccard_ci=(0.3, 0.7),
+                scores_after=before + rng.normal(size=50),
+                seconds={"attack": 0.1},
+            )
+        )
+    return MalleabilityReport(
+        model="2l-relu",
+        config={"eps": 0.3, "influence": "ntk", "strategy": "top", "confidence": 0.95},
+        n_train=50,
+        n_queries=n_queries,
+        query_source="test",
+        top_k=5,
+        top_indices=np.argsort(-np.abs(before))[:5],
+        clean_accuracy=0.9,
+        scores_before=before,
+        results=results,
+        seconds={"influence_clean": 1.0},
+        versions={"torch": "x"},
+        dataset="digits",
+    )
+
+
+def test_save_and_load_round_trip(tmp_path):
+    report = _report()
+    folder = report.save(tmp_path / "out")
+    for name in ("report.json", "report.md", "flip_rates.png", "scatter_fgsm.png", "scatter_pgd.png"):
+        assert (folder / name).stat().st_size > 0, name
+    assert MalleabilityReport.load(folder) == report
+    assert MalleabilityReport.load(folder / "report.json") == report
+    assert not list(folder.glob(".*.tmp"))  # atomic write leaves no temporary file
+
+
+def test_undefined_values_become_none_and_json_is_strict(tmp_path):
+    report = _report(n_queries=1)
+    assert report.results[0].per_query_flip_rate_ci == [None, None]
+    text = (report.save(tmp_path) / "report.json").read_text()
+    json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+    assert MalleabilityReport.load(tmp_path) == report
+    assert "25.0%" in report.summary()
+
+
+def test_summary_markdown_and_comparison():
+    report = _report()
+    summary = report.summary()
+    assert "flip rate [95% CI]" in summary and "20.0% [0.0, 60.0]" in summary
+    markdown = report.to_markdown()
+    assert "| fgsm | 20.0% [0.0, 60.0]" in markdown and "positive = helpful" in markdown
+    table = comparison_table([report, report])
+    assert table.count("| 2l-relu |") == 2 and "pgd flip rate" in table
+
+
+def test_lookup_and_missing_file(tmp_path):
+    report = _report()
+    assert report.result("pgd").attack == "pgd"
+    with pytest.raises(KeyError, match="mim"):
+        report.result("mim")
+    with pytest.raises(FileNotFoundError, match="report.json"):
+        MalleabilityReport.load(tmp_path)
