@@ -21,26 +21,34 @@ logger = logging.getLogger(__name__)
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def resolve_device(device: str | torch.device) -> torch.device:
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
     """
     Turn a device specification into a :class:`torch.device`.
 
-    :param device: ``"auto"`` (CUDA when available, otherwise CPU), a device string such as
-        ``"cpu"`` or ``"cuda:0"``, or a :class:`torch.device`.
-    :return: The resolved device.
+    :param device: ``"auto"`` (CUDA when available, otherwise CPU), ``"cpu"``, ``"gpu"``/``"cuda"``,
+                   ``"cuda:k"`` or a :class:`torch.device`.
+    :return: The device.
     :raises TypeError: If ``device`` is neither a string nor a :class:`torch.device`.
-    :raises ValueError: If ``device`` is a string that PyTorch does not understand.
+    :raises ValueError: If PyTorch does not understand it, or it asks for CUDA where there is none.
     """
     if isinstance(device, torch.device):
-        return device
-    if not isinstance(device, str):
-        raise TypeError(f"device must be 'auto', a device string or a torch.device, got {device!r}")
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        return torch.device(device)
-    except RuntimeError as err:
-        raise ValueError(f"device must be 'auto', a device string or a torch.device, got {device!r}") from err
+        resolved = device
+    elif isinstance(device, str):
+        key = device.strip().lower()
+        if key == "auto":
+            resolved = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        elif key == "gpu":
+            resolved = torch.device("cuda")
+        else:
+            try:
+                resolved = torch.device(key)
+            except RuntimeError as error:
+                raise ValueError(f"device must be 'auto', 'cpu', 'gpu', 'cuda' or 'cuda:k', got {device!r}") from error
+    else:
+        raise TypeError(f"device must be 'auto', a device string or a torch.device, got {type(device).__name__}")
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} asks for CUDA, but CUDA is not available")
+    return resolved
 
 
 def check_dtype(dtype: torch.dtype, name: str = "dtype") -> torch.dtype:

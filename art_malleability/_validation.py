@@ -5,12 +5,55 @@ Checks of user input at the API boundary: clear errors that name the argument, a
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from art.estimators.classification import PyTorchClassifier
+
+if TYPE_CHECKING:
+    from art.estimators.classification import PyTorchClassifier
 
 logger = logging.getLogger(__name__)
+
+LOSS_NAMES = ("cross_entropy", "mse")
+
+
+def check_loss(loss: str) -> str:
+    """
+    Check a loss name.
+
+    :param loss: ``"cross_entropy"`` or ``"mse"``.
+    :return: ``loss`` unchanged.
+    :raises ValueError: For any other value.
+    """
+    if loss not in LOSS_NAMES:
+        raise ValueError(f"loss must be one of {LOSS_NAMES}, got {loss!r}")
+    return loss
+
+
+def labels_to_indices(y: np.ndarray, name: str = "y") -> np.ndarray:
+    """
+    Class indices from labels given as indices ``(n,)`` or one-hot / scores ``(n, C)`` (argmax).
+
+    :param y: Labels.
+    :param name: Argument name used in error messages.
+    :return: ``int64`` array of shape ``(n,)``.
+    :raises ValueError: If ``y`` has another shape, or non-integer or negative values.
+    """
+    y = np.asarray(y)
+    if y.ndim == 2:
+        return np.argmax(y, axis=1).astype(np.int64)
+    if y.ndim != 1:
+        raise ValueError(f"{name} must be class indices (n,) or one-hot (n, C), got shape {y.shape}")
+    if y.size and not np.issubdtype(y.dtype, np.integer):
+        if not np.all(np.isfinite(y)) or not np.all(y == np.round(y)):
+            raise ValueError(f"{name} must hold integer class indices, got non-integer values")
+    y = y.astype(np.int64)
+    if y.size and y.min() < 0:
+        raise ValueError(f"{name} must hold non-negative class indices, got {int(y.min())}")
+    return y
+
+
 
 
 def loss_name(classifier: PyTorchClassifier) -> str:

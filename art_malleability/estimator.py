@@ -218,6 +218,7 @@ class MalleabilityEstimator:
         start = time.perf_counter()
         pred = clf.predict(x_acc, batch_size=self.batch_size)
         clean_accuracy = float(np.mean(pred.argmax(axis=1) == y_acc))
+        warnings = _accuracy_warnings(clean_accuracy, y_acc, source)
         steps.set_postfix_str("influence (clean)")
         before = influence_on(x)
         seconds["influence_clean"] = time.perf_counter() - start
@@ -244,7 +245,7 @@ class MalleabilityEstimator:
             timing["influence"] = time.perf_counter() - start
             start = time.perf_counter()
             metrics = malleability_metrics(
-                before, after, self.top_fraction, self.rank_by, self.n_bootstrap, self.confidence, self.seed
+                before, after, self.top_fraction, self.rank_by, self.n_bootstrap, self.confidence, self.seed, top
             )
             timing["metrics"] = time.perf_counter() - start
             steps.update()
@@ -276,6 +277,7 @@ class MalleabilityEstimator:
             seconds=seconds,
             versions=_versions(),
             dataset=dataset,
+            warnings=warnings,
         )
 
     def get_params(self) -> dict[str, Any]:
@@ -379,6 +381,23 @@ def influence_flip_rate(
     report = MalleabilityEstimator(classifier, attacks=(attack,), **kwargs).evaluate(x, y, x_test, y_test)
     rate = report.results[0].flip_rate
     return float("nan") if rate is None else rate
+
+
+def _accuracy_warnings(accuracy: float, y: np.ndarray, source: str) -> list[str]:
+    """
+    Flag a model close to chance: one that closes less than a quarter of the gap between the
+    majority-class rate and perfect accuracy. Its influence scores describe a model that has learnt
+    little, so its flip rates say little about a working model.
+    """
+    chance = float(np.bincount(y).max() / len(y))
+    if accuracy - chance >= 0.25 * (1.0 - chance):
+        return []
+    message = (
+        f"clean accuracy {100 * accuracy:.1f}% on the {source} set is close to chance "
+        f"({100 * chance:.1f}% by always predicting the majority class); treat these flip rates with care"
+    )
+    logger.warning(message)
+    return [message]
 
 
 def _versions() -> dict[str, str]:

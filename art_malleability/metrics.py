@@ -19,7 +19,11 @@ Definitions (the paper leaves them open; these are this package's choices):
 * **Spearman**: rank correlation of all finite (query, train) scores before and after.
 * **Top-k overlap**: Jaccard index of the clean and perturbed aggregate top sets.
 * **Intervals**: percentile bootstrap over queries (rows resampled with replacement, every
-  statistic recomputed). With a single query the interval is undefined (``NaN``).
+  statistic recomputed) *conditional on the influential set*: the top set is chosen once from all
+  clean scores (it is the set an audit perturbs) and held fixed in every resample; only the
+  aggregate scores, and the perturbed top set of the overlap, are recomputed. Re-selecting the set
+  per resample would mix in examples that were never perturbed and bias the interval low. With a
+  single query the interval is undefined (``NaN``).
 """
 
 from __future__ import annotations
@@ -100,7 +104,11 @@ def flip_mask(before: np.ndarray, after: np.ndarray) -> np.ndarray:
 
 
 def flip_rate(
-    before: np.ndarray, after: np.ndarray, top_fraction: float = 0.1, rank_by: str = "abs"
+    before: np.ndarray,
+    after: np.ndarray,
+    top_fraction: float = 0.1,
+    rank_by: str = "abs",
+    top: np.ndarray | None = None,
 ) -> float:
     """
     Influence flip rate with aggregate ranking over queries.
@@ -109,11 +117,14 @@ def flip_rate(
     :param after: Influence matrix after perturbation, same shape.
     :param top_fraction: Share of training examples in the influential set.
     :param rank_by: ``"abs"`` or ``"signed"``.
+    :param top: Optional fixed influential set (training indices); default: chosen from ``before``.
     :return: Share of the clean top set whose aggregate score flips sign; ``NaN`` when the set is empty.
     """
     before, after = _pair(before, after)
-    k = top_k_count(before.shape[1], top_fraction)
-    return _aggregate_flip_rate(aggregate_scores(before), aggregate_scores(after), k, rank_by)
+    agg_before = aggregate_scores(before)
+    if top is None:
+        top = top_indices(agg_before, top_k_count(before.shape[1], top_fraction), rank_by)
+    return _aggregate_flip_rate(agg_before, aggregate_scores(after), np.asarray(top, dtype=int))
 
 
 def per_query_flip_rates(
@@ -155,7 +166,11 @@ def spearman(before: np.ndarray, after: np.ndarray) -> float:
 
 
 def top_k_jaccard(
-    before: np.ndarray, after: np.ndarray, top_fraction: float = 0.1, rank_by: str = "abs"
+    before: np.ndarray,
+    after: np.ndarray,
+    top_fraction: float = 0.1,
+    rank_by: str = "abs",
+    top: np.ndarray | None = None,
 ) -> float:
     """
     Jaccard overlap of the clean and perturbed aggregate top sets.
@@ -164,22 +179,24 @@ def top_k_jaccard(
     :param after: Influence matrix after perturbation, same shape.
     :param top_fraction: Share of training examples in each set.
     :param rank_by: ``"abs"`` or ``"signed"``.
+    :param top: Optional fixed clean set (training indices); default: chosen from ``before``.
     :return: ``|A ∩ B| / |A ∪ B|`` in [0, 1]; ``NaN`` when both sets are empty.
     """
     before, after = _pair(before, after)
     k = top_k_count(before.shape[1], top_fraction)
-    return _aggregate_jaccard(aggregate_scores(before), aggregate_scores(after), k, rank_by)
+    if top is None:
+        top = top_indices(aggregate_scores(before), k, rank_by)
+    return _aggregate_jaccard(aggregate_scores(after), np.asarray(top, dtype=int), k, rank_by)
 
 
-def _aggregate_flip_rate(agg_before: np.ndarray, agg_after: np.ndarray, k: int, rank_by: str) -> float:
-    top = top_indices(agg_before, k, rank_by)
+def _aggregate_flip_rate(agg_before: np.ndarray, agg_after: np.ndarray, top: np.ndarray) -> float:
     if top.size == 0:
         return float("nan")
     return float(flip_mask(agg_before[top], agg_after[top]).mean())
 
 
-def _aggregate_jaccard(agg_before: np.ndarray, agg_after: np.ndarray, k: int, rank_by: str) -> float:
-    set_a = set(top_indices(agg_before, k, rank_by).tolist())
+def _aggregate_jaccard(agg_after: np.ndarray, top: np.ndarray, k: int, rank_by: str) -> float:
+    set_a = set(top.tolist())
     set_b = set(top_indices(agg_after, k, rank_by).tolist())
     union = set_a | set_b
     return float(len(set_a & set_b) / len(union)) if union else float("nan")
@@ -226,9 +243,11 @@ def malleability_metrics(
     n_bootstrap: int = 1000,
     confidence: float = 0.95,
     seed: int = 0,
+    top: np.ndarray | None = None,
 ) -> dict[str, float | tuple[float, float]]:
     """
-    All malleability metrics of one clean/perturbed pair of influence matrices, with bootstrap intervals.
+    All malleability metrics of one clean/perturbed pair of influence matrices, with bootstrap intervals
+    conditional on the influential set.
 
     :param before: Clean influence matrix (n_query, n_train), positive = helpful.
     :param after: Influence matrix after perturbation, same shape.
@@ -237,12 +256,14 @@ def malleability_metrics(
     :param n_bootstrap: Bootstrap resamples over queries.
     :param confidence: Interval coverage.
     :param seed: Seed of the resampling.
+    :param top: Optional fixed influential set (the perturbed one); default: chosen from all of ``before``.
     :return: Dict with ``flip_rate``, ``per_query_flip_rate``, ``spearman``, ``top_k_jaccard`` and each
              one's ``*_ci`` interval.
     """
     before, after = _pair(before, after)
     per_query = per_query_flip_rates(before, after, top_fraction, rank_by)
     k = top_k_count(before.shape[1], top_fraction)
+    top = top_indices(aggregate_scores(before), k, rank_by) if top is None else np.asarray(top, dtype=int)
     n_query = before.shape[0]
 
     def resampled(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -250,10 +271,10 @@ def malleability_metrics(
         return aggregate_scores(before, weights), aggregate_scores(after, weights)
 
     statistics: dict[str, Callable[[np.ndarray], float]] = {
-        "flip_rate": lambda rows: _aggregate_flip_rate(*resampled(rows), k, rank_by),
+        "flip_rate": lambda rows: _aggregate_flip_rate(*resampled(rows), top),
         "per_query_flip_rate": lambda rows: _nanmean(per_query[rows]),
         "spearman": _ResampledSpearman(before, after),
-        "top_k_jaccard": lambda rows: _aggregate_jaccard(*resampled(rows), k, rank_by),
+        "top_k_jaccard": lambda rows: _aggregate_jaccard(resampled(rows)[1], top, k, rank_by),
     }
     everything = np.arange(before.shape[0])
     result: dict[str, float | tuple[float, float]] = {}

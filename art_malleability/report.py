@@ -88,6 +88,7 @@ class MalleabilityReport:
     :param seconds: Time of the shared steps.
     :param versions: Library versions.
     :param dataset: Name of the data set, where known.
+    :param warnings: Things a reader must know before trusting the numbers (e.g. a model near chance).
     """
 
     model: str
@@ -103,6 +104,7 @@ class MalleabilityReport:
     seconds: dict[str, float] = field(default_factory=dict)
     versions: dict[str, str] = field(default_factory=dict)
     dataset: str | None = None
+    warnings: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.results = [r if isinstance(r, AttackResult) else AttackResult(**r) for r in self.results]
@@ -145,6 +147,7 @@ class MalleabilityReport:
             lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
             if i == 0:
                 lines.append("  ".join("-" * w for w in widths))
+        lines += [f"WARNING: {w}" for w in self.warnings]
         return "\n".join(lines)
 
     def to_markdown(self) -> str:
@@ -156,6 +159,7 @@ class MalleabilityReport:
             "",
             self._title(),
             "",
+            *[f"> **Warning:** {w}\n" for w in self.warnings],
             "Influence scores have shape (n_query, n_train); positive = helpful (removing the training "
             "example would raise the query's loss). The flip rate is the share of the clean top set whose "
             "aggregate influence changes sign after the attack.",
@@ -254,6 +258,7 @@ class MalleabilityReport:
         ax.scatter(before[flipped], after[flipped], s=22, color="tab:red", marker="x", label="sign flipped")
         ax.axhline(0, color="k", lw=0.6)
         ax.axvline(0, color="k", lw=0.6)
+        ax.ticklabel_format(style="sci", scilimits=(-2, 3))
         ax.set_xlabel("influence before (positive = helpful)")
         ax.set_ylabel(f"influence after {attack}")
         ax.set_title(f"{self.model}, {attack}")

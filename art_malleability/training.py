@@ -32,73 +32,10 @@ from art.estimators.classification import PyTorchClassifier
 from torch import nn
 from tqdm.auto import tqdm
 
+from art_malleability._torch_utils import resolve_device
+from art_malleability._validation import check_loss, labels_to_indices
+
 logger = logging.getLogger(__name__)
-
-LOSSES: tuple[str, ...] = ("cross_entropy", "mse")
-
-
-def resolve_device(device: str | torch.device = "auto") -> torch.device:
-    """
-    Turn a device specification into a :class:`torch.device`.
-
-    :param device: ``"auto"`` (CUDA when available, otherwise CPU), ``"cpu"``, ``"gpu"``/``"cuda"``,
-                   ``"cuda:k"`` or a :class:`torch.device`.
-    :return: The device.
-    """
-    if isinstance(device, torch.device):
-        resolved = device
-    elif isinstance(device, str):
-        key = device.strip().lower()
-        if key == "auto":
-            resolved = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        elif key == "gpu":
-            resolved = torch.device("cuda")
-        else:
-            try:
-                resolved = torch.device(key)
-            except RuntimeError as error:
-                raise ValueError(
-                    f"device must be 'auto', 'cpu', 'gpu', 'cuda' or 'cuda:k', got {device!r}."
-                ) from error
-    else:
-        raise TypeError(f"device must be a str or a torch.device, got {type(device).__name__}.")
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} asks for CUDA, but CUDA is not available.")
-    return resolved
-
-
-def _check_loss_name(loss: str) -> str:
-    if not isinstance(loss, str) or loss.strip().lower().replace("-", "_") not in LOSSES:
-        raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}.")
-    return loss.strip().lower().replace("-", "_")
-
-
-def _label_indices(y: np.ndarray, n: int) -> np.ndarray:
-    """
-    Class indices from index labels `(n,)`/`(n, 1)` or one-hot labels `(n, k)`.
-
-    :param y: Labels.
-    :param n: Expected number of examples.
-    :return: int64 array of shape `(n,)`.
-    """
-    y = np.asarray(y)
-    if y.ndim == 2 and y.shape[1] == 1:
-        y = y[:, 0]
-    if y.ndim == 2:
-        indices = np.argmax(y, axis=1)
-    elif y.ndim == 1:
-        if not (np.issubdtype(y.dtype, np.integer) or np.all(np.mod(y, 1) == 0)):
-            raise ValueError(
-                "y must hold integer class indices of shape (n,) or one-hot labels of shape (n, k)."
-            )
-        indices = y
-    else:
-        raise ValueError(f"y must have shape (n,) or (n, nb_classes), got {y.shape}.")
-    if indices.shape[0] != n:
-        raise ValueError(f"x and y must have the same number of examples, got {n} and {indices.shape[0]}.")
-    if indices.size and indices.min() < 0:
-        raise ValueError("y must not hold negative class indices.")
-    return indices.astype(np.int64)
 
 
 def train_model(
@@ -142,12 +79,14 @@ def train_model(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
-    loss_name = _check_loss_name(loss)
+    loss_name = check_loss(loss)
     if not isinstance(x, np.ndarray):
         raise TypeError(f"x must be a numpy array of shape (n, *input_shape), got {type(x).__name__}.")
     if x.ndim < 2 or x.shape[0] < 1:
         raise ValueError(f"x must have shape (n, *input_shape) with n >= 1, got {x.shape}.")
-    y_idx = _label_indices(y, x.shape[0])
+    y_idx = labels_to_indices(y, "y")
+    if y_idx.shape[0] != x.shape[0]:
+        raise ValueError(f"x and y must have the same number of examples, got {x.shape[0]} and {y_idx.shape[0]}.")
     for arg_name, value, minimum in (("epochs", epochs, 1), ("batch_size", batch_size, 1)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
             raise ValueError(f"{arg_name} must be an int >= {minimum}, got {value!r}.")
@@ -237,7 +176,7 @@ def make_classifier(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
-    loss_name = _check_loss_name(loss)
+    loss_name = check_loss(loss)
     if isinstance(input_shape, (int, np.integer)) and not isinstance(input_shape, bool):
         shape: tuple[int, ...] = (int(input_shape),)
     elif isinstance(input_shape, (tuple, list, torch.Size)) and all(

@@ -271,3 +271,13 @@ def test_bad_data(relu_clf):
         for a, k in zip(args, keep, strict=True):
             if isinstance(a, np.ndarray):
                 np.testing.assert_array_equal(a, k)
+
+
+def test_model_near_chance_is_flagged(relu_clf):
+    data = digits()
+    weak = trained_classifier("mlp-attn", epochs=1)
+    args = (data.x_train, data.y_train, data.x_test, data.y_test)
+    report = MalleabilityEstimator(weak, attacks=["fgsm"], **FAST).evaluate(*args)
+    assert report.warnings and "close to chance" in report.warnings[0]
+    assert "WARNING: clean accuracy" in report.summary() and "**Warning:**" in report.to_markdown()
+    assert MalleabilityEstimator(relu_clf, attacks=["fgsm"], **FAST).evaluate(*args).warnings == []

@@ -133,3 +133,17 @@ def test_inputs_not_mutated(rng):
     M.malleability_metrics(before, after, n_bootstrap=20)
     np.testing.assert_array_equal(before, copies[0])
     np.testing.assert_array_equal(after, copies[1])
+
+
+def test_interval_conditional_on_the_perturbed_set_contains_the_estimate(rng):
+    """Only the top set is perturbed (strategy "top"); the interval must bracket the estimate."""
+    n_query, n_train = 60, 200
+    before = rng.normal(size=(n_query, n_train)) + rng.normal(size=n_train)
+    top = M.top_indices(M.aggregate_scores(before), 20)
+    after = before.copy()
+    after[:, top] = rng.normal(size=(n_query, 20)) + rng.normal(size=20)
+    result = M.malleability_metrics(before, after, 0.1, n_bootstrap=300, top=top)
+    assert result["flip_rate"] == M.flip_rate(before, after, 0.1)
+    for name in ("flip_rate", "top_k_jaccard"):
+        low, high = result[name + "_ci"]
+        assert low <= result[name] <= high, name

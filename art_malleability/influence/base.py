@@ -22,23 +22,9 @@ from art_malleability._torch_utils import (
     trainable_parameters,
     working_copy,
 )
+from art_malleability._validation import LOSS_NAMES, check_loss, labels_to_indices
 
 logger = logging.getLogger(__name__)
-
-LOSS_NAMES = ("cross_entropy", "mse")
-
-
-def check_loss(loss: str) -> str:
-    """
-    Check a loss name.
-
-    :param loss: ``"cross_entropy"`` or ``"mse"``.
-    :return: ``loss`` unchanged.
-    :raises ValueError: For any other value.
-    """
-    if loss not in LOSS_NAMES:
-        raise ValueError(f"loss must be one of {LOSS_NAMES}, got {loss!r}")
-    return loss
 
 
 def regression_targets(y: torch.Tensor, n_outputs: int, dtype: torch.dtype) -> torch.Tensor:
@@ -81,29 +67,6 @@ def per_example_loss(outputs: torch.Tensor, y: torch.Tensor, loss: str) -> torch
         target = regression_targets(y, outputs.shape[-1], outputs.dtype)
         return 0.5 * (outputs - target).pow(2).sum(-1)
     raise ValueError(f"loss must be one of {LOSS_NAMES}, got {loss!r}")
-
-
-def labels_to_indices(y: np.ndarray, name: str = "y") -> np.ndarray:
-    """
-    Class indices from labels given as indices ``(n,)`` or one-hot / scores ``(n, C)`` (argmax).
-
-    :param y: Labels.
-    :param name: Argument name used in error messages.
-    :return: ``int64`` array of shape ``(n,)``.
-    :raises ValueError: If ``y`` has another shape, or non-integer or negative values.
-    """
-    y = np.asarray(y)
-    if y.ndim == 2:
-        return np.argmax(y, axis=1).astype(np.int64)
-    if y.ndim != 1:
-        raise ValueError(f"{name} must be class indices (n,) or one-hot (n, C), got shape {y.shape}")
-    if y.size and not np.issubdtype(y.dtype, np.integer):
-        if not np.all(np.isfinite(y)) or not np.all(y == np.round(y)):
-            raise ValueError(f"{name} must hold integer class indices, got non-integer values")
-    y = y.astype(np.int64)
-    if y.size and y.min() < 0:
-        raise ValueError(f"{name} must hold non-negative class indices, got {int(y.min())}")
-    return y
 
 
 def check_data(x: np.ndarray, y: np.ndarray, x_name: str, y_name: str) -> tuple[np.ndarray, np.ndarray]:
