@@ -281,3 +281,23 @@ def test_model_near_chance_is_flagged(relu_clf):
     assert report.warnings and "close to chance" in report.warnings[0]
     assert "WARNING: clean accuracy" in report.summary() and "**Warning:**" in report.to_markdown()
     assert MalleabilityEstimator(relu_clf, attacks=["fgsm"], **FAST).evaluate(*args).warnings == []
+
+
+def test_any_pytorch_classifier_with_mixed_flags_is_left_as_it_was():
+    """A plain nn.Sequential (bias frozen, dropout, train mode) through all three attacks and "gradient"."""
+    data = digits()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Flatten(), torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(32, 10)
+    )
+    net[4].bias.requires_grad_(False)
+    net.train()
+    clf = PyTorchClassifier(net, torch.nn.CrossEntropyLoss(reduction="sum"), (1, 8, 8), 10, clip_values=(0.0, 1.0))
+    before = _snapshot(clf)
+    x, y = data.x_train.copy(), data.y_train.copy()
+    for influence in ("ntk", "gradient"):
+        report = MalleabilityEstimator(clf, influence=influence, **FAST).evaluate(x, y, data.x_test, data.y_test)
+        assert len(report.results) == 3
+        _assert_same(before, _snapshot(clf))
+    assert before["reduction"] == "sum" and before["flags"] == [True, True, True, False]
+    np.testing.assert_array_equal(x, data.x_train)
