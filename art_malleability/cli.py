@@ -41,17 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         "embedded scikit-learn digits, FGSM/PGD/MIM at eps 0.3.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    data = audit.add_argument_group("data")
-    data.add_argument(
-        "--dataset",
-        default="digits",
-        help="'digits' (embedded), 'mnist', 'fashion-mnist', 'cifar10' (torchvision, from --data-root) "
-        "or a path to an .npz file with arrays x and y",
-    )
-    data.add_argument("--data-root", default=None, help="local torchvision root folder (no download)")
-    data.add_argument("--classes", type=int, nargs="+", default=None, help="keep only these labels (e.g. 3 8)")
-    data.add_argument("--n-train", type=int, default=1000, help="training examples audited")
-    data.add_argument("--n-test", type=int, default=300, help="held-out examples (queries are drawn from them)")
+    _add_data_options(audit, n_train=1000, n_test=300)
     model = audit.add_argument_group("model")
     model.add_argument(
         "--model",
@@ -94,7 +84,116 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--output", default="malleability-audit", help="report folder")
     run.add_argument("--quiet", action="store_true", help="no progress bars")
     audit.set_defaults(func=run_audit)
+    _add_ntk_check(sub)
+    _add_spectrum(sub)
     return parser
+
+
+def _add_data_options(parser: argparse.ArgumentParser, n_train: int, n_test: int | None) -> None:
+    group = parser.add_argument_group("data")
+    group.add_argument(
+        "--dataset",
+        default="digits",
+        help="'digits' (embedded), 'mnist', 'fashion-mnist', 'cifar10' (torchvision, from --data-root) "
+        "or a path to an .npz file with arrays x and y",
+    )
+    group.add_argument("--data-root", default=None, help="local torchvision root folder (no download)")
+    group.add_argument("--classes", type=int, nargs="+", default=None, help="keep only these labels (e.g. 3 8)")
+    group.add_argument("--n-train", type=int, default=n_train, help="training examples")
+    if n_test is not None:
+        group.add_argument("--n-test", type=int, default=n_test, help="held-out examples")
+
+
+def _add_ntk_check(sub: argparse._SubParsersAction) -> None:
+    check = sub.add_parser(
+        "ntk-check",
+        help="measure how close the reference models come to their infinite-width NTK at growing widths",
+        description="NTK-convergence check at three levels reported separately (static kernel distance at "
+        "initialisation, spectrum and kernel predictor, training dynamics), each with a fitted width "
+        "exponent, a bootstrap interval over seeds and its own verdict.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    _add_data_options(check, n_train=500, n_test=100)
+    group = check.add_argument_group("check")
+    group.add_argument("--models", nargs="+", default=["2l-relu", "mlp-attn"], help="reference models")
+    group.add_argument("--widths", type=int, nargs="+", default=[16, 64, 256, 1024, 4096], help="widths m")
+    group.add_argument("--seeds", type=int, default=5, help="number of initialisation seeds (0, 1, ...)")
+    group.add_argument("--protocols", nargs="*", choices=("gd", "adam"), default=["gd", "adam"],
+                       help="training protocols of the dynamic level (none: skip training)")
+    group.add_argument("--gd-steps", type=int, default=200, help="full-batch gradient-descent steps")
+    group.add_argument("--gd-lr-scale", type=float, default=1.0, help="GD step times 1/lambda_max of the limit")
+    group.add_argument("--adam-epochs", type=int, default=20, help="epochs of the Adam protocol (paper: 500)")
+    group.add_argument("--ridge", type=float, default=1e-3, help="ridge lambda of the kernel predictors")
+    group.add_argument("--dtype", choices=("float64", "float32"), default="float64", help="kernel precision")
+    group.add_argument("--device", default="auto", help="'auto', 'cpu' or 'cuda'")
+    group.add_argument("--seed", type=int, default=0, help="seed of the data subsets")
+    group.add_argument("--output", default="ntk-check", help="report folder")
+    group.add_argument("--quiet", action="store_true", help="no progress bar")
+    check.set_defaults(func=run_ntk_check)
+
+
+def run_ntk_check(args: argparse.Namespace) -> int:
+    """
+    Run the ``ntk-check`` subcommand.
+
+    :param args: Parsed arguments.
+    :return: Exit status.
+    """
+    from art_malleability.datasets import load_dataset
+    from art_malleability.ntk.convergence import NTKConvergenceChecker
+
+    data = load_dataset(
+        args.dataset, root=args.data_root, n_train=args.n_train, n_test=args.n_test, classes=args.classes,
+        seed=args.seed,
+    )
+    checker = NTKConvergenceChecker(
+        models=args.models, widths=args.widths, seeds=list(range(args.seeds)), protocols=args.protocols,
+        ridge=args.ridge, gd_steps=args.gd_steps, gd_lr_scale=args.gd_lr_scale, adam_epochs=args.adam_epochs,
+        device=args.device, dtype=getattr(torch, args.dtype), verbose=not args.quiet,
+    )
+    start = time.perf_counter()
+    report = checker.run(data.x_train, data.y_train, data.x_test, data.y_test, dataset=data.name)
+    folder = report.save(args.output)
+    print(report.summary())
+    print(f"\n{len(data.x_train)} training / {len(data.x_test)} test points of {data.name}; "
+          f"{time.perf_counter() - start:.1f} s; report in {folder}/")
+    return 0
+
+
+def _add_spectrum(sub: argparse._SubParsersAction) -> None:
+    spectrum = sub.add_parser(
+        "spectrum",
+        help="condition numbers of G = XX^T and the widths the kernel regime would need",
+        description="Spectrum of the Gram matrix G = XX^T of unit-normalised inputs: kappa(G), kappa(G^3) = "
+        "kappa(G)^3, kappa_d of the rank-min(n, d) truncation, and the required widths of the paper's v1 "
+        "and v2 bounds (as log10).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    _add_data_options(spectrum, n_train=1000, n_test=None)
+    spectrum.add_argument("--features", choices=("inputs", "mlp-attn"), default="inputs",
+                          help="analyse the raw inputs (the paper's G) or MLP-Attn's attention-mapped features")
+    spectrum.add_argument("--seed", type=int, default=0, help="seed of the subset")
+    spectrum.add_argument("--output", default="spectrum", help="report folder")
+    spectrum.set_defaults(func=run_spectrum)
+
+
+def run_spectrum(args: argparse.Namespace) -> int:
+    """
+    Run the ``spectrum`` subcommand.
+
+    :param args: Parsed arguments.
+    :return: Exit status.
+    """
+    from art_malleability.ntk.spectral import spectral_analysis_of_dataset
+
+    report = spectral_analysis_of_dataset(
+        args.dataset, root=args.data_root, n=args.n_train, seed=args.seed, classes=args.classes,
+        model="2l-relu" if args.features == "inputs" else "mlp-attn",
+    )
+    folder = report.save(args.output)
+    print(report.summary())
+    print(f"\nreport in {folder}/")
+    return 0
 
 
 def run_audit(args: argparse.Namespace) -> int:

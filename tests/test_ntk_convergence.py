@@ -1,0 +1,190 @@
+"""NTK-convergence checker: physics it must show, its linearised-dynamics oracle, report, bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from art_malleability.cli import main
+from art_malleability.datasets import load_dataset
+from art_malleability.models import build_reference_model
+from art_malleability.ntk.analytic import analytic_ntk
+from art_malleability.ntk.convergence import (
+    CONVERGES,
+    DESCRIPTIVE,
+    NO_CONVERGENCE,
+    ConvergenceReport,
+    NTKConvergenceChecker,
+    _Limit,
+)
+from art_malleability.ntk.empirical import empirical_ntk
+
+
+@pytest.fixture(scope="module")
+def small_digits():
+    return load_dataset("digits", n_train=40, n_test=20, seed=0)
+
+
+@pytest.fixture(scope="module")
+def report(small_digits):
+    d = small_digits
+    checker = NTKConvergenceChecker(
+        widths=[16, 128, 1024], seeds=[0, 1, 2], protocols=["gd", "adam"], gd_steps=30, adam_epochs=2,
+        n_bootstrap=200, device="cpu", verbose=False,
+    )
+    return checker.run(d.x_train, d.y_train, d.x_test, d.y_test, dataset="digits")
+
+
+def _fit(report, model, metric, protocol=None):
+    return next(f for f in report.fits if (f.model, f.metric, f.protocol) == (model, metric, protocol))
+
+
+def test_static_kernel_error_falls_like_inverse_sqrt_width_for_both_models(small_digits):
+    d = small_digits
+    rep = NTKConvergenceChecker(widths=[16, 256, 4096], seeds=list(range(10)), protocols=[], n_bootstrap=300,
+                                device="cpu", verbose=False).run(d.x_train, d.y_train, d.x_test, d.y_test)
+    for model in ("2l-relu", "mlp-attn"):
+        fit = _fit(rep, model, "kernel_error")
+        assert -0.7 < fit.exponent < -0.3, (model, fit.exponent)
+        assert fit.verdict == CONVERGES, (model, fit.interval)
+    # the spectral level separates them: MLP-Attn's smallest eigenvalue stays far below its limit at widths
+    # where 2L-ReLU's is already close (means over seeds at m = 16, 256, 4096)
+    attn, relu = _fit(rep, "mlp-attn", "lambda_min_ratio"), _fit(rep, "2l-relu", "lambda_min_ratio")
+    assert attn.verdict == DESCRIPTIVE
+    assert attn.means[0] < 1e-3 and attn.means[1] < 1e-2 and relu.means[1] > 0.5 and relu.means[2] > 0.9
+
+
+def test_records_levels_and_verdicts_are_separate(report):
+    assert len(report.records) == 2 * 3 * 3 * 4  # models x widths x seeds x (static, spectral, gd, adam)
+    verdicts = report.level_verdicts()
+    assert {(v["model"], v["level"], v["protocol"]) for v in verdicts} == {
+        (m, lvl, p) for m in ("2l-relu", "mlp-attn")
+        for lvl, p in (("static", None), ("spectral", None), ("dynamic", "gd"), ("dynamic", "adam"))
+    }
+    assert all(v["verdict"] in (CONVERGES, NO_CONVERGENCE) for v in verdicts)
+    gd = [r for r in report.records if r["protocol"] == "gd"]
+    assert all(r["linearised_distance"] is not None and r["kernel_movement"] >= 0 for r in gd)
+    assert all(r["linearised_distance"] is None for r in report.records if r["protocol"] == "adam")
+
+
+def test_lazy_training_under_gd_shrinks_with_width(report):
+    fit = _fit(report, "2l-relu", "kernel_movement", "gd")
+    assert fit.exponent < -0.3 and fit.verdict == CONVERGES
+    fit = _fit(report, "2l-relu", "linearised_distance", "gd")
+    assert fit.exponent < -0.2
+
+
+def test_report_round_trip_and_files(report, tmp_path):
+    folder = report.save(tmp_path / "check")
+    for name in ("convergence.json", "convergence.md", "static.png", "spectral.png", "dynamic.png"):
+        assert (folder / name).stat().st_size > 0
+    assert ConvergenceReport.load(folder) == report
+    assert "kernel_error" in report.summary() and "| 2l-relu | static |" in report.to_markdown()
+
+
+def test_linearised_gd_matches_explicit_linear_dynamics(small_digits):
+    d = small_digits
+    model = build_reference_model("2l-relu", d.input_shape, 10, width=64, seed=0).double()
+    x_tr = torch.as_tensor(d.x_train, dtype=torch.float64)
+    x_te = torch.as_tensor(d.x_test, dtype=torch.float64)
+    limit = _Limit(analytic_ntk, model, x_tr, x_te, d.y_train, 1e-3)
+    with torch.no_grad():
+        f_tr, f_te = model(x_tr).double(), model(x_te).double()
+    k, k_q = limit.k_train / 10, limit.k_test / 10
+    eta, steps = 0.7 / limit.lambda_max_per_output, 25
+    expected_test = f_te.clone()
+    current = f_tr.clone()
+    for _ in range(steps):
+        residual = current - limit.targets
+        expected_test -= eta * k_q @ residual
+        current -= eta * k @ residual
+    got = limit.linearised_gd(f_tr, f_te, 0.7, steps)
+    torch.testing.assert_close(got, expected_test, rtol=1e-9, atol=1e-9)
+
+
+def test_wide_network_under_gd_tracks_its_linearisation(small_digits):
+    """At width 8192 full-batch GD of the NTK-parametrised net stays close to the linearised dynamics."""
+    d = small_digits
+    checker = NTKConvergenceChecker(
+        models=["2l-relu"], widths=[256, 8192], seeds=[0, 1], protocols=["gd"], gd_steps=40, n_bootstrap=50,
+        device="cpu", verbose=False,
+    )
+    rep = checker.run(d.x_train[:20], d.y_train[:20], d.x_test[:10], d.y_test[:10])
+    distance = {w: np.mean([r["linearised_distance"] for r in rep.records if r["protocol"] == "gd"
+                            and r["width"] == w]) for w in (256, 8192)}
+    assert distance[8192] < 0.1 and distance[8192] < 0.5 * distance[256], distance
+    wide = [r for r in rep.records if r["protocol"] == "gd" and r["width"] == 8192]
+    assert all(r["kernel_movement"] < 0.05 for r in wide)
+
+
+def test_checker_leaves_global_rng_and_accepts_factories(small_digits):
+    d = small_digits
+    state = torch.get_rng_state()
+    factory = {"net": lambda width, seed: build_reference_model("2l-relu", (1, 8, 8), 10, width=width, seed=seed)}
+    rep = NTKConvergenceChecker(factory, widths=[8, 32], seeds=[0, 1], protocols=[], n_bootstrap=20,
+                                device="cpu", verbose=False).run(d.x_train[:10], d.y_train[:10],
+                                                                 d.x_test[:5], d.y_test[:5])
+    assert torch.equal(state, torch.get_rng_state())
+    assert rep.models == ["net"] and {f.level for f in rep.fits} == {"static", "spectral"}
+    k = empirical_ntk(factory["net"](32, 0).double(), torch.as_tensor(d.x_train[:10], dtype=torch.float64))
+    first = next(r for r in rep.records if r["width"] == 32 and r["seed"] == 0 and r["level"] == "static")
+    k_inf = analytic_ntk(factory["net"](32, 0).double(), torch.as_tensor(d.x_train[:10], dtype=torch.float64))
+    assert first["kernel_error"] == pytest.approx(float((k - k_inf).norm() / k_inf.norm()), rel=1e-10)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"widths": [16]}, "widths"),
+        ({"widths": [16, 16]}, "widths"),
+        ({"seeds": [0]}, "seeds"),
+        ({"protocols": ["sgd"]}, "protocols"),
+        ({"ridge": 0.0}, "ridge"),
+        ({"gd_lr_scale": 2.5}, "gd_lr_scale"),
+        ({"gd_steps": 0}, "gd_steps"),
+        ({"dtype": torch.float16}, "dtype"),
+        ({"models": ["resnet"]}, "models"),
+        ({"confidence": 1.0}, "confidence"),
+    ],
+)
+def test_bad_parameters(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        NTKConvergenceChecker(**kwargs)
+
+
+def test_bad_data(small_digits):
+    d = small_digits
+    checker = NTKConvergenceChecker(widths=[8, 16], seeds=[0, 1], protocols=[], device="cpu", verbose=False)
+    bad = d.x_train.copy()
+    bad[0, 0, 0, 0] = np.inf
+    with pytest.raises(ValueError, match="x_train"):
+        checker.run(bad, d.y_train, d.x_test, d.y_test)
+    with pytest.raises(ValueError, match="one label per row"):
+        checker.run(d.x_train, d.y_train[:-1], d.x_test, d.y_test)
+
+
+def test_cli_ntk_check_tiny(tmp_path, capsys):
+    code = main(["ntk-check", "--n-train", "20", "--n-test", "10", "--widths", "16", "64", "--seeds", "2",
+                 "--gd-steps", "5", "--adam-epochs", "1", "--output", str(tmp_path / "c"), "--quiet"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "kernel_error" in out and "lambda_min_error" in out and "kernel_movement" in out
+    assert (tmp_path / "c" / "convergence.json").exists()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_matches_cpu(small_digits):
+    d = small_digits
+    args = (d.x_train[:30], d.y_train[:30], d.x_test[:10], d.y_test[:10])
+    kwargs = {"widths": [64, 512], "seeds": [0, 1], "protocols": ["gd"], "gd_steps": 10, "n_bootstrap": 20,
+              "verbose": False}
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    cpu = NTKConvergenceChecker(device="cpu", **kwargs).run(*args)
+    gpu = NTKConvergenceChecker(device="cuda", **kwargs).run(*args)
+    assert torch.backends.cuda.matmul.allow_tf32 == tf32
+    for a, b in zip(cpu.records, gpu.records, strict=True):
+        for key in ("kernel_error", "lambda_min_ratio", "kernel_movement", "linearised_distance"):
+            if a.get(key) is not None:
+                assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), key
