@@ -534,9 +534,11 @@ class NTKConvergenceChecker:
         slope = _log_slope(log_w, table)
         rng = np.random.default_rng(0)
         draws = []
+        rows = np.arange(table.shape[0])[:, None]
         for _ in range(self.n_bootstrap):
-            cols = rng.integers(0, table.shape[1], table.shape[1])
-            draws.append(_log_slope(log_w, table[:, cols]))
+            # widths are independent draws (seed s at two widths shares nothing), so resample each row alone
+            cols = rng.integers(0, table.shape[1], table.shape)
+            draws.append(_log_slope(log_w, table[rows, cols]))
         draws = np.asarray(draws)
         draws = draws[np.isfinite(draws)]
         tail = 50.0 * (1 - self.confidence)

@@ -380,7 +380,13 @@ class SpectralReport:
             ("kappa_d (headline)", f"{fmt(self.kappa_d)} (log10 {fmt(self.log10_kappa_d)}; {self.kappa_d_rule})"),
             ("log10 kappa(G^3) = 3 log10 kappa(G)", fmt(self.log10_kappa_g3)),
             ("log10 kappa_d(G^3) = 3 log10 kappa_d", fmt(self.log10_kappa_d_g3)),
-            ("direct check of kappa(G^3)", self.g3_check),
+            (
+                "direct check of kappa(G^3)",
+                self.g3_check
+                if self.g3_check_kappa_direct is None
+                else f"{self.g3_check}: eig(G^3) gives {fmt(self.g3_check_kappa_direct)}, kappa(G)^3 = "
+                f"{fmt(self.kappa_g3)} (rel. error {fmt(self.g3_check_rel_error)})",
+            ),
             ("log10 width v1 (kappa_d^6)", fmt(self.log10_width_v1)),
             ("log10 width v2 (kappa_d^6 n ln n)", fmt(self.log10_width_v2)),
         ]
