@@ -1,12 +1,16 @@
 """Empirical NTK: structured (factorised) path against torch.func Jacobians and brute force."""
 
 import copy
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
+from art_malleability.models import MLPAttn, TwoLayerReLU
 from art_malleability.ntk.empirical import JacobianGram, empirical_ntk
 
 
@@ -70,14 +74,34 @@ class Mixed(nn.Module):
         return self.scale * self.head(h)
 
 
+class NormNet(nn.Module):
+    """A hidden layer followed by a layer norm: its output gradients are not rank one over classes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(5, 8)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.norm(self.fc(x))))
+
+
 def _models() -> dict[str, tuple[nn.Module, tuple[int, ...]]]:
     torch.manual_seed(0)
     mlp2 = nn.Sequential(nn.Linear(5, 7), nn.ReLU(inplace=True), nn.Linear(7, 3))
     mlp3 = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 6), nn.ReLU(), nn.Linear(6, 3))
     ctx = ContextNet(5, 16, 3)
     ctx.set_context(torch.randn(9, 5, generator=_gen(3)))
+    mlp_tanh = nn.Sequential(nn.Linear(5, 9), nn.Tanh(), nn.Linear(9, 4))
+    attn = MLPAttn(5, width=32, nb_classes=3, seed=1)
+    attn.set_context(torch.randn(9, 5, generator=_gen(11)))
     return {
         "mlp2": (mlp2, (5,)),
+        "mlp_tanh": (mlp_tanh, (5,)),
+        "norm": (NormNet(), (5,)),
+        "2l-relu": (TwoLayerReLU((1, 2, 3), width=32, nb_classes=4, seed=2), (1, 2, 3)),
+        "mlp-attn": (attn, (5,)),
         "mlp3": (mlp3, (5,)),
         "ntk_frozen_out": (NTKNet(5, 16, 3), (5,)),
         "context": (ctx, (5,)),
@@ -106,7 +130,10 @@ def _brute_force_jacobian(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("name", ["mlp2", "mlp3", "ntk_frozen_out", "context", "cnn", "mixed"])
+ALL_MODELS = ["mlp2", "mlp3", "mlp_tanh", "norm", "2l-relu", "mlp-attn", "ntk_frozen_out", "context", "cnn", "mixed"]
+
+
+@pytest.mark.parametrize("name", ALL_MODELS)
 @pytest.mark.parametrize("trace", [True, False])
 def test_structured_matches_jacobian(name: str, trace: bool) -> None:
     model, shape = _models()[name]
@@ -175,6 +202,173 @@ def test_symmetric_psd_and_blocking_invariant() -> None:
     assert _rel(k, k_one_block) < 1e-13
 
 
+# A chunk budget of 1 KiB (128 float64 numbers): one or a few examples per forward pass and
+# per kernel block, factors mostly not cached, so every chunking code path runs.
+TINY_MB = 1 / 1024
+
+
+def _record_batch_sizes(model: nn.Module) -> tuple[list[int], torch.utils.hooks.RemovableHandle]:
+    sizes: list[int] = []
+    handle = model.register_forward_pre_hook(lambda module, inputs: sizes.append(int(inputs[0].shape[0])))
+    return sizes, handle
+
+
+@pytest.mark.parametrize("name", ALL_MODELS)
+@pytest.mark.parametrize("trace", [True, False])
+def test_chunked_matches_jacobian(name: str, trace: bool) -> None:
+    model, shape = _models()[name]
+    model = model.double().eval()
+    x1 = torch.randn(13, *shape, generator=_gen(12), dtype=torch.float64)
+    x2 = torch.randn(7, *shape, generator=_gen(13), dtype=torch.float64)
+    for a, b in [(x1, None), (x1, x2)]:
+        sizes, handle = _record_batch_sizes(model)
+        try:
+            k_s = empirical_ntk(model, a, b, chunk_mb=TINY_MB, trace=trace)
+        finally:
+            handle.remove()
+        assert len(sizes) >= 4 and max(sizes[1:]) < 7  # several sub-batches (the first call is the probe)
+        k_j = empirical_ntk(model, a, b, method="jacobian", trace=trace)
+        assert _rel(k_s, k_j) < 1e-10
+        if b is None:
+            assert torch.equal(k_s, k_s.T if trace else k_s.permute(1, 0, 3, 2))
+
+
+@pytest.mark.parametrize("name", ["mlp3", "mlp_tanh", "norm", "2l-relu", "mlp-attn", "cnn", "mixed"])
+def test_result_does_not_depend_on_chunking(name: str) -> None:
+    model, shape = _models()[name]
+    model = model.double().eval()
+    x1 = torch.randn(11, *shape, generator=_gen(14), dtype=torch.float64)
+    x2 = torch.randn(6, *shape, generator=_gen(15), dtype=torch.float64)
+    ref = empirical_ntk(model, x1)
+    ref_x2 = empirical_ntk(model, x1, x2)
+    for chunk_mb, batch_size in [(TINY_MB, 256), (4 * TINY_MB, 5), (256.0, 1), (0.05, 7)]:
+        k = empirical_ntk(model, x1, batch_size=batch_size, chunk_mb=chunk_mb)
+        assert _rel(k, ref) < 1e-13
+        assert torch.equal(k, k.T)
+        assert _rel(empirical_ntk(model, x1, x2, batch_size=batch_size, chunk_mb=chunk_mb), ref_x2) < 1e-13
+
+
+def test_rank_one_factorisation_is_detected() -> None:
+    # last hidden layers and output layers factor over the classes; a layer followed by another
+    # data-dependent mixing (ReLU then a linear layer, a layer norm) does not
+    expected = {
+        "mlp2": [True, True],
+        "mlp3": [False, True, True],
+        "mlp_tanh": [True, True],
+        "norm": [False, True],
+        "2l-relu": [True],
+        "mlp-attn": [True],
+    }
+    for name, flags in expected.items():
+        model, shape = _models()[name]
+        model = model.double()
+        x = torch.randn(9, *shape, generator=_gen(16), dtype=torch.float64)
+        engine = JacobianGram(model)
+        k = engine.gram(x)
+        assert engine._rank_one == flags, name
+        assert _rel(k, empirical_ntk(model, x, method="jacobian")) < 1e-12
+        full = JacobianGram(model)  # trace=False never uses the factorisation
+        full.gram(x, trace=False)
+        assert full._rank_one == [True] * len(flags)
+
+
+def test_rank_one_factorisation_in_float32() -> None:
+    model, shape = _models()["mlp_tanh"]
+    x = torch.randn(9, *shape, generator=_gen(22))
+    engine = JacobianGram(model.float())
+    k32 = engine.gram(x)
+    assert engine._rank_one == [True, True] and k32.dtype == torch.float32
+    k64 = empirical_ntk(copy.deepcopy(model).double(), x, method="jacobian")
+    assert _rel(k32.double(), k64) < 1e-5
+
+
+def test_rank_change_after_first_chunk_recomputes(caplog: pytest.LogCaptureFixture) -> None:
+    # with one example per sub-batch every layer looks rank one at first; the first layer of
+    # mlp3 fails on a later chunk, and the kernel is recomputed with full factors for it
+    model, shape = _models()["mlp3"]
+    model = model.double()
+    x1 = torch.randn(10, *shape, generator=_gen(17), dtype=torch.float64)
+    x2 = torch.randn(4, *shape, generator=_gen(18), dtype=torch.float64)
+    engine = JacobianGram(model, chunk_mb=TINY_MB / 4)
+    with caplog.at_level("DEBUG", logger="art_malleability.ntk.empirical"):
+        k = engine.gram(x1, x2)
+    assert engine._sub_batch_rows() == 1
+    assert "not rank one" in caplog.text
+    assert engine._rank_one == [False, True, True]
+    assert _rel(k, empirical_ntk(model, x1, x2, method="jacobian")) < 1e-10
+    assert _rel(engine.gram(x1, x2), k) < 1e-14  # the decision sticks
+
+
+def test_class_directions_set_late_for_dead_columns() -> None:
+    # zero inputs give zero ReLU gradients (all columns dead): the class directions of the
+    # rank-one factorisation are only set by later examples, which must stay consistent
+    model, shape = _models()["2l-relu"]
+    model = model.double()
+    x = torch.randn(12, *shape, generator=_gen(19), dtype=torch.float64)
+    x[:3] = 0.0
+    x[7] = 0.0
+    for chunk_mb in (TINY_MB, 256.0):
+        for a, b in [(x, None), (x[:5], x[5:]), (x[5:], x[:5])]:
+            k = empirical_ntk(model, a, b, chunk_mb=chunk_mb)
+            assert _rel(k, empirical_ntk(model, a, b, method="jacobian")) < 1e-12
+    assert torch.all(empirical_ntk(model, x)[:3] == 0)
+
+
+def test_non_finite_values_propagate() -> None:
+    model, shape = _models()["mlp2"]
+    model = model.double()
+    x = torch.randn(6, *shape, generator=_gen(21), dtype=torch.float64)
+    model[2].weight.data[1, 2] = float("nan")  # reaches the hidden layer's gradients where unit 2 is active
+    k = empirical_ntk(model, x)
+    k_j = empirical_ntk(model, x, method="jacobian")
+    assert torch.isnan(k).any()
+    assert torch.equal(torch.isnan(k), torch.isnan(k_j))
+    finite = ~torch.isnan(k)
+    assert _rel(k[finite], k_j[finite]) < 1e-12
+
+
+def test_chunk_budget_bounds_passes() -> None:
+    model = TwoLayerReLU(6, width=512, nb_classes=10, seed=3).double()
+    raw = 10 * 512 + 6  # raw output gradients and layer input per example
+    chunk_mb = 3 * raw * 8 / 2**20  # room for three examples per forward/backward pass
+    x = torch.randn(40, 6, generator=_gen(20), dtype=torch.float64)
+    sizes, handle = _record_batch_sizes(model)
+    try:
+        engine = JacobianGram(model, chunk_mb=chunk_mb)
+        k = engine.gram(x)
+    finally:
+        handle.remove()
+    assert sizes[0] == 2  # planning probe
+    assert max(sizes[1:]) == 3
+    assert sum(sizes[1:]) == 40  # factors of the rank-one layer are small enough to be cached
+    assert _rel(k, empirical_ntk(model, x, method="jacobian")) < 1e-12
+
+
+def test_peak_memory_is_bounded_at_large_width() -> None:
+    # n = 100, width 32,768, 10 classes: the output gradients of all examples would take
+    # 100·10·32768·8 B = 250 MiB; streamed with a 16 MiB chunk the call adds far less to the peak
+    script = textwrap.dedent(
+        """
+        import resource, torch
+        from art_malleability.models import TwoLayerReLU
+        from art_malleability.ntk.empirical import empirical_ntk
+        torch.set_num_threads(2)
+        model = TwoLayerReLU(32, width=32768, nb_classes=10, seed=0).double()
+        x = torch.randn(100, 32, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        empirical_ntk(model, x[:2], chunk_mb=16)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        k = empirical_ntk(model, x, chunk_mb=16)
+        after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        assert torch.isfinite(k).all() and k.shape == (100, 100)
+        print((after - before) / 1024)
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    growth_mib = float(result.stdout.strip().splitlines()[-1])
+    assert growth_mib < 125, growth_mib
+
+
 def test_dtype_device_and_numpy_inputs() -> None:
     model, _ = _models()["mlp2"]  # float32 model
     x = np.random.default_rng(0).normal(size=(7, 5)).astype(np.float32)
@@ -215,6 +409,9 @@ def test_bad_parameters() -> None:
         empirical_ntk(model, x, method="fast")
     with pytest.raises(ValueError, match="batch_size"):
         empirical_ntk(model, x, batch_size=0)
+    for bad in (0, -1.0, float("nan"), float("inf"), True, "64"):
+        with pytest.raises(ValueError, match="chunk_mb"):
+            empirical_ntk(model, x, chunk_mb=bad)
     with pytest.raises(TypeError, match="trace"):
         empirical_ntk(model, x, trace="yes")
     with pytest.raises(TypeError, match="model"):
