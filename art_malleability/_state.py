@@ -37,10 +37,9 @@ def preserved(module: torch.nn.Module, loss: torch.nn.Module | None = None) -> I
     flags = [p.requires_grad for p in params]
     grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
     reduction = getattr(loss, "reduction", None)
-    rng_states = (random.getstate(), np.random.get_state(), torch.get_rng_state())
-    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     try:
-        yield
+        with preserved_rng():
+            yield
     finally:
         with torch.no_grad():
             for tensor, saved in tensors:
@@ -55,6 +54,16 @@ def preserved(module: torch.nn.Module, loss: torch.nn.Module | None = None) -> I
             p.grad = grad
         if loss is not None and reduction is not None:
             loss.reduction = reduction
+
+
+@contextmanager
+def preserved_rng() -> Iterator[None]:
+    """Restore the global random states of ``random``, numpy and torch (CUDA included) when the block exits."""
+    rng_states = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
         random.setstate(rng_states[0])
         np.random.set_state(rng_states[1])
         torch.set_rng_state(rng_states[2])

@@ -218,7 +218,7 @@ class MalleabilityEstimator:
         start = time.perf_counter()
         pred = clf.predict(x_acc, batch_size=self.batch_size)
         clean_accuracy = float(np.mean(pred.argmax(axis=1) == y_acc))
-        warnings = _accuracy_warnings(clean_accuracy, y_acc, source)
+        warnings = near_chance_warnings(clean_accuracy, y_acc, source)
         steps.set_postfix_str("influence (clean)")
         before = influence_on(x)
         seconds["influence_clean"] = time.perf_counter() - start
@@ -383,7 +383,7 @@ def influence_flip_rate(
     return float("nan") if rate is None else rate
 
 
-def _accuracy_warnings(accuracy: float, y: np.ndarray, source: str) -> list[str]:
+def near_chance_warnings(accuracy: float, y: np.ndarray, source: str) -> list[str]:
     """
     Flag a model close to chance: one that closes less than a quarter of the gap between the
     majority-class rate and perfect accuracy. Its influence scores describe a model that has learnt

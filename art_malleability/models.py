@@ -1,13 +1,13 @@
 """
-Reference models of the influence-malleability study: linearised attention, MLP-Attn and 2L-ReLU.
+Reference models of the influence-malleability study: linearised attention, MLP-Attn, 2L-ReLU and MLP-Attn-QKV.
 
-Both reference models are two-layer ReLU networks in NTK parametrisation,
+All reference models are two-layer ReLU networks in NTK parametrisation,
 
 .. math:: f(x) = m^{-1/2} \\, \\mathrm{relu}(W \\tilde{x}) A,
 
 with width :math:`m`, first-layer weights :math:`W` drawn i.i.d. :math:`\\mathcal{N}(0, 1)` (the only trained
-parameters) and a fixed output matrix :math:`A \\in \\{\\pm 1\\}^{m \\times k}` (one column per class). They
-differ only in the features :math:`\\tilde{x}`:
+parameters of 2L-ReLU and MLP-Attn) and a fixed output matrix :math:`A \\in \\{\\pm 1\\}^{m \\times k}` (one
+column per class). They differ only in the features :math:`\\tilde{x}`:
 
 - **2L-ReLU**: :math:`\\tilde{x} = \\hat{x}`, the flattened input scaled to unit :math:`\\ell_2` norm.
 - **MLP-Attn**: :math:`\\tilde{x} = \\mathrm{normalise}(C \\hat{x})` with :math:`C = X^\\top X` computed over
@@ -15,9 +15,15 @@ differ only in the features :math:`\\tilde{x}`:
   (:math:`\\exp(a) \\approx 1 + a`): attention over :math:`X` gives :math:`X X^\\top X`, whose row :math:`i`
   is :math:`C x_i`. The model is *transductive*: it exposes ``set_context(x_train)``, and test points are
   mapped with the training-set context.
+- **MLP-Attn-QKV** (the paper's v2 extension): the same linearised attention with trained query, key and value
+  maps, :math:`\\tilde{x} = \\mathrm{normalise}(W_v S W_k^\\top W_q \\hat{x})` with :math:`S = X^\\top X`,
+  initialised near the identity so that it starts near MLP-Attn (see :class:`MLPAttnQKV`). Its attention is
+  trained, so the infinite-width kernel of the two-layer net on fixed features is not its limit.
 
-Both models draw :math:`W` first and then :math:`A` from one local generator seeded by ``seed``, so the two
-reference models built with the same seed share their initial weights. No global random state is used.
+All models draw :math:`W` first and then :math:`A` from one local generator seeded by ``seed`` (MLP-Attn-QKV then
+draws its query, key and value maps from the same generator), so reference models built with the same seed share
+their initial :math:`W` and :math:`A` (when their features have the same dimension). No global random state is
+used.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-REFERENCE_MODELS: tuple[str, ...] = ("2l-relu", "mlp-attn")
+REFERENCE_MODELS: tuple[str, ...] = ("2l-relu", "mlp-attn", "mlp-attn-qkv")
 
 _NORM_EPS = 1e-12
 _CONTEXT_CHUNK = 4096
@@ -183,27 +189,44 @@ class _TwoLayerNTK(nn.Module):
     output_signs: torch.Tensor
 
     def __init__(
-        self, input_shape: int | tuple[int, ...], width: int, nb_classes: int, seed: int = 0
+        self,
+        input_shape: int | tuple[int, ...],
+        width: int,
+        nb_classes: int,
+        seed: int = 0,
+        *,
+        feature_dim: int | None = None,
+        generator: torch.Generator | None = None,
     ) -> None:
+        """
+        :param input_shape: Shape of one input or its number of features `d`.
+        :param width: Hidden width `m` (>= 1).
+        :param nb_classes: Number of outputs (>= 2).
+        :param seed: Seed of the local generator that draws :math:`W` and then :math:`A`.
+        :param feature_dim: Dimension of :meth:`features` (the input of the hidden layer); `None` means `d`.
+        :param generator: Generator to draw from instead of a fresh one seeded by `seed` (a subclass passes its
+                          own, seeded by `seed`, to continue drawing from it after :math:`W` and :math:`A`).
+        """
         super().__init__()
         d = _input_dim(input_shape)
         _check_width_classes(width, nb_classes)
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-            raise TypeError(f"seed must be an int, got {type(seed).__name__}.")
+        _check_seed(seed)
         self.input_shape = (
             (int(input_shape),) if isinstance(input_shape, (int, np.integer)) else tuple(input_shape)
         )
         self.input_dim = d
+        self.feature_dim = d if feature_dim is None else int(feature_dim)
         self.width = int(width)
         self.nb_classes = int(nb_classes)
         self.seed = int(seed)
         self.scale = self.width**-0.5
 
-        generator = torch.Generator().manual_seed(self.seed)
-        weight = torch.randn((self.width, d), generator=generator)
+        if generator is None:
+            generator = torch.Generator().manual_seed(self.seed)
+        weight = torch.randn((self.width, self.feature_dim), generator=generator)
         signs = torch.randint(0, 2, (self.width, self.nb_classes), generator=generator).mul_(2).sub_(1)
         # skip_init: no default initialisation, hence no draw from the global random state.
-        self.hidden = nn.utils.skip_init(nn.Linear, d, self.width, bias=False)
+        self.hidden = nn.utils.skip_init(nn.Linear, self.feature_dim, self.width, bias=False)
         with torch.no_grad():
             self.hidden.weight.copy_(weight)
         self.register_buffer("output_signs", signs.to(torch.float32))
@@ -213,7 +236,7 @@ class _TwoLayerNTK(nn.Module):
         Unit-norm features fed to the first layer.
 
         :param x: Batch of shape `(b, *input_shape)`.
-        :return: Tensor of shape `(b, d)`.
+        :return: Tensor of shape `(b, feature_dim)`.
         """
         raise NotImplementedError
 
@@ -308,6 +331,187 @@ class MLPAttn(_TwoLayerNTK):
         return F.normalize(self.attention(_flatten_normalise(x)), p=2.0, dim=1, eps=_NORM_EPS)
 
 
+class MLPAttnQKV(_TwoLayerNTK):
+    """
+    MLP-Attn-QKV: linearised attention with trained query, key and value maps, followed by the 2L-ReLU network
+    (the trainable-QKV variant of the paper's v2).
+
+    With softmax linearised (:math:`\\exp(a) \\approx 1 + a`, dropping the constant term and the normalisation as
+    for the identity maps of :class:`MLPAttn`), attention of a point :math:`x` over the row-normalised training
+    matrix :math:`X` (rows :math:`x_i`) with query, key and value maps :math:`W_q, W_k, W_v` (each of shape
+    `(qkv_dim, d)`) is
+
+    .. math:: \\sum_i (W_v x_i) \\, \\big((W_k x_i) \\cdot (W_q x)\\big) = W_v S W_k^\\top W_q \\, x,
+              \\qquad S = X^\\top X,
+
+    so only the `d x d` second-moment matrix :math:`S` of the training set is stored (the buffer
+    ``attention.context``, exactly the context :math:`C` of :class:`MLPAttn`), never the training matrix
+    itself. The features are :math:`\\tilde{x} = \\mathrm{normalise}(W_v S W_k^\\top W_q \\,
+    \\mathrm{normalise}(x))` (dimension `qkv_dim`), fed to the same NTK-parametrised two-layer ReLU network as
+    the other reference models. With :math:`W_q = W_k = W_v = I` the model is exactly :class:`MLPAttn` (with the
+    same seed, the same :math:`W` and :math:`A` are drawn).
+
+    Trained parameters: ``hidden.weight`` (:math:`W`, shape `(width, qkv_dim)`, i.i.d. :math:`\\mathcal{N}(0,
+    1)` at initialisation), ``query.weight`` (:math:`W_q`, shape `(qkv_dim, d)`), ``key.weight``
+    (:math:`W_k^\\top`, shape `(d, qkv_dim)`: the key map is stored transposed, see below) and
+    ``value.weight`` (:math:`W_v`, shape `(qkv_dim, d)`). The properties :attr:`query_weight`,
+    :attr:`key_weight` and :attr:`value_weight` give the three maps in the `(qkv_dim, d)` convention above. The
+    output signs :math:`A` stay a fixed buffer.
+
+    Initialisation: each of :math:`W_q, W_k, W_v` is the (rectangular) identity :math:`I_{qkv\\_dim \\times d}`
+    plus `init_noise` times i.i.d. :math:`\\mathcal{N}(0, 1/d)` entries, drawn in this order from the seeded
+    generator after :math:`W` and :math:`A`. With the default `init_noise` of 0.1 each map is within about 0.2
+    in spectral norm of the identity, so the model starts near MLP-Attn (and the symmetry between the three maps
+    is broken). When `qkv_dim < d` the identity part keeps the first `qkv_dim` input coordinates; when
+    `qkv_dim > d` it pads with zeros.
+
+    Each of the three maps is an ``nn.Linear`` called once per forward pass on the per-example rows
+    (:math:`x W_q^\\top`, then :math:`\\cdot W_k`, then :math:`\\cdot S W_v^\\top`; hence the transposed
+    storage of :math:`W_k`), so the structured path of :func:`~art_malleability.ntk.empirical.empirical_ntk`
+    factorises all four trained layers and needs no ``torch.func`` fallback.
+
+    The model is transductive like :class:`MLPAttn`: call :meth:`set_context` with the training inputs before
+    the forward pass (the training routines of this package do); test points are mapped with the training-set
+    context, which is part of the ``state_dict``. Because its attention is trained, the infinite-width kernel of
+    :func:`~art_malleability.ntk.analytic.analytic_ntk` (a two-layer ReLU net on fixed features) is not its
+    limit.
+    """
+
+    def __init__(
+        self,
+        input_shape: int | tuple[int, ...],
+        width: int,
+        nb_classes: int,
+        seed: int = 0,
+        qkv_dim: int | None = None,
+        *,
+        init_noise: float = 0.1,
+    ) -> None:
+        """
+        :param input_shape: Shape of one input (e.g. `(1, 28, 28)`) or its number of features `d`.
+        :param width: Hidden width `m` (>= 1).
+        :param nb_classes: Number of outputs (>= 2).
+        :param seed: Seed of the local generator that draws :math:`W`, :math:`A` (the same draws as
+                     :class:`MLPAttn` with this seed when `qkv_dim` is `d`) and then the noise of
+                     :math:`W_q, W_k, W_v`.
+        :param qkv_dim: Output dimension of the query, key and value maps (>= 1), which is also the input
+                        dimension of the hidden layer; `None` means `d`.
+        :param init_noise: Scale (>= 0) of the :math:`\\mathcal{N}(0, 1/d)` noise added to the identity in the
+                           initial query, key and value maps; 0 gives exactly the identity (the model is then
+                           :class:`MLPAttn` at initialisation).
+        """
+        d = _input_dim(input_shape)
+        _check_seed(seed)
+        if qkv_dim is None:
+            p = d
+        elif isinstance(qkv_dim, bool) or not isinstance(qkv_dim, (int, np.integer)):
+            raise TypeError(f"qkv_dim must be an int or None, got {type(qkv_dim).__name__}.")
+        elif qkv_dim < 1:
+            raise ValueError(f"qkv_dim must be >= 1, got {qkv_dim}.")
+        else:
+            p = int(qkv_dim)
+        if isinstance(init_noise, bool) or not isinstance(init_noise, (int, float, np.integer, np.floating)):
+            raise TypeError(f"init_noise must be a float, got {type(init_noise).__name__}.")
+        if not (math.isfinite(init_noise) and init_noise >= 0):
+            raise ValueError(f"init_noise must be a finite float >= 0, got {init_noise!r}.")
+
+        generator = torch.Generator().manual_seed(int(seed))
+        super().__init__(input_shape, width, nb_classes, seed, feature_dim=p, generator=generator)
+        self.qkv_dim = p
+        self.init_noise = float(init_noise)
+
+        eye = torch.eye(p, d)
+        noise_std = self.init_noise / math.sqrt(d)
+        w_q, w_k, w_v = (eye + noise_std * torch.randn((p, d), generator=generator) for _ in range(3))
+        # skip_init: no default initialisation, hence no draw from the global random state.
+        self.query = nn.utils.skip_init(nn.Linear, d, p, bias=False)
+        self.key = nn.utils.skip_init(nn.Linear, p, d, bias=False)
+        self.value = nn.utils.skip_init(nn.Linear, d, p, bias=False)
+        with torch.no_grad():
+            self.query.weight.copy_(w_q)
+            self.key.weight.copy_(w_k.T)
+            self.value.weight.copy_(w_v)
+        self.attention = LinearizedAttention(dim=d)
+
+    @property
+    def query_weight(self) -> torch.Tensor:
+        """
+        Query map :math:`W_q` (a view of ``query.weight``).
+
+        :return: Tensor of shape `(qkv_dim, d)`.
+        """
+        return self.query.weight
+
+    @property
+    def key_weight(self) -> torch.Tensor:
+        """
+        Key map :math:`W_k` (a transposed view of ``key.weight``).
+
+        :return: Tensor of shape `(qkv_dim, d)`.
+        """
+        return self.key.weight.T
+
+    @property
+    def value_weight(self) -> torch.Tensor:
+        """
+        Value map :math:`W_v` (a view of ``value.weight``).
+
+        :return: Tensor of shape `(qkv_dim, d)`.
+        """
+        return self.value.weight
+
+    @property
+    def has_context(self) -> bool:
+        """
+        Whether the attention context has been set (directly or through ``load_state_dict``).
+
+        :return: `True` once :meth:`set_context` was called.
+        """
+        return self.attention.has_context
+
+    def set_context(self, x_train: np.ndarray | torch.Tensor) -> None:
+        """
+        Set the attention context :math:`S = X^\\top X` from the training inputs (rows flattened and
+        normalised). The query, key and value maps are not touched.
+
+        :param x_train: Training inputs of shape `(n, *input_shape)`.
+        """
+        self.attention.set_context(x_train)
+
+    def attention_map(self) -> torch.Tensor:
+        """
+        The linear map :math:`M = W_v S W_k^\\top W_q` applied by the attention (before the second
+        normalisation), with the current weights and context. Differentiable; wrap in ``torch.no_grad`` for a
+        plain value.
+
+        :return: Tensor of shape `(qkv_dim, d)`.
+        """
+        if not self.attention.has_context:
+            raise RuntimeError("MLPAttnQKV has no context: call set_context(x_train) with the training inputs first.")
+        s = self.attention.context.to(self.query.weight.dtype)
+        return self.value_weight @ s @ self.key.weight @ self.query_weight
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """
+        Attention features :math:`\\mathrm{normalise}(W_v S W_k^\\top W_q \\hat{x})`, computed row-wise as
+        :math:`\\hat{x} W_q^\\top W_k S W_v^\\top`.
+
+        :param x: Batch of shape `(b, *input_shape)`.
+        :return: Tensor of shape `(b, qkv_dim)`.
+        """
+        keyed = self.key(self.query(_flatten_normalise(x.to(self.query.weight.dtype))))
+        attended = self.value(self.attention(keyed))
+        return F.normalize(attended, p=2.0, dim=1, eps=_NORM_EPS)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, qkv_dim={self.qkv_dim}, init_noise={self.init_noise}"
+
+
+def _check_seed(seed: int) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}.")
+
+
 def _check_width_classes(width: int, nb_classes: int) -> None:
     if isinstance(width, bool) or not isinstance(width, (int, np.integer)):
         raise TypeError(f"width must be an int, got {type(width).__name__}.")
@@ -325,9 +529,10 @@ def build_reference_model(
     """
     Build one of the reference models by name.
 
-    :param name: One of ``REFERENCE_MODELS``: ``"2l-relu"`` (:class:`TwoLayerReLU`) or ``"mlp-attn"``
-                 (:class:`MLPAttn`, transductive: call ``set_context`` before use). Case and ``_`` vs ``-``
-                 are ignored.
+    :param name: One of ``REFERENCE_MODELS``: ``"2l-relu"`` (:class:`TwoLayerReLU`), ``"mlp-attn"``
+                 (:class:`MLPAttn`) or ``"mlp-attn-qkv"`` (:class:`MLPAttnQKV` with its defaults:
+                 `qkv_dim = d`, maps near the identity). The two attention models are transductive: call
+                 ``set_context`` before use. Case and ``_`` vs ``-`` are ignored.
     :param input_shape: Shape of one input or its number of features.
     :param nb_classes: Number of classes (>= 2).
     :param width: Hidden width (>= 1).
@@ -340,5 +545,12 @@ def build_reference_model(
     if key not in REFERENCE_MODELS:
         raise ValueError(f"Unknown reference model name {name!r}; expected one of {REFERENCE_MODELS}.")
     _check_width_classes(width, nb_classes)
-    model_class = TwoLayerReLU if key == "2l-relu" else MLPAttn
+    model_class = _MODEL_CLASSES[key]
     return model_class(input_shape, width=width, nb_classes=nb_classes, seed=seed)
+
+
+_MODEL_CLASSES: dict[str, type[_TwoLayerNTK]] = {
+    "2l-relu": TwoLayerReLU,
+    "mlp-attn": MLPAttn,
+    "mlp-attn-qkv": MLPAttnQKV,
+}

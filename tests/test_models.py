@@ -209,7 +209,7 @@ def test_outputs_invariant_to_input_scale(name, x_train, x_query):
 
 
 def test_factory():
-    assert REFERENCE_MODELS == ("2l-relu", "mlp-attn")
+    assert REFERENCE_MODELS == ("2l-relu", "mlp-attn", "mlp-attn-qkv")
     assert isinstance(build_reference_model("2l-relu", INPUT_SHAPE, 10), TwoLayerReLU)
     model = build_reference_model("MLP_Attn", INPUT_SHAPE, 10, width=16, seed=2)
     assert isinstance(model, MLPAttn)

@@ -241,3 +241,12 @@ def test_relu_ntk_is_the_mean_empirical_ntk_with_any_norms(trained):
     assert mean_error < single_error / 4
     if trained == "both":  # the second-layer term matters: the first-layer limit alone is far off
         assert _rel(torch.stack(kernels).mean(0), k * relu_ntk(z)) > 0.3
+
+
+def test_analytic_limit_refuses_models_with_other_trained_parameters():
+    from art_malleability.models import build_reference_model
+
+    model = build_reference_model("mlp-attn-qkv", (1, 8, 8), 10, width=16)
+    model.set_context(np.random.default_rng(0).random((20, 1, 8, 8)))
+    with pytest.raises(ValueError, match="query.weight"):
+        analytic_ntk(model, np.random.default_rng(1).random((3, 1, 8, 8)))

@@ -251,7 +251,7 @@ def analytic_ntk(
                     if the output weights were trained too).
     :return: Float64 tensor of shape `(n1, n2)` on the model's device.
     :raises TypeError: If `model` is not a module or has no ``features`` method.
-    :raises ValueError: On an unknown `trained` or empty inputs.
+    :raises ValueError: On an unknown `trained`, empty inputs, or trained parameters besides ``hidden.weight``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
@@ -261,6 +261,13 @@ def analytic_ntk(
             "inputs of a reference model (TwoLayerReLU or MLPAttn)."
         )
     trained = _check_trained(trained)
+    extra = [n for n, p in model.named_parameters() if p.requires_grad and n != "hidden.weight"]
+    if extra:
+        raise ValueError(
+            f"model ({type(model).__name__}) trains parameters besides the first layer ({', '.join(extra)}): "
+            "their share of the empirical NTK is not width-scaled and does not vanish, so the two-layer ReLU "
+            "limit does not apply (e.g. MLP-Attn-QKV's trained attention has no infinite-width kernel here)."
+        )
     if not isinstance(model, (TwoLayerReLU, MLPAttn)):
         logger.warning(
             "analytic_ntk: %s is not a reference model; the two-layer ReLU formula is applied to its features.",

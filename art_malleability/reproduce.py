@@ -1,0 +1,542 @@
+"""
+Reproduction of the paper's comparisons (Miñoza, Medina & Ibañez, 2026), side by side with its numbers.
+
+:func:`run_reproduction` regenerates, on any data set of the package:
+
+* **Table 1**: NTK distance of each model at widths 16, 1024, 4096 (and the full sweep), through
+  :class:`~art_malleability.ntk.convergence.NTKConvergenceChecker`. The paper's "NTK distance"
+  ``‖f_m − f_NTK‖`` is read as the checker's ``output_distance`` under the paper's Adam protocol;
+  its static kernel error and the distance to the linearised network under gradient descent are
+  shown beside it.
+* **Table 2**: flip rates (FGSM / PGD / MIM, ε = 0.3) of every model, all classes, cross-entropy.
+* **Table 3**: binary tasks, MSE loss: digits 3 vs 8 on MNIST-like data, automobile vs airplane on
+  CIFAR-10-like data (three colour channels).
+* **Table 4**: PGD flip rate after PGD adversarial training through ART's
+  :class:`~art.defences.trainer.AdversarialTrainer` (ratio 1: every batch replaced by its PGD
+  counterpart), against standard training.
+* **ε ablation** (0.1, 0.2, 0.3, 0.5) on the Table 2 models, and the **spectral numbers**.
+
+Every measured value is the mean over seeds with a 95 % Student-t interval, next to the paper's
+value and the ratio MLP-Attn / 2L-ReLU. The clean test accuracy of every trained model is reported,
+and a model that closes less than a quarter of the gap between chance and perfect accuracy is
+flagged (its flip rates are kept, marked, and left out of no table).
+
+Training follows the paper's protocol by default (Adam, lr 1e-3, batch 128, L2 1e-3, 500 epochs);
+the paper's numbers come from summaries of the paper, not its tables, and are targets to test.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from scipy import stats
+from tqdm.auto import tqdm
+
+from art_malleability._state import preserved_rng
+from art_malleability._torch_utils import resolve_device
+from art_malleability._validation import one_hot
+from art_malleability.datasets import Dataset, load_dataset
+from art_malleability.estimator import MalleabilityEstimator, near_chance_warnings
+from art_malleability.models import build_reference_model
+from art_malleability.report import _atomic_write, _plain
+from art_malleability.training import make_classifier, train_model
+
+logger = logging.getLogger(__name__)
+
+ATTACKS = ("fgsm", "pgd", "mim")
+TABLES = ("table1", "table2", "table3", "table4", "ablation", "spectral")
+
+#: The paper's reported numbers (percent for flip rates), keyed by data family and model.
+PAPER: dict[str, Any] = {
+    "table1": {  # NTK distance at widths 16 / 1024 / 4096
+        "mnist": {"2l-relu": [45.1, 39.9, 39.2], "mlp-attn": [10.3, 33.3, 43.4]},
+        "cifar10": {"2l-relu": [246.2, 101.7, 56.9], "mlp-attn": [3.7, 10.4, 12.6]},
+    },
+    "table2": {
+        "mnist": {"2l-relu": {"fgsm": 4.1, "pgd": 3.3, "mim": 3.4},
+                  "mlp-attn": {"fgsm": 34.6, "pgd": 28.9, "mim": 21.9}},
+        "cifar10": {"2l-relu": {"fgsm": 3.3, "pgd": 3.1, "mim": 3.2},
+                    "mlp-attn": {"fgsm": 26.4, "pgd": 19.1, "mim": 20.5}},
+    },
+    "table3": {
+        "mnist": {"2l-relu": {"fgsm": 8.4, "pgd": 8.4, "mim": 8.6},
+                  "mlp-attn": {"fgsm": 25.9, "pgd": 41.0, "mim": 40.5}},
+        "cifar10": {"2l-relu": {"fgsm": 15.2, "pgd": 15.5, "mim": 15.3},
+                    "mlp-attn": {"fgsm": 14.3, "pgd": 14.0, "mim": 14.8}},
+    },
+    "table4": {  # PGD flip rate: standard -> PGD adversarial training
+        "mnist": {"2l-relu": [3.3, 43.4], "mlp-attn": [28.9, 42.2]},
+        "cifar10": {"2l-relu": [3.1, 36.5], "mlp-attn": [19.1, 38.6]},
+    },
+    "spectral": {"mnist": {"kappa": 1.2e3, "log10_width": 24.0}, "cifar10": {"kappa": 8.7e3, "log10_width": 29.0}},
+}
+BINARY_CLASSES = {"mnist": [3, 8], "cifar10": [1, 0]}  # 3 vs 8; automobile vs airplane
+
+
+@dataclass
+class ReproductionConfig:
+    """
+    Settings of a reproduction run. Defaults: the paper's training protocol on the embedded digits,
+    three seeds, sizes that finish on two CPU cores in under 15 minutes.
+
+    :param dataset: Data set name or ``.npz`` path (see :func:`~art_malleability.datasets.load_dataset`).
+    :param data_root: Local torchvision root.
+    :param n_train: Training examples of the flip-rate tables.
+    :param n_test: Test examples (queries are drawn from them).
+    :param models: Models of Tables 1–2 (Tables 3–4 use the first two).
+    :param width: Hidden width of the flip-rate tables.
+    :param seeds: Seeds (training initialisation, data order, queries).
+    :param epochs: Training epochs (paper: 500).
+    :param lr: Adam learning rate (paper: 1e-3).
+    :param weight_decay: Adam L2 (paper: 1e-3).
+    :param batch_size: Batch size (paper: 128).
+    :param adv_epochs: Epochs of PGD adversarial training.
+    :param adv_max_iter: PGD steps inside adversarial training.
+    :param eps: Attack budget of Tables 2–4.
+    :param eps_grid: Budgets of the ablation.
+    :param attack_max_iter: Steps of PGD and MIM in the audits.
+    :param n_queries: Query points per audit.
+    :param n_bootstrap: Bootstrap resamples inside each audit.
+    :param top_fraction: Share of training data in the influential set.
+    :param widths: Width sweep of Table 1.
+    :param ntk_n_train: Training points of Table 1's kernels.
+    :param ntk_n_test: Test points of Table 1's output distances.
+    :param ntk_adam_epochs: Adam epochs of Table 1's dynamic level.
+    :param ntk_gd_steps: Gradient-descent steps of Table 1's dynamic level.
+    :param tables: Which tables to run.
+    :param device: ``"auto"``, ``"cpu"`` or ``"cuda"``.
+    :param verbose: Progress bars.
+    """
+
+    dataset: str = "digits"
+    data_root: str | None = None
+    n_train: int = 1000
+    n_test: int = 300
+    models: tuple[str, ...] = ("2l-relu", "mlp-attn", "mlp-attn-qkv")
+    width: int = 512
+    seeds: tuple[int, ...] = (0, 1, 2)
+    epochs: int = 500
+    lr: float = 1e-3
+    weight_decay: float = 1e-3
+    batch_size: int = 128
+    adv_epochs: int = 50
+    adv_max_iter: int = 10
+    eps: float = 0.3
+    eps_grid: tuple[float, ...] = (0.1, 0.2, 0.3, 0.5)
+    attack_max_iter: int = 20
+    n_queries: int = 100
+    n_bootstrap: int = 200
+    top_fraction: float = 0.1
+    widths: tuple[int, ...] = (16, 64, 256, 1024, 4096)
+    ntk_n_train: int = 300
+    ntk_n_test: int = 100
+    ntk_adam_epochs: int = 20
+    ntk_gd_steps: int = 200
+    tables: tuple[str, ...] = TABLES
+    device: str = "auto"
+    verbose: bool = True
+
+    def __post_init__(self) -> None:
+        for t in self.tables:
+            if t not in TABLES:
+                raise ValueError(f"tables must be drawn from {TABLES}, got {t!r}")
+        if len(self.seeds) < 1:
+            raise ValueError("seeds must hold at least one seed")
+        for w in (16, 1024, 4096):
+            if "table1" in self.tables and w not in self.widths:
+                logger.info("Table 1 reports widths 16/1024/4096; width %d is not in the sweep", w)
+
+
+@dataclass
+class Reproduction:
+    """
+    Every measurement of a run (``rows``) and its summaries (``tables``), with the paper's numbers.
+
+    :param config: The run's settings.
+    :param family: ``"mnist"`` or ``"cifar10"``: which of the paper's numbers the data is compared with.
+    :param rows: One dict per trained model and audit.
+    :param tables: Markdown of each table.
+    :param seconds: Time of each table.
+    """
+
+    config: dict[str, Any]
+    family: str
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    tables: dict[str, str] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def to_markdown(self) -> str:
+        """:return: Every table as Markdown, with the settings."""
+        lines = [f"# Reproduction on {self.config['dataset']} (compared with the paper's {self.family} numbers)", ""]
+        for text in self.tables.values():
+            lines += [text, ""]
+        lines += ["## Settings", ""] + [f"- `{k}`: `{v}`" for k, v in self.config.items()]
+        lines += ["", "## Time (seconds)", ""] + [f"- {k}: {v:.0f}" for k, v in self.seconds.items()]
+        return "\n".join(lines) + "\n"
+
+    def save(self, directory: str | Path) -> Path:
+        """
+        Write ``reproduction.json`` (atomically) and ``reproduction.md``.
+
+        :param directory: Output folder.
+        :return: The folder.
+        """
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        _atomic_write(out / "reproduction.json", json.dumps(_plain(asdict(self)), indent=1, allow_nan=False))
+        _atomic_write(out / "reproduction.md", self.to_markdown())
+        return out
+
+
+def run_reproduction(config: ReproductionConfig, output: str | Path) -> Reproduction:
+    """
+    Run the chosen tables and write ``reproduction.json``, ``reproduction.md`` and figures to ``output``.
+
+    :param config: Settings.
+    :param output: Output folder.
+    :return: The :class:`Reproduction`.
+    """
+    out = Path(output)
+    out.mkdir(parents=True, exist_ok=True)
+    data = load_dataset(config.dataset, root=config.data_root, n_train=config.n_train, n_test=config.n_test, seed=0)
+    family = "cifar10" if data.input_shape[0] == 3 else "mnist"
+    result = Reproduction(_plain(asdict(config)), family)
+    trained: dict[tuple[str, int], Any] = {}
+    steps = {
+        "table1": lambda: _table1(config, data, family, result, out),
+        "table2": lambda: _table2(config, data, family, result, trained),
+        "table3": lambda: _table3(config, family, result),
+        "table4": lambda: _table4(config, data, family, result, trained),
+        "ablation": lambda: _ablation(config, data, result, trained, out),
+        "spectral": lambda: _spectral(config, family, result),
+    }
+    with preserved_rng():
+        for name in TABLES:
+            if name not in config.tables:
+                continue
+            start = time.perf_counter()
+            steps[name]()
+            result.seconds[name] = time.perf_counter() - start
+            if config.verbose:
+                print(result.tables.get(name, ""), flush=True)
+            result.save(out)
+    return result
+
+
+# ------------------------------------------------------------------------------------------------- tables
+
+
+def _table1(config, data: Dataset, family: str, result: Reproduction, out: Path) -> None:
+    from art_malleability.ntk.convergence import NTKConvergenceChecker
+
+    n_tr, n_te = min(config.ntk_n_train, len(data.x_train)), min(config.ntk_n_test, len(data.x_test))
+    models = [m for m in config.models if m != "mlp-attn-qkv"]  # no analytic limit for trained attention
+    checker = NTKConvergenceChecker(
+        models=models, widths=config.widths, seeds=config.seeds if len(config.seeds) > 1 else (0, 1),
+        protocols=("adam", "gd"), adam_epochs=config.ntk_adam_epochs, gd_steps=config.ntk_gd_steps,
+        device=config.device, verbose=config.verbose,
+    )
+    report = checker.run(data.x_train[:n_tr], data.y_train[:n_tr], data.x_test[:n_te], data.y_test[:n_te],
+                         dataset=data.name)
+    report.save(out / "table1_ntk")
+    shown = [w for w in (16, 1024, 4096) if w in config.widths]
+    lines = [
+        "## Table 1: NTK distance ‖f_m − f_NTK‖ (Adam protocol) at widths " + " / ".join(map(str, shown)),
+        "",
+        f"{n_tr} training / {n_te} test points; mean over seeds [95% t-interval]. Paper: {family}. "
+        "Static = ‖K_m − K_∞‖/‖K_∞‖ at init; GD-lin = relative distance to the linearised network under GD.",
+        "",
+        "| model | " + " | ".join(f"m={w}" for w in shown) + " | paper | direction (measured / paper) | static m="
+        + "/".join(map(str, shown)) + " | GD-lin m=" + "/".join(map(str, shown)) + " |",
+        "|---|" + "---|" * len(shown) + "---|---|---|---|",
+    ]
+    for model in models:
+        cells, means = [], []
+        for w in shown:
+            values = [r["output_distance"] for r in report.records
+                      if r["model"] == model and r["width"] == w and r["protocol"] == "adam"]
+            mean, low, high = _mean_ci(values)
+            means.append(mean)
+            cells.append(_fmt_ci(mean, low, high, 1, (0.0, float("inf"))))
+            result.rows.append({"table": "table1", "model": model, "width": w, "ntk_distance": mean,
+                                "ci": [low, high], "seeds": len(values)})
+        paper = PAPER["table1"][family].get(model)
+        static = "/".join(f"{_mean(report, model, w, 'static', 'kernel_error'):.3f}" for w in shown)
+        lin = "/".join(f"{_mean(report, model, w, 'dynamic', 'linearised_distance', 'gd'):.3f}" for w in shown)
+        lines.append(f"| {model} | " + " | ".join(cells) + f" | {' / '.join(map(str, paper)) if paper else 'n/a'} | "
+                     f"{_direction(means)} / {_direction(paper) if paper else 'n/a'} | {static} | {lin} |")
+    if "mlp-attn-qkv" in config.models:
+        lines.append("| mlp-attn-qkv | " + " | ".join("n/a" for _ in shown) + " | — | — | n/a | n/a |")
+        lines += ["", "MLP-Attn-QKV has no NTK distance: its query/key/value maps are trained and not width-scaled, so "
+                  "their share of the empirical NTK does not vanish and there is no infinite-width kernel f_NTK to "
+                  "compare with (the paper does not say which limit it used for this row)."]
+    lines += ["", "Full sweep: `table1_ntk/convergence.md` (every metric, width exponents, verdicts) and figures."]
+    result.tables["table1"] = "\n".join(lines)
+
+
+def _table2(config, data: Dataset, family: str, result: Reproduction, trained: dict) -> None:
+    rows = []
+    for model in config.models:
+        for seed in _progress(config, config.seeds, f"table 2 {model}"):
+            clf, acc = _train(config, model, data, seed, "cross_entropy")
+            trained[(model, seed)] = clf
+            report = _audit(config, clf, data, ATTACKS, config.eps, seed)
+            rows += _flip_rows("table2", model, seed, acc, report, data, extra={"eps": config.eps})
+    result.rows += rows
+    result.tables["table2"] = _flip_table(
+        f"## Table 2: flip rates (%), {data.nb_classes} classes, ε = {config.eps}", rows, config.models,
+        PAPER["table2"][family], family,
+    )
+
+
+def _table3(config, family: str, result: Reproduction) -> None:
+    classes = BINARY_CLASSES[family]
+    data = load_dataset(config.dataset, root=config.data_root, n_train=config.n_train, n_test=config.n_test,
+                        classes=classes, seed=0)
+    rows = []
+    models = [m for m in config.models if m in ("2l-relu", "mlp-attn")]
+    for model in models:
+        for seed in _progress(config, config.seeds, f"table 3 {model}"):
+            clf, acc = _train(config, model, data, seed, "mse")
+            report = _audit(config, clf, data, ATTACKS, config.eps, seed)
+            rows += _flip_rows("table3", model, seed, acc, report, data, extra={"classes": classes})
+    result.rows += rows
+    title = (
+        f"## Table 3: binary task, classes {classes[0]} vs {classes[1]} (MSE loss), flip rates (%), ε = {config.eps}"
+    )
+    result.tables["table3"] = _flip_table(title, rows, models, PAPER["table3"][family], family)
+
+
+def _table4(config, data: Dataset, family: str, result: Reproduction, trained: dict) -> None:
+    from art.attacks.evasion import ProjectedGradientDescent
+    from art.defences.trainer import AdversarialTrainer
+    from art.estimators.classification import PyTorchClassifier
+
+    models = [m for m in config.models if m in ("2l-relu", "mlp-attn")]
+    rows = []
+    for model in models:
+        for seed in _progress(config, config.seeds, f"table 4 {model}"):
+            if (model, seed) not in trained:
+                trained[(model, seed)] = _train(config, model, data, seed, "cross_entropy")[0]
+            standard = trained[(model, seed)]
+            base_acc = _accuracy(standard, data)
+            report = _audit(config, standard, data, ("pgd",), config.eps, seed)
+            rows += _flip_rows("table4", model, seed, base_acc, report, data, extra={"training": "standard"})
+            # adversarial training continues from a fresh initialisation with the same protocol
+            module = build_reference_model(model, data.input_shape, data.nb_classes, width=config.width, seed=seed)
+            if hasattr(module, "set_context"):
+                module.set_context(data.x_train)
+            params = [p for p in module.parameters() if p.requires_grad]
+            clf = PyTorchClassifier(
+                module, torch.nn.CrossEntropyLoss(), data.input_shape, data.nb_classes,
+                optimizer=torch.optim.Adam(params, lr=config.lr, weight_decay=config.weight_decay),
+                clip_values=data.clip_values,
+                device_type="gpu" if resolve_device(config.device).type == "cuda" else "cpu",
+            )
+            pgd = ProjectedGradientDescent(clf, eps=float(config.eps), eps_step=2.5 * config.eps / config.adv_max_iter,
+                                           max_iter=config.adv_max_iter, num_random_init=0, verbose=False)
+            np.random.seed(seed)
+            AdversarialTrainer(clf, pgd, ratio=1.0).fit(data.x_train, one_hot(data.y_train, data.nb_classes),
+                                                        batch_size=config.batch_size, nb_epochs=config.adv_epochs)
+            module.eval()
+            report = _audit(config, clf, data, ("pgd",), config.eps, seed)
+            rows += _flip_rows("table4", model, seed, _accuracy(clf, data), report, data,
+                               extra={"training": "pgd-adversarial"})
+    result.rows += rows
+    lines = [f"## Table 4: PGD flip rate (%) after PGD adversarial training (ART AdversarialTrainer, ratio 1, "
+             f"{config.adv_max_iter} steps, {config.adv_epochs} epochs), ε = {config.eps}", "",
+             "| model | standard | clean acc. | adversarial | clean acc. | paper (standard → adversarial) |",
+             "|---|---|---|---|---|---|"]
+    for model in models:
+        cells = []
+        for training in ("standard", "pgd-adversarial"):
+            sel = [r for r in rows if r["model"] == model and r["training"] == training]
+            cells += [_fmt_ci(*_mean_ci([100 * r["flip_rate"] for r in sel]), 1), _acc_cell(sel)]
+        paper = PAPER["table4"][family].get(model)
+        lines.append(f"| {model} | " + " | ".join(cells) + f" | {paper[0]} → {paper[1]} |")
+    result.tables["table4"] = "\n".join(lines)
+
+
+def _ablation(config, data: Dataset, result: Reproduction, trained: dict, out: Path) -> None:
+    models = [m for m in config.models if m in ("2l-relu", "mlp-attn")]
+    rows = []
+    for model in models:
+        for seed in _progress(config, config.seeds, f"ε ablation {model}"):
+            if (model, seed) not in trained:
+                trained[(model, seed)] = _train(config, model, data, seed, "cross_entropy")[0]
+            clf = trained[(model, seed)]
+            acc = _accuracy(clf, data)
+            for eps in config.eps_grid:
+                report = _audit(config, clf, data, ATTACKS, eps, seed)
+                rows += _flip_rows("ablation", model, seed, acc, report, data, extra={"eps": eps})
+    result.rows += rows
+    lines = ["## ε ablation: flip rates (%) by attack budget", "",
+             "| model | attack | " + " | ".join(f"ε={e}" for e in config.eps_grid) + " |",
+             "|---|---|" + "---|" * len(config.eps_grid)]
+    for model in models:
+        for attack in ATTACKS:
+            cells = [_fmt_ci(*_mean_ci([100 * r["flip_rate"] for r in rows if r["model"] == model
+                                        and r["attack"] == attack and r["eps"] == e]), 1) for e in config.eps_grid]
+            lines.append(f"| {model} | {attack} | " + " | ".join(cells) + " |")
+    lines += ["", "![ε ablation](ablation.png)"]
+    result.tables["ablation"] = "\n".join(lines)
+    _plot_ablation(rows, models, config.eps_grid, out / "ablation.png")
+
+
+def _spectral(config, family: str, result: Reproduction) -> None:
+    from art_malleability.ntk.spectral import spectral_analysis_of_dataset
+
+    report = spectral_analysis_of_dataset(config.dataset, root=config.data_root, n=config.n_train, seed=0)
+    paper = PAPER["spectral"][family]
+    result.rows.append({"table": "spectral", **{k: v for k, v in report.to_dict().items() if k != "eigenvalues"}})
+    result.tables["spectral"] = "\n".join([
+        f"## Spectral numbers (n = {report.n}, unit-normalised inputs)", "",
+        "| quantity | measured | paper |", "|---|---|---|",
+        f"| κ(G) | {report.kappa:.4g} | — |",
+        f"| κ_d ({report.kappa_d_rule}) | {report.kappa_d:.4g} | {paper['kappa']:.3g} |",
+        f"| log10 κ_d(G³) = 3 log10 κ_d | {report.log10_kappa_d_g3:.2f} | {3 * np.log10(paper['kappa']):.2f} |",
+        f"| log10 required width, v1 (κ⁶) | {report.log10_width_v1:.1f} | — |",
+        f"| log10 required width, v2 (κ_d⁶ n ln n) | {report.log10_width_v2:.1f} | ≫ {paper['log10_width']:.0f} |",
+    ] + [f"\n{flag}" for flag in report.flags])
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+def _train(config, model: str, data: Dataset, seed: int, loss: str):
+    module = build_reference_model(model, data.input_shape, data.nb_classes, width=config.width, seed=seed)
+    module = train_model(module, data.x_train, data.y_train, loss=loss, epochs=config.epochs,
+                         batch_size=config.batch_size, lr=config.lr, weight_decay=config.weight_decay, seed=seed,
+                         device=config.device, verbose=False)
+    clf = make_classifier(module, data.input_shape, data.nb_classes, loss=loss, clip_values=data.clip_values,
+                          device=config.device)
+    return clf, _accuracy(clf, data)
+
+
+def _accuracy(clf, data: Dataset) -> float:
+    return float(np.mean(clf.predict(data.x_test).argmax(axis=1) == data.y_test))
+
+
+def _audit(config, clf, data: Dataset, attacks, eps: float, seed: int):
+    estimator = MalleabilityEstimator(
+        clf, attacks=attacks, eps=eps, top_fraction=config.top_fraction, n_queries=config.n_queries,
+        n_bootstrap=config.n_bootstrap, attack_max_iter=config.attack_max_iter, seed=seed, device=config.device,
+        verbose=False,
+    )
+    return estimator.evaluate(data.x_train, data.y_train, data.x_test, data.y_test, dataset=data.name)
+
+
+def _flip_rows(table: str, model: str, seed: int, accuracy: float, report, data: Dataset, extra: dict) -> list[dict]:
+    flagged = bool(near_chance_warnings(accuracy, data.y_test, "test"))
+    return [
+        {"table": table, "model": model, "seed": seed, "attack": r.attack, "flip_rate": r.flip_rate,
+         "per_query_flip_rate": r.per_query_flip_rate, "spearman": r.spearman, "top_k_jaccard": r.top_k_jaccard,
+         "attack_success": r.attack_success, "clean_accuracy": accuracy, "near_chance": flagged, **extra}
+        for r in report.results
+    ]
+
+
+def _flip_table(title: str, rows: list[dict], models, paper: dict, family: str) -> str:
+    lines = [title, "", "Mean over seeds [95% t-interval]; paper values from its " + family + " runs.", "",
+             "| model | clean acc. | " + " | ".join(f"{a} measured | {a} paper" for a in ATTACKS) + " |",
+             "|---|---|" + "---|---|" * len(ATTACKS)]
+    means: dict[str, dict[str, float]] = {}
+    for model in models:
+        cells = []
+        for attack in ATTACKS:
+            values = [100 * r["flip_rate"] for r in rows if r["model"] == model and r["attack"] == attack
+                      and r["flip_rate"] is not None]
+            mean, low, high = _mean_ci(values)
+            means.setdefault(model, {})[attack] = mean
+            target = paper.get(model, {}).get(attack)
+            cells += [_fmt_ci(mean, low, high, 1), "—" if target is None else f"{target}"]
+        lines.append(f"| {model} | {_acc_cell([r for r in rows if r['model'] == model])} | " + " | ".join(cells) + " |")
+    if "2l-relu" in means and "mlp-attn" in means:
+        ratios = []
+        for attack in ATTACKS:
+            base, attn = means["2l-relu"][attack], means["mlp-attn"][attack]
+            p_base, p_attn = paper["2l-relu"][attack], paper["mlp-attn"][attack]
+            measured = "n/a" if not base else f"{attn / base:.2f}"
+            ratios.append(f"{attack}: {measured} (paper {p_attn / p_base:.2f})")
+        lines += ["", "Ratio MLP-Attn / 2L-ReLU: " + "; ".join(ratios)]
+    return "\n".join(lines)
+
+
+def _acc_cell(rows: list[dict]) -> str:
+    seen = {}
+    for r in rows:
+        seen[r["seed"]] = (r["clean_accuracy"], r["near_chance"])
+    if not seen:
+        return "n/a"
+    mean = 100 * float(np.mean([a for a, _ in seen.values()]))
+    flagged = any(f for _, f in seen.values())
+    return f"{mean:.1f}%" + (" ⚠ near chance" if flagged else "")
+
+
+def _mean_ci(values: list[float]) -> tuple[float, float, float]:
+    values = np.asarray([v for v in values if v is not None and np.isfinite(v)], dtype=np.float64)
+    if values.size == 0:
+        return float("nan"), float("nan"), float("nan")
+    mean = float(values.mean())
+    if values.size < 2:
+        return mean, float("nan"), float("nan")
+    half = float(stats.t.ppf(0.975, values.size - 1) * values.std(ddof=1) / np.sqrt(values.size))
+    return mean, mean - half, mean + half
+
+
+def _fmt_ci(mean: float, low: float, high: float, digits: int, bounds: tuple[float, float] = (0.0, 100.0)) -> str:
+    """Mean [interval]; the t-interval is clipped to the metric's range (a share cannot leave 0–100 %)."""
+    if not np.isfinite(mean):
+        return "n/a"
+    if not np.isfinite(low):
+        return f"{mean:.{digits}f}"
+    low, high = max(low, bounds[0]), min(high, bounds[1])
+    return f"{mean:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}]"
+
+
+def _mean(report, model: str, width: int, level: str, metric: str, protocol: str | None = None) -> float:
+    values = [r[metric] for r in report.records if r["model"] == model and r["width"] == width
+              and r["level"] == level and r.get("protocol") == protocol and r.get(metric) is not None]
+    return float(np.mean(values)) if values else float("nan")
+
+
+def _direction(values) -> str:
+    if values is None or len(values) < 2 or not all(np.isfinite(values)):
+        return "n/a"
+    return "rises" if values[-1] > values[0] else "falls"
+
+
+def _progress(config, items, desc: str):
+    return tqdm(items, desc=desc, disable=not config.verbose, leave=False)
+
+
+def _plot_ablation(rows: list[dict], models, eps_grid, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(ATTACKS), figsize=(10, 3), sharey=True)
+    for ax, attack in zip(axes, ATTACKS, strict=True):
+        for model in models:
+            stats_ = [_mean_ci([100 * r["flip_rate"] for r in rows if r["model"] == model and r["attack"] == attack
+                                and r["eps"] == e]) for e in eps_grid]
+            means = [s[0] for s in stats_]
+            lows = [s[1] if np.isfinite(s[1]) else s[0] for s in stats_]
+            highs = [s[2] if np.isfinite(s[2]) else s[0] for s in stats_]
+            line = ax.plot(eps_grid, means, marker="o", label=model)[0]
+            ax.fill_between(eps_grid, lows, highs, color=line.get_color(), alpha=0.15)
+        ax.set_title(attack)
+        ax.set_xlabel("ε (ℓ∞)")
+    axes[0].set_ylabel("influence flip rate (%)")
+    axes[0].legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+__all__ = ["PAPER", "Reproduction", "ReproductionConfig", "run_reproduction"]
