@@ -273,7 +273,7 @@ def run_audit(args: argparse.Namespace) -> int:
 
 
 def _add_reproduce(sub: argparse._SubParsersAction) -> None:
-    from art_malleability.reproduce import TABLES, ReproductionConfig
+    from art_malleability.reproduce import STUDIES, TABLES, ReproductionConfig
 
     defaults = ReproductionConfig()
     rep = sub.add_parser(
@@ -286,7 +286,13 @@ def _add_reproduce(sub: argparse._SubParsersAction) -> None:
     )
     _add_data_options(rep, n_train=defaults.n_train, n_test=defaults.n_test)
     group = rep.add_argument_group("reproduction")
-    group.add_argument("--tables", nargs="+", choices=TABLES, default=list(TABLES), help="what to run")
+    group.add_argument(
+        "--tables",
+        nargs="+",
+        choices=TABLES + STUDIES,
+        default=list(TABLES),
+        help="what to run; 'open_choices' runs the sensitivity study of the paper's unstated details instead",
+    )
     group.add_argument("--models", nargs="+", default=list(defaults.models), help="models of Tables 1-2")
     group.add_argument("--width", type=int, default=defaults.width, help="width of the flip-rate tables")
     group.add_argument("--widths", type=int, nargs="+", default=list(defaults.widths), help="Table 1 sweep")
@@ -325,6 +331,14 @@ def run_reproduce(args: argparse.Namespace) -> int:
         ntk_adam_epochs=args.ntk_adam_epochs, tables=tuple(args.tables), device=args.device, verbose=not args.quiet,
     )
     start = time.perf_counter()
+    if "open_choices" in config.tables:
+        from art_malleability.open_choices import run_open_choices
+
+        study = run_open_choices(config, Path(args.output) / "open_choices")
+        print(study.tables["open_choices"])
+        config.tables = tuple(t for t in config.tables if t != "open_choices")
+    if not config.tables:
+        return 0
     result = run_reproduction(config, args.output)
     if args.quiet:
         print(result.to_markdown())

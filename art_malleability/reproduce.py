@@ -52,6 +52,8 @@ logger = logging.getLogger(__name__)
 
 ATTACKS = ("fgsm", "pgd", "mim")
 TABLES = ("table1", "table2", "table3", "table4", "ablation", "spectral")
+#: Runs on request only (``tables=("open_choices",)``): the sensitivity study of :mod:`art_malleability.open_choices`.
+STUDIES = ("open_choices",)
 
 #: The paper's reported numbers (percent for flip rates), keyed by data family and model.
 PAPER: dict[str, Any] = {
@@ -145,8 +147,8 @@ class ReproductionConfig:
 
     def __post_init__(self) -> None:
         for t in self.tables:
-            if t not in TABLES:
-                raise ValueError(f"tables must be drawn from {TABLES}, got {t!r}")
+            if t not in TABLES + STUDIES:
+                raise ValueError(f"tables must be drawn from {TABLES + STUDIES}, got {t!r}")
         if len(self.seeds) < 1:
             raise ValueError("seeds must hold at least one seed")
         for w in (16, 1024, 4096):
@@ -410,8 +412,10 @@ def _spectral(config, family: str, result: Reproduction) -> None:
 # ------------------------------------------------------------------------------------------------ helpers
 
 
-def _train(config, model: str, data: Dataset, seed: int, loss: str):
+def _train(config, model: str, data: Dataset, seed: int, loss: str, transform=None):
     module = build_reference_model(model, data.input_shape, data.nb_classes, width=config.width, seed=seed)
+    if transform is not None:
+        module = transform(module)
     module = train_model(module, data.x_train, data.y_train, loss=loss, epochs=config.epochs,
                          batch_size=config.batch_size, lr=config.lr, weight_decay=config.weight_decay, seed=seed,
                          device=config.device, verbose=False)
@@ -424,12 +428,10 @@ def _accuracy(clf, data: Dataset) -> float:
     return float(np.mean(clf.predict(data.x_test).argmax(axis=1) == data.y_test))
 
 
-def _audit(config, clf, data: Dataset, attacks, eps: float, seed: int):
-    estimator = MalleabilityEstimator(
-        clf, attacks=attacks, eps=eps, top_fraction=config.top_fraction, n_queries=config.n_queries,
-        n_bootstrap=config.n_bootstrap, attack_max_iter=config.attack_max_iter, seed=seed, device=config.device,
-        verbose=False,
-    )
+def _audit(config, clf, data: Dataset, attacks, eps: float, seed: int, **overrides):
+    params = {"top_fraction": config.top_fraction, "n_queries": config.n_queries, "n_bootstrap": config.n_bootstrap,
+              "attack_max_iter": config.attack_max_iter, "device": config.device, **overrides}
+    estimator = MalleabilityEstimator(clf, attacks=attacks, eps=eps, seed=seed, verbose=False, **params)
     return estimator.evaluate(data.x_train, data.y_train, data.x_test, data.y_test, dataset=data.name)
 
 

@@ -46,3 +46,21 @@ def test_example_script_help():
     done = subprocess.run([sys.executable, str(ROOT / "examples" / "reproduce_paper.py"), "--help"],
                           capture_output=True, text=True)
     assert done.returncode == 0 and "--tables" in done.stdout and "--epochs" in done.stdout
+
+
+def test_open_choices_study_on_tiny_sizes(tmp_path):
+    from art_malleability.open_choices import run_open_choices
+
+    config = ReproductionConfig(
+        n_train=60, n_test=30, width=16, seeds=(0, 1), epochs=2, attack_max_iter=2, n_queries=8, n_bootstrap=10,
+        device="cpu", verbose=False,
+    )
+    result = run_open_choices(config, tmp_path)
+    table = (tmp_path / "open_choices.md").read_text()
+    for choice in ("influence", "top set", "ranking", "perturbed set", "test-point attention", "attack steps",
+                   "init scale", "input centring"):
+        assert f"| {choice} |" in table, choice
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "alternative" not in line]
+    assert sum("**default**" in line for line in rows) == 8 and sum("*closest*" in line for line in rows) == 8
+    defaults = {r["alternative"] for r in result.rows if r["default"]}
+    assert "ntk (squared loss)" in defaults and "gradient (TracIn)" not in defaults
