@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from art_malleability._io import atomic_write, json_ready
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class AttackResult:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            setattr(self, f.name, _plain(getattr(self, f.name)))
+            setattr(self, f.name, json_ready(getattr(self, f.name)))
 
 
 @dataclass
@@ -110,7 +110,7 @@ class MalleabilityReport:
         self.results = [r if isinstance(r, AttackResult) else AttackResult(**r) for r in self.results]
         for f in fields(self):
             if f.name != "results":
-                setattr(self, f.name, _plain(getattr(self, f.name)))
+                setattr(self, f.name, json_ready(getattr(self, f.name)))
 
     def result(self, attack: str) -> AttackResult:
         """
@@ -189,8 +189,8 @@ class MalleabilityReport:
         """
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
-        _atomic_write(out / "report.json", json.dumps(self.to_dict(), indent=2, allow_nan=False))
-        _atomic_write(out / "report.md", self.to_markdown())
+        atomic_write(out / "report.json", json.dumps(self.to_dict(), indent=2, allow_nan=False))
+        atomic_write(out / "report.md", self.to_markdown())
         import matplotlib.pyplot as plt
 
         figure = self.plot_flip_rates()
@@ -328,19 +328,6 @@ def _nan(v: float | None) -> float:
     return float("nan") if v is None else float(v)
 
 
-def _plain(value: Any) -> Any:
-    """JSON-ready copy: numpy scalars and arrays to Python, tuples to lists, NaN/inf to None."""
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, np.ndarray)):
-        return [_plain(v) for v in value]
-    if isinstance(value, np.generic):
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
-
-
 def slugify(name: str) -> str:
     """:return: ``name`` with every character outside letters, digits, ``-`` and ``_`` replaced by ``_``."""
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in name)
@@ -353,15 +340,3 @@ def _axes(ax: Any, size: tuple[float, float]) -> Any:
 
     _, ax = plt.subplots(figsize=size)
     return ax
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise

@@ -39,13 +39,13 @@ import torch
 from scipy import stats
 from tqdm.auto import tqdm
 
+from art_malleability._io import atomic_write, json_ready
 from art_malleability._state import preserved_rng
 from art_malleability._torch_utils import resolve_device
 from art_malleability._validation import one_hot
 from art_malleability.datasets import Dataset, load_dataset
 from art_malleability.estimator import MalleabilityEstimator, near_chance_warnings
 from art_malleability.models import build_reference_model
-from art_malleability.report import _atomic_write, _plain
 from art_malleability.training import make_classifier, train_model
 
 logger = logging.getLogger(__name__)
@@ -192,8 +192,8 @@ class Reproduction:
         """
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
-        _atomic_write(out / "reproduction.json", json.dumps(_plain(asdict(self)), indent=1, allow_nan=False))
-        _atomic_write(out / "reproduction.md", self.to_markdown())
+        atomic_write(out / "reproduction.json", json.dumps(json_ready(asdict(self)), indent=1, allow_nan=False))
+        atomic_write(out / "reproduction.md", self.to_markdown())
         return out
 
 
@@ -209,7 +209,7 @@ def run_reproduction(config: ReproductionConfig, output: str | Path) -> Reproduc
     out.mkdir(parents=True, exist_ok=True)
     data = load_dataset(config.dataset, root=config.data_root, n_train=config.n_train, n_test=config.n_test, seed=0)
     family = "cifar10" if data.input_shape[0] == 3 else "mnist"
-    result = Reproduction(_plain(asdict(config)), family)
+    result = Reproduction(json_ready(asdict(config)), family)
     trained: dict[tuple[str, int], Any] = {}
     steps = {
         "table1": lambda: _table1(config, data, family, result, out),

@@ -52,11 +52,11 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from art_malleability._io import atomic_write, json_ready
 from art_malleability._torch_utils import no_tf32, resolve_device
 from art_malleability._validation import labels_to_indices
 from art_malleability.ntk.analytic import analytic_ntk
 from art_malleability.ntk.empirical import empirical_ntk
-from art_malleability.report import _atomic_write, _plain
 
 logger = logging.getLogger(__name__)
 
@@ -109,9 +109,9 @@ class WidthFit:
     means: list[float | None]
 
     def __post_init__(self) -> None:
-        self.exponent = _plain(self.exponent)
-        self.interval = _plain(self.interval)
-        self.means = _plain(self.means)
+        self.exponent = json_ready(self.exponent)
+        self.interval = json_ready(self.interval)
+        self.means = json_ready(self.means)
 
 
 @dataclass
@@ -139,9 +139,9 @@ class ConvergenceReport:
 
     def __post_init__(self) -> None:
         self.fits = [f if isinstance(f, WidthFit) else WidthFit(**f) for f in self.fits]
-        self.records = _plain(self.records)
-        self.config = _plain(self.config)
-        self.seconds = _plain(self.seconds)
+        self.records = json_ready(self.records)
+        self.config = json_ready(self.config)
+        self.seconds = json_ready(self.seconds)
 
     @property
     def models(self) -> list[str]:
@@ -208,8 +208,8 @@ class ConvergenceReport:
         """
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
-        _atomic_write(out / "convergence.json", json.dumps(self.to_dict(), indent=1, allow_nan=False))
-        _atomic_write(out / "convergence.md", self.to_markdown())
+        atomic_write(out / "convergence.json", json.dumps(self.to_dict(), indent=1, allow_nan=False))
+        atomic_write(out / "convergence.md", self.to_markdown())
         import matplotlib.pyplot as plt
 
         for level in LEVELS:
@@ -548,7 +548,7 @@ class NTKConvergenceChecker:
         else:
             verdict = CONVERGES if np.isfinite(high) and high < CONVERGENCE_EXPONENT else NO_CONVERGENCE
         means = _nanmean_rows(np.where(np.isfinite(table), table, np.nan))
-        return WidthFit(name, level, metric, protocol, slope, [low, high], verdict, _plain(means))
+        return WidthFit(name, level, metric, protocol, slope, [low, high], verdict, json_ready(means))
 
 
 class _Limit:

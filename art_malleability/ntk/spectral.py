@@ -47,13 +47,14 @@ import json
 import logging
 import math
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from art_malleability._io import atomic_write
 
 logger = logging.getLogger(__name__)
 
@@ -467,8 +468,8 @@ class SpectralReport:
         """
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
-        _atomic_write(out / SPECTRUM_JSON, json.dumps(self.to_dict(), indent=2, allow_nan=False))
-        _atomic_write(out / "spectrum.md", self.to_markdown())
+        atomic_write(out / SPECTRUM_JSON, json.dumps(self.to_dict(), indent=2, allow_nan=False))
+        atomic_write(out / "spectrum.md", self.to_markdown())
         figure = self.plot()
         figure.savefig(out / "spectrum.png", dpi=120, bbox_inches="tight")
         logger.info("Spectral report written to %s", out)
@@ -487,18 +488,6 @@ class SpectralReport:
         if not path.is_file():
             raise FileNotFoundError(f"path {str(path)!r} holds no {SPECTRUM_JSON}")
         return cls.from_dict(json.loads(path.read_text(encoding="utf-8")))
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -1,0 +1,47 @@
+"""File output shared by every report: atomic writes and JSON-ready values."""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """
+    Write text to a file atomically: a temporary file in the same folder, then a rename.
+
+    :param path: Target file.
+    :param text: Content (UTF-8).
+    """
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def json_ready(value: Any) -> Any:
+    """
+    A JSON-ready copy: numpy scalars and arrays to Python, tuples to lists, NaN and infinities to ``None``.
+
+    :param value: Any nesting of dicts, sequences and scalars.
+    :return: The converted value.
+    """
+    if isinstance(value, dict):
+        return {str(k): json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return [json_ready(v) for v in value]
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
