@@ -300,8 +300,9 @@ def _table2(config, data: Dataset, family: str, result: Reproduction, trained: d
 
 def _table3(config, family: str, result: Reproduction) -> None:
     classes = BINARY_CLASSES[family]
-    data = load_dataset(config.dataset, root=config.data_root, n_train=config.n_train, n_test=config.n_test,
-                        classes=classes, seed=0)
+    n_train, n_test = _binary_sizes(config, classes)
+    data = load_dataset(config.dataset, root=config.data_root, n_train=n_train, n_test=n_test, classes=classes,
+                        seed=0)
     rows = []
     models = [m for m in config.models if m in ("2l-relu", "mlp-attn")]
     for model in models:
@@ -314,6 +315,18 @@ def _table3(config, family: str, result: Reproduction) -> None:
         f"## Table 3: binary task, classes {classes[0]} vs {classes[1]} (MSE loss), flip rates (%), ε = {config.eps}"
     )
     result.tables["table3"] = _flip_table(title, rows, models, PAPER["table3"][family], family)
+
+
+def _binary_sizes(config, classes: list[int]) -> tuple[int, int]:
+    """The requested sizes, scaled down in proportion when the two classes hold fewer examples (digits: 357)."""
+    pool = load_dataset(config.dataset, root=config.data_root, classes=classes, seed=0)
+    total = len(pool.x_train) + len(pool.x_test)
+    n_train, n_test = config.n_train, config.n_test
+    if n_train + n_test > total:
+        n_train = int(total * n_train / (n_train + n_test))
+        n_test = total - n_train
+        logger.info("Table 3: %d examples of classes %s; using %d train / %d test", total, classes, n_train, n_test)
+    return n_train, n_test
 
 
 def _table4(config, data: Dataset, family: str, result: Reproduction, trained: dict) -> None:
