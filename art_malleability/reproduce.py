@@ -541,8 +541,8 @@ def _plot_ablation(rows: list[dict], models, eps_grid, path: Path) -> None:
             stats_ = [_mean_ci([100 * r["flip_rate"] for r in rows if r["model"] == model and r["attack"] == attack
                                 and r["eps"] == e]) for e in eps_grid]
             means = [s[0] for s in stats_]
-            lows = [s[1] if np.isfinite(s[1]) else s[0] for s in stats_]
-            highs = [s[2] if np.isfinite(s[2]) else s[0] for s in stats_]
+            lows = np.clip([s[1] if np.isfinite(s[1]) else s[0] for s in stats_], 0.0, 100.0)
+            highs = np.clip([s[2] if np.isfinite(s[2]) else s[0] for s in stats_], 0.0, 100.0)
             line = ax.plot(eps_grid, means, marker="o", label=model)[0]
             ax.fill_between(eps_grid, lows, highs, color=line.get_color(), alpha=0.15)
         ax.set_title(attack)

@@ -246,6 +246,9 @@ class ConvergenceReport:
             figure, _ = plt.subplots(figsize=(3, 2))
             return figure
         figure, axes = plt.subplots(1, len(metrics), figsize=(3.3 * len(metrics), 3.0), squeeze=False)
+        labels = list(dict.fromkeys(f.model + (f" ({f.protocol})" if f.protocol else "")
+                                    for f in self.fits if f.level == level))
+        colours = {label: f"C{i}" for i, label in enumerate(labels)}  # one colour per line in every panel
         for ax, metric in zip(axes[0], metrics, strict=True):
             for f in self.fits:
                 if f.level != level or f.metric != metric:
@@ -259,8 +262,8 @@ class ConvergenceReport:
                     highs.append(max(vals) if vals else np.nan)
                 label = f.model + (f" ({f.protocol})" if f.protocol else "")
                 means = [np.nan if v is None else v for v in f.means]
-                line = ax.plot(self.widths, means, marker="o", label=label)[0]
-                ax.fill_between(self.widths, lows, highs, color=line.get_color(), alpha=0.15)
+                ax.plot(self.widths, means, marker="o", label=label, color=colours[label])
+                ax.fill_between(self.widths, lows, highs, color=colours[label], alpha=0.15)
             ax.set_xscale("log", base=2)
             if metric not in ("lambda_min_ratio", "test_accuracy"):
                 ax.set_yscale("log")
