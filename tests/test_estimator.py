@@ -91,18 +91,18 @@ class _Recorder(InfluenceEstimator):
     name = "recorder"
 
     def __init__(self, fail_on_call: int | None = None):
+        super().__init__(device="cpu")
         self.contexts, self.calls, self.fail_on_call = [], 0, fail_on_call
 
-    def fit(self, model, x_train, y_train):
+    def _fit(self, model, x_train, y_train):
         self.calls += 1
         if self.fail_on_call == self.calls:
             raise RuntimeError("planned failure")
-        self.contexts.append(None if not hasattr(model, "attention") else model.attention.context.clone())
-        self.x_train = x_train.reshape(len(x_train), -1).astype(np.float64)
-        return self
+        self.contexts.append(None if not hasattr(model, "attention") else model.attention.context.clone().float())
+        self.features = x_train.reshape(len(x_train), -1).astype(np.float64)
 
-    def scores(self, x_query, y_query):
-        return x_query.reshape(len(x_query), -1).astype(np.float64) @ self.x_train.T - 5.0
+    def _scores(self, x_query, y_query):
+        return x_query.reshape(len(x_query), -1).astype(np.float64) @ self.features.T - 5.0
 
 
 def test_transductive_context_refreshed_on_a_copy_only(attn_clf):

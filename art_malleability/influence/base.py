@@ -97,7 +97,7 @@ def check_data(x: np.ndarray, y: np.ndarray, x_name: str, y_name: str) -> tuple[
     return x, y
 
 
-class InfluenceEstimator(abc.ABC):  # noqa: B024 (either _fit/_scores or fit/scores may be overridden)
+class InfluenceEstimator(abc.ABC):
     """
     Base class of influence estimators: ``fit(model, x_train, y_train)`` then
     ``scores(x_query, y_query)``, an ``(n_query, n_train)`` matrix where **positive = helpful**
@@ -108,10 +108,8 @@ class InfluenceEstimator(abc.ABC):  # noqa: B024 (either _fit/_scores or fit/sco
     (with ``set_context``) are treated as fixed functions: the copy carries the context that the
     model holds at fit time.
 
-    Subclasses either implement :meth:`_fit` and :meth:`_scores` (and get argument checks, label
-    normalisation and the working copy from :meth:`fit` / :meth:`scores`), or override
-    :meth:`fit` and :meth:`scores` themselves, keeping their contract. The base class itself
-    cannot be instantiated.
+    Subclasses implement :meth:`_fit` and :meth:`_scores`, and get argument checks, label
+    normalisation and the working copy from :meth:`fit` / :meth:`scores`.
 
     :param loss: Per-example loss, ``"cross_entropy"`` (logits and class index) or ``"mse"``
         (``½‖f - onehot(y)‖²``).
@@ -131,10 +129,6 @@ class InfluenceEstimator(abc.ABC):  # noqa: B024 (either _fit/_scores or fit/sco
         dtype: torch.dtype = torch.float64,
         batch_size: int = 256,
     ) -> None:
-        if type(self) is InfluenceEstimator:
-            raise TypeError(
-                "InfluenceEstimator is abstract; use NTKInfluence, GradientInfluence or CaptumInfluence"
-            )
         self.loss = loss
         self.device = device
         self.dtype = dtype
@@ -242,24 +236,24 @@ class InfluenceEstimator(abc.ABC):  # noqa: B024 (either _fit/_scores or fit/sco
                 f"{name} holds class index {int(y.max())} but the model has {self.n_outputs_} outputs"
             )
 
+    @abc.abstractmethod
     def _fit(self, model: nn.Module, x_train: np.ndarray, y_train: np.ndarray) -> None:
         """
-        Estimator-specific part of :meth:`fit` (subclasses implement it, or override :meth:`fit`).
+        Estimator-specific part of :meth:`fit`.
 
         :param model: Working copy of the model (compute device and dtype, evaluation mode); the
             estimator may keep and modify it.
         :param x_train: Validated training inputs.
         :param y_train: Training labels as ``int64`` class indices.
         """
-        raise NotImplementedError(f"{type(self).__name__} must implement _fit() or override fit()")
 
+
+    @abc.abstractmethod
     def _scores(self, x_query: np.ndarray, y_query: np.ndarray) -> np.ndarray:
         """
-        Estimator-specific part of :meth:`scores` (subclasses implement it, or override
-        :meth:`scores`).
+        Estimator-specific part of :meth:`scores`.
 
         :param x_query: Validated query inputs.
         :param y_query: Query labels as ``int64`` class indices.
         :return: ``(n_query, n_train)`` scores, positive = helpful.
         """
-        raise NotImplementedError(f"{type(self).__name__} must implement _scores() or override scores()")
