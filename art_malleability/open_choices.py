@@ -114,12 +114,12 @@ def _choices(data: Dataset) -> list[tuple[str, str, bool, dict[str, Any]]]:
         ("ranking", "per-query", False, {"metric": "per_query_flip_rate"}),
         ("perturbed set", "top set", True, {}),
         ("perturbed set", "all data", False, {"audit": {"strategy": "all"}}),
-        ("test-point attention", "training context", True, {}),
-        ("test-point attention", "training + test context", False,
-         {"transform": lambda m: _TestPointsInContext(m, queries), "models": ("mlp-attn",)}),
         ("attack steps", "20", True, {}),
         ("attack steps", "10", False, {"audit": {"attack_max_iter": 10}}),
         ("attack steps", "40", False, {"audit": {"attack_max_iter": 40}}),
+        ("test-point attention", "training context", True, {}),
+        ("test-point attention", "training + test context", False,
+         {"transform": lambda m: _TestPointsInContext(m, queries), "models": ("mlp-attn",)}),
         ("init scale", "NTK N(0, 1)", True, {}),
         ("init scale", "PyTorch default variance", False, {"transform": _pytorch_init}),
         ("input centring", "none", True, {}),
@@ -161,11 +161,12 @@ def run_open_choices(config: ReproductionConfig, output: str | Path) -> Reproduc
                         row.update(choice=choice, alternative=alternative, default=is_default,
                                    flip_rate=row[metric], metric=metric)
                         rows.append(row)
-    result.rows = rows
-    result.seconds["open_choices"] = time.perf_counter() - start
-    result.tables["open_choices"] = _table(rows, PAPER["table2"][family], family, data, config)
-    result.save(out)
-    (out / "open_choices.md").write_text(result.tables["open_choices"] + "\n")
+            # written after every alternative, so a long study leaves its finished part behind
+            result.rows = rows
+            result.seconds["open_choices"] = time.perf_counter() - start
+            result.tables["open_choices"] = _table(rows, PAPER["table2"][family], family, data, config)
+            result.save(out)
+            (out / "open_choices.md").write_text(result.tables["open_choices"] + "\n")
     return result
 
 
