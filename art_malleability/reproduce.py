@@ -287,8 +287,7 @@ def _table2(config, data: Dataset, family: str, result: Reproduction, trained: d
     rows = []
     for model in config.models:
         for seed in _progress(config, config.seeds, f"table 2 {model}"):
-            clf, acc = _train(config, model, data, seed, "cross_entropy")
-            trained[(model, seed)] = clf
+            clf, acc = _standard_model(config, model, data, seed, trained)
             report = _audit(config, clf, data, ATTACKS, config.eps, seed)
             rows += _flip_rows("table2", model, seed, acc, report, data, extra={"eps": config.eps})
     result.rows += rows
@@ -304,7 +303,7 @@ def _table3(config, family: str, result: Reproduction) -> None:
     data = load_dataset(config.dataset, root=config.data_root, n_train=n_train, n_test=n_test, classes=classes,
                         seed=0)
     rows = []
-    models = [m for m in config.models if m in ("2l-relu", "mlp-attn")]
+    models = _paper_models(config)
     for model in models:
         for seed in _progress(config, config.seeds, f"table 3 {model}"):
             clf, acc = _train(config, model, data, seed, "mse")
@@ -334,14 +333,11 @@ def _table4(config, data: Dataset, family: str, result: Reproduction, trained: d
     from art.defences.trainer import AdversarialTrainer
     from art.estimators.classification import PyTorchClassifier
 
-    models = [m for m in config.models if m in ("2l-relu", "mlp-attn")]
+    models = _paper_models(config)
     rows = []
     for model in models:
         for seed in _progress(config, config.seeds, f"table 4 {model}"):
-            if (model, seed) not in trained:
-                trained[(model, seed)] = _train(config, model, data, seed, "cross_entropy")[0]
-            standard = trained[(model, seed)]
-            base_acc = _accuracy(standard, data)
+            standard, base_acc = _standard_model(config, model, data, seed, trained)
             report = _audit(config, standard, data, ("pgd",), config.eps, seed)
             rows += _flip_rows("table4", model, seed, base_acc, report, data, extra={"training": "standard"})
             # adversarial training continues from a fresh initialisation with the same protocol
@@ -380,14 +376,11 @@ def _table4(config, data: Dataset, family: str, result: Reproduction, trained: d
 
 
 def _ablation(config, data: Dataset, result: Reproduction, trained: dict, out: Path) -> None:
-    models = [m for m in config.models if m in ("2l-relu", "mlp-attn")]
+    models = _paper_models(config)
     rows = []
     for model in models:
         for seed in _progress(config, config.seeds, f"ε ablation {model}"):
-            if (model, seed) not in trained:
-                trained[(model, seed)] = _train(config, model, data, seed, "cross_entropy")[0]
-            clf = trained[(model, seed)]
-            acc = _accuracy(clf, data)
+            clf, acc = _standard_model(config, model, data, seed, trained)
             for eps in config.eps_grid:
                 report = _audit(config, clf, data, ATTACKS, eps, seed)
                 rows += _flip_rows("ablation", model, seed, acc, report, data, extra={"eps": eps})
@@ -435,6 +428,18 @@ def _train(config, model: str, data: Dataset, seed: int, loss: str, transform=No
     clf = make_classifier(module, data.input_shape, data.nb_classes, loss=loss, clip_values=data.clip_values,
                           device=config.device)
     return clf, _accuracy(clf, data)
+
+
+def _standard_model(config, model: str, data: Dataset, seed: int, trained: dict):
+    """The Table 2 model of (model, seed) and its accuracy, trained once for Tables 2, 4 and the ablation."""
+    if (model, seed) not in trained:
+        trained[(model, seed)] = _train(config, model, data, seed, "cross_entropy")
+    return trained[(model, seed)]
+
+
+def _paper_models(config) -> list[str]:
+    """The models of Tables 3-4 and the ablation: the paper's two reference models, when asked for."""
+    return [m for m in config.models if m in ("2l-relu", "mlp-attn")]
 
 
 def _accuracy(clf, data: Dataset) -> float:
