@@ -397,7 +397,9 @@ def load_dataset(
     from the training split and the test subset from the test split. Sources with one split (digits, ``.npz``,
     a folder holding only the MNIST test files) are divided into disjoint training and test subsets. Subsets
     are drawn with scikit-learn's ``train_test_split`` (stratified by class when the class counts allow it)
-    with ``random_state=seed``; the same arguments always give the same arrays.
+    with ``random_state=seed``; the same arguments always give the same arrays. Each subset keeps the source's
+    order, so a source sorted by class (such as the CIFAR-10 ``.npz`` of the test split) gives arrays sorted by
+    class: draw a further subset rather than slicing a prefix.
 
     :param name_or_path: One of ``DATASET_NAMES`` (``"digits"``, ``"mnist"``, ``"fashion-mnist"``,
                          ``"cifar10"``) or the path of an ``.npz`` file with arrays ``x`` (images: uint8 in

@@ -43,7 +43,7 @@ from art_malleability._io import atomic_write, json_ready
 from art_malleability._state import preserved_rng
 from art_malleability._torch_utils import resolve_device
 from art_malleability._validation import one_hot
-from art_malleability.datasets import Dataset, load_dataset
+from art_malleability.datasets import Dataset, _subsample, load_dataset
 from art_malleability.estimator import MalleabilityEstimator, near_chance_warnings
 from art_malleability.models import build_reference_model
 from art_malleability.training import make_classifier, train_model
@@ -239,15 +239,15 @@ def run_reproduction(config: ReproductionConfig, output: str | Path) -> Reproduc
 def _table1(config, data: Dataset, family: str, result: Reproduction, out: Path) -> None:
     from art_malleability.ntk.convergence import NTKConvergenceChecker
 
-    n_tr, n_te = min(config.ntk_n_train, len(data.x_train)), min(config.ntk_n_test, len(data.x_test))
+    tr, te = _ntk_points(config, data)
+    n_tr, n_te = len(tr), len(te)
     models = [m for m in config.models if m != "mlp-attn-qkv"]  # no analytic limit for trained attention
     checker = NTKConvergenceChecker(
         models=models, widths=config.widths, seeds=config.seeds if len(config.seeds) > 1 else (0, 1),
         protocols=("adam", "gd"), adam_epochs=config.ntk_adam_epochs, gd_steps=config.ntk_gd_steps,
         device=config.device, verbose=config.verbose,
     )
-    report = checker.run(data.x_train[:n_tr], data.y_train[:n_tr], data.x_test[:n_te], data.y_test[:n_te],
-                         dataset=data.name)
+    report = checker.run(data.x_train[tr], data.y_train[tr], data.x_test[te], data.y_test[te], dataset=data.name)
     report.save(out / "table1_ntk")
     shown = [w for w in (16, 1024, 4096) if w in config.widths]
     lines = [
@@ -429,6 +429,16 @@ def _train(config, model: str, data: Dataset, seed: int, loss: str, transform=No
     clf = make_classifier(module, data.input_shape, data.nb_classes, loss=loss, clip_values=data.clip_values,
                           device=config.device)
     return clf, _accuracy(clf, data)
+
+
+def _ntk_points(config, data: Dataset) -> tuple[np.ndarray, np.ndarray]:
+    """
+    Indices of Table 1's training and test points: seeded, stratified subsets of the splits. Not prefixes:
+    the splits keep their source's order, and a class-sorted source (such as an ``.npz`` of CIFAR-10) would
+    give prefixes of one or two classes.
+    """
+    n_tr, n_te = min(config.ntk_n_train, len(data.x_train)), min(config.ntk_n_test, len(data.x_test))
+    return _subsample(data.y_train, n_tr, 0, "Table 1 training"), _subsample(data.y_test, n_te, 0, "Table 1 test")
 
 
 def _standard_model(config, model: str, data: Dataset, seed: int, trained: dict):

@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from art_malleability.reproduce import PAPER, ReproductionConfig, _mean_ci, run_reproduction
@@ -64,3 +65,18 @@ def test_open_choices_study_on_tiny_sizes(tmp_path):
     assert sum("**default**" in line for line in rows) == 8 and sum("*closest*" in line for line in rows) == 8
     defaults = {r["alternative"] for r in result.rows if r["default"]}
     assert "ntk (squared loss)" in defaults and "gradient (TracIn)" not in defaults
+
+
+def test_table1_points_cover_every_class_of_a_class_sorted_source(tmp_path):
+    from art_malleability.datasets import load_dataset
+    from art_malleability.reproduce import _ntk_points
+
+    rng = np.random.default_rng(0)
+    y = np.repeat(np.arange(10), 40)  # sorted by class, like the CIFAR-10 test-split .npz
+    np.savez(tmp_path / "sorted.npz", x=rng.integers(0, 256, size=(400, 4, 4, 3), dtype=np.uint8), y=y)
+    data = load_dataset(tmp_path / "sorted.npz", n_train=200, n_test=100, seed=0)
+    assert set(data.y_train[:20]) == {0}  # the trap: a prefix holds one class
+    tr, te = _ntk_points(ReproductionConfig(ntk_n_train=30, ntk_n_test=20), data)
+    assert len(tr) == 30 and len(te) == 20 and len(set(tr)) == 30
+    assert np.bincount(data.y_train[tr], minlength=10).tolist() == [3] * 10
+    assert np.bincount(data.y_test[te], minlength=10).tolist() == [2] * 10
