@@ -214,7 +214,8 @@ def _table(rows: list[dict], paper: dict, family: str, data: Dataset, config: Re
         closest = min(distance, key=distance.get) if distance else None
         for alt in alternatives:
             cells, ratio, acc, is_default = cells_by_alt[alt]
-            label = alt + (" **default**" if is_default else "") + (" *closest*" if alt == closest else "")
+            label = alt.replace("|", "\\|")  # a pipe would end the Markdown cell
+            label += (" **default**" if is_default else "") + (" *closest*" if alt == closest else "")
             lines.append(f"| {choice} | {label} | {cells[0]} | {cells[1]} | {ratio} | {acc} |")
     return "\n".join(lines)
 

@@ -63,6 +63,7 @@ def test_open_choices_study_on_tiny_sizes(tmp_path):
         assert f"| {choice} |" in table, choice
     rows = [line for line in table.splitlines() if line.startswith("| ") and "alternative" not in line]
     assert sum("**default**" in line for line in rows) == 8 and sum("*closest*" in line for line in rows) == 8
+    assert all(line.replace("\\|", "").count("|") == 7 for line in rows)  # six cells, none split by a pipe
     defaults = {r["alternative"] for r in result.rows if r["default"]}
     assert "ntk (squared loss)" in defaults and "gradient (TracIn)" not in defaults
 
