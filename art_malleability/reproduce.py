@@ -41,7 +41,6 @@ from tqdm.auto import tqdm
 
 from art_malleability._io import atomic_write, json_ready
 from art_malleability._state import preserved_rng
-from art_malleability._torch_utils import resolve_device
 from art_malleability._validation import one_hot
 from art_malleability.datasets import Dataset, _subsample, load_dataset
 from art_malleability.estimator import MalleabilityEstimator, near_chance_warnings
@@ -332,7 +331,6 @@ def _binary_sizes(config, classes: list[int]) -> tuple[int, int]:
 def _table4(config, data: Dataset, family: str, result: Reproduction, trained: dict) -> None:
     from art.attacks.evasion import ProjectedGradientDescent
     from art.defences.trainer import AdversarialTrainer
-    from art.estimators.classification import PyTorchClassifier
 
     models = _paper_models(config)
     rows = []
@@ -346,11 +344,9 @@ def _table4(config, data: Dataset, family: str, result: Reproduction, trained: d
             if hasattr(module, "set_context"):
                 module.set_context(data.x_train)
             params = [p for p in module.parameters() if p.requires_grad]
-            clf = PyTorchClassifier(
-                module, torch.nn.CrossEntropyLoss(), data.input_shape, data.nb_classes,
+            clf = make_classifier(
+                module, data.input_shape, data.nb_classes, clip_values=data.clip_values, device=config.device,
                 optimizer=torch.optim.Adam(params, lr=config.lr, weight_decay=config.weight_decay),
-                clip_values=data.clip_values,
-                device_type="gpu" if resolve_device(config.device).type == "cuda" else "cpu",
             )
             pgd = ProjectedGradientDescent(clf, eps=float(config.eps), eps_step=2.5 * config.eps / config.adv_max_iter,
                                            max_iter=config.adv_max_iter, num_random_init=0, verbose=False)

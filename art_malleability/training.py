@@ -155,9 +155,10 @@ def make_classifier(
     loss: str = "cross_entropy",
     clip_values: tuple[float, float] | None = (0.0, 1.0),
     device: str | torch.device = "auto",
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> PyTorchClassifier:
     """
-    Wrap a trained module as an ART :class:`~art.estimators.classification.PyTorchClassifier` (no optimizer).
+    Wrap a module as an ART :class:`~art.estimators.classification.PyTorchClassifier`.
 
     With ``loss="cross_entropy"`` the classifier's loss is ``torch.nn.CrossEntropyLoss()`` and ART reduces
     one-hot labels to indices. With ``loss="mse"`` it is ``torch.nn.MSELoss()``, which ART applies to the
@@ -172,6 +173,8 @@ def make_classifier(
     :param clip_values: `(min, max)` of the input features, used by ART's attacks, or `None`.
     :param device: ``"auto"``, ``"cpu"`` or ``"cuda"``/``"gpu"``; ART's ``device_type`` is ``"gpu"`` for CUDA
                    (ART then uses the current CUDA device) and ``"cpu"`` otherwise.
+    :param optimizer: Optimizer over the module's parameters, for training through ART (``fit``, ART's
+                      trainers); `None` (default) for a trained module that is only evaluated and attacked.
     :return: The ART classifier; the module is moved to its device.
     """
     if not isinstance(model, nn.Module):
@@ -189,6 +192,8 @@ def make_classifier(
         )
     if isinstance(nb_classes, bool) or not isinstance(nb_classes, (int, np.integer)) or nb_classes < 2:
         raise ValueError(f"nb_classes must be an int >= 2, got {nb_classes!r}.")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}.")
     torch_device = resolve_device(device)
     loss_fn: nn.Module = nn.CrossEntropyLoss() if loss_name == "cross_entropy" else nn.MSELoss()
     return PyTorchClassifier(
@@ -196,6 +201,7 @@ def make_classifier(
         loss=loss_fn,
         input_shape=shape,
         nb_classes=int(nb_classes),
+        optimizer=optimizer,
         clip_values=clip_values,
         device_type="gpu" if torch_device.type == "cuda" else "cpu",
     )

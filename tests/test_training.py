@@ -193,6 +193,20 @@ def test_training_argument_errors(digits):
         make_classifier(model, digits.input_shape, 1)
     with pytest.raises(ValueError, match="input_shape"):
         make_classifier(model, (1, -8, 8), 10)
+    with pytest.raises(TypeError, match="optimizer"):
+        make_classifier(model, digits.input_shape, 10, optimizer="adam")
+
+
+def test_make_classifier_passes_the_optimizer_to_art(digits):
+    model = build_reference_model("2l-relu", digits.input_shape, 10, width=8)
+    plain = make_classifier(model, digits.input_shape, 10, device="cpu")
+    assert plain.optimizer is None
+    adam = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    clf = make_classifier(model, digits.input_shape, 10, device="cpu", optimizer=adam)
+    assert clf.optimizer is adam
+    before = model.hidden.weight.detach().clone()
+    clf.fit(digits.x_train[:32], digits.y_train[:32], batch_size=16, nb_epochs=1, verbose=False)
+    assert not torch.equal(model.hidden.weight.detach(), before)  # ART trains through it
 
 
 def test_resolve_device():
