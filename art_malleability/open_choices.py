@@ -73,7 +73,7 @@ class _Centred(nn.Module):
 
     def set_context(self, x_train) -> None:
         if hasattr(self.inner, "set_context"):
-            x = torch.as_tensor(np.asarray(x_train) if not isinstance(x_train, torch.Tensor) else x_train)
+            x = torch.as_tensor(x_train)
             self.inner.set_context(x - self.mean.to(device=x.device, dtype=x.dtype))
 
 
@@ -89,7 +89,7 @@ class _TestPointsInContext(nn.Module):
         return self.inner(x)
 
     def set_context(self, x_train) -> None:
-        x = torch.as_tensor(np.asarray(x_train) if not isinstance(x_train, torch.Tensor) else x_train)
+        x = torch.as_tensor(x_train)
         self.inner.set_context(torch.cat([x, self.extra.to(device=x.device, dtype=x.dtype)]))
 
 
