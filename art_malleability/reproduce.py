@@ -339,7 +339,7 @@ def _table4(config, data: Dataset, family: str, result: Reproduction, trained: d
             standard, base_acc = _standard_model(config, model, data, seed, trained)
             report = _audit(config, standard, data, ("pgd",), config.eps, seed)
             rows += _flip_rows("table4", model, seed, base_acc, report, data, extra={"training": "standard"})
-            # adversarial training continues from a fresh initialisation with the same protocol
+            # adversarial training starts from a fresh initialisation, with the same optimiser settings
             module = build_reference_model(model, data.input_shape, data.nb_classes, width=config.width, seed=seed)
             if hasattr(module, "set_context"):
                 module.set_context(data.x_train)
