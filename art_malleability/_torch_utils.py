@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import os
 from collections.abc import Iterator
 
 import numpy as np
@@ -184,3 +185,24 @@ def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
     finally:
         for m, flag in flags:
             m.training = flag
+
+
+def available_memory(device: torch.device) -> int:
+    """
+    Bytes that can still be allocated on ``device``: free CUDA memory, or on the CPU the kernel's
+    ``MemAvailable`` estimate (``/proc/meminfo``; free physical pages elsewhere).
+
+    :param device: The compute device.
+    :return: Bytes available.
+    """
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))

@@ -75,7 +75,7 @@ def test_matches_explicit_leave_one_out(loss: str) -> None:
     expected = _loss_np(loo, yq[:, None], loss) - _loss_np(f, yq, loss)[:, None]
     assert _rel(scores, expected) < 1e-8
     # chunking over queries gives the same numbers
-    import art_malleability.influence.ntk as ntk_module
+    import art_malleability.influence.ridge as ntk_module
 
     chunk = ntk_module._CHUNK_ELEMENTS
     try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 import logging
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,6 +24,7 @@ from art_malleability._torch_utils import (
     working_copy,
 )
 from art_malleability._validation import LOSS_NAMES, check_loss, labels_to_indices
+from art_malleability.streaming import ExampleSource, is_torch_data
 
 logger = logging.getLogger(__name__)
 
@@ -165,13 +167,16 @@ class InfluenceEstimator(abc.ABC):
         """Whether :meth:`fit` has been called."""
         return self.model_ is not None
 
-    def fit(self, model: nn.Module, x_train: np.ndarray, y_train: np.ndarray) -> InfluenceEstimator:
+    def fit(self, model: nn.Module, x_train: Any, y_train: np.ndarray | None = None) -> InfluenceEstimator:
         """
         Prepare the estimator for ``model`` trained on ``(x_train, y_train)``.
 
         :param model: The trained PyTorch model (outputs ``(n, C)``); it is copied, never modified.
-        :param x_train: Training inputs, shape ``(n_train, *input_shape)``, float32 (ART convention).
-        :param y_train: Training labels, class indices ``(n_train,)`` or one-hot ``(n_train, C)``.
+        :param x_train: Training inputs, shape ``(n_train, *input_shape)``, float32 (ART convention),
+            or a map-style ``torch.utils.data.Dataset`` / ``DataLoader`` of ``(x, y)`` pairs (see
+            :mod:`art_malleability.streaming`; estimators that do not stream read it into an array).
+        :param y_train: Training labels, class indices ``(n_train,)`` or one-hot ``(n_train, C)``;
+            ``None`` for a dataset.
         :return: ``self``.
         """
         self._check_params()
@@ -179,12 +184,17 @@ class InfluenceEstimator(abc.ABC):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not trainable_parameters(model):
             raise ValueError("model has no trainable parameters (none with requires_grad=True)")
-        x_train, y_train = check_data(x_train, y_train, "x_train", "y_train")
+        if is_torch_data(x_train):
+            source = ExampleSource(x_train, y_train, name="x_train")
+        else:
+            x_train, y_train = check_data(x_train, y_train, "x_train", "y_train")
+            source = ExampleSource(x_train, y_train, name="x_train")
         self.device_ = resolve_device(self.device)
         self.model_ = None
         model_copy = working_copy(model, self.device_, self.dtype)
+        first, _ = source.take(np.arange(1))
         with torch.no_grad():
-            out = model_copy(torch.tensor(x_train[:1], dtype=self.dtype, device=self.device_))
+            out = model_copy(torch.tensor(first, dtype=self.dtype, device=self.device_))
         if out.dim() != 2:
             raise ValueError(f"model must return outputs of shape (n, C), got shape {tuple(out.shape)}")
         self.n_outputs_ = int(out.shape[1])
@@ -192,15 +202,70 @@ class InfluenceEstimator(abc.ABC):
             raise ValueError(
                 "loss 'cross_entropy' needs a model with at least 2 outputs (logits); use loss='mse'"
             )
-        self._check_labels(y_train, "y_train")
-        self.n_train_ = int(x_train.shape[0])
-        self.input_shape_ = tuple(x_train.shape[1:])
-        self.x_train_ = np.array(x_train, copy=True)
-        self.y_train_ = y_train
-        self._fit(model_copy, x_train, y_train)
+        source.nb_classes = max(self.n_outputs_, 2)
+        self.n_train_ = source.n
+        self.input_shape_ = source.input_shape
+        self._x_base = None
+        if self.streams:
+            self._fit_source(model_copy, source)
+        else:
+            x_train, y_train = source.arrays(self.batch_size)
+            self._check_labels(y_train, "y_train")
+            self.x_train_ = np.array(x_train, copy=True)
+            self.y_train_ = y_train
+            self._fit(model_copy, x_train, y_train)
         self.model_ = model_copy
         logger.debug("%s fitted on %d training examples", type(self).__name__, self.n_train_)
         return self
+
+    #: Whether the estimator fits from an :class:`~art_malleability.streaming.ExampleSource` read in
+    #: batches (:meth:`_fit_source`) instead of from arrays (:meth:`_fit`, a dataset read whole).
+    streams: bool = False
+
+    def _fit_source(self, model: nn.Module, source: ExampleSource) -> None:
+        """
+        Estimator-specific fit from a source of examples (estimators with ``streams = True``); it
+        sets ``y_train_`` (and ``x_train_`` where it keeps the inputs) itself.
+        """
+        raise NotImplementedError
+
+    def refit(self, changed: np.ndarray, x_changed: np.ndarray) -> InfluenceEstimator:
+        """
+        Fit again, with the same model and labels, on the training set of the last :meth:`fit`
+        with the rows ``changed`` replaced by ``x_changed`` (rows not listed are back to their
+        fitted values). Estimators that can reuse their fitted state override
+        :meth:`_refit`; the default fits from scratch on the patched array.
+
+        Only valid for models whose features of one example do not depend on the others
+        (not for transductive models, whose context changes with the training set).
+
+        :param changed: Indices of the replaced training rows (distinct).
+        :param x_changed: Their new inputs, ``(len(changed), *input_shape)``.
+        :return: ``self``.
+        """
+        if not self.is_fitted:
+            raise RuntimeError(f"{type(self).__name__}.refit() called before fit(); call fit(model, x, y) first")
+        changed = np.asarray(changed, dtype=np.int64).reshape(-1)
+        out_of_range = len(changed) and not 0 <= changed.min() <= changed.max() < self.n_train_
+        if len(np.unique(changed)) != len(changed) or out_of_range:
+            raise ValueError(f"changed must hold distinct indices in [0, {self.n_train_}), got {changed!r}")
+        x_changed = np.asarray(x_changed)
+        if x_changed.shape != (len(changed), *self.input_shape_):
+            raise ValueError(
+                f"x_changed must have shape {(len(changed), *self.input_shape_)} (one row per changed index), "
+                f"got {x_changed.shape}"
+            )
+        self._refit(changed, x_changed)
+        return self
+
+    def _refit(self, changed: np.ndarray, x_changed: np.ndarray) -> None:
+        base = getattr(self, "_x_base", None)
+        if base is None:
+            base = self._x_base = self.x_train_
+        x = np.array(base, copy=True)
+        x[changed] = x_changed
+        self.x_train_ = x
+        self._fit(self.model_, x, self.y_train_)
 
     def scores(self, x_query: np.ndarray, y_query: np.ndarray) -> np.ndarray:
         """

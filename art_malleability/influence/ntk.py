@@ -2,15 +2,30 @@
 NTK influence: exact leave-one-out influence of kernel ridge regression on the empirical NTK.
 
 This is the paper's estimator (after Zhang & Zhang, 2022): the trained network is replaced by
-kernel ridge regression on its empirical NTK ``K`` (``n_train × n_train``, traced over logits),
-with ``A = K + λI``, ``Cinv = A⁻¹`` and ``α = Cinv Y`` (``Y`` the one-hot training targets). The
-kernel predictor at a query ``q`` is ``f_q = K_q α``. Removing training example ``i`` and
-re-solving changes it by exactly
+kernel ridge regression on its empirical NTK ``K`` (traced over logits), with ``A = K + λI`` and
+targets ``Y`` (one-hot training labels). Removing training example ``i`` and solving again
+changes the kernel predictor at a query ``q`` by exactly (no retraining)
 
-    Δf_{q,i} = −(K_q Cinv)_i · α_i / Cinv_ii            (a ``C``-vector; no retraining)
+    Δf_{q,i} = −(K_q A⁻¹)_i · α_i / (A⁻¹)_ii            (``α = A⁻¹Y``; a ``C``-vector)
 
 and the influence of ``i`` on ``q`` is ``loss(f_q + Δf_{q,i}, y_q) − loss(f_q, y_q)``:
 **positive = helpful** (removing ``i`` raises the query's loss).
+
+Two modes compute it (see :mod:`art_malleability.influence.ridge` for the solves):
+
+- **exact**: the ``n × n`` empirical NTK (:func:`~art_malleability.ntk.empirical.empirical_ntk`)
+  and the dual solve. Memory: two ``n × n`` float64 matrices (``16 n²`` bytes: 3.2 GB at
+  ``n = 10,000``), time ``O(n³)``.
+- **projected**: features ``Φ`` (``n × k``) from a seeded random projection of each example's
+  logit Jacobians with ``E[ΦΦᵀ] = K`` (:class:`~art_malleability.ntk.projection.ProjectedNTK`),
+  then the same leave-one-out in the primal (``k × k`` system; the dual on ``ΦΦᵀ`` when
+  ``n ≤ k``). Memory ``O(n k + k²)``, never ``n × n``; time ``O(n k²)``. With a projection that
+  keeps every dimension the scores equal the exact ones.
+
+``projection_dim="auto"`` (the default) runs the exact mode when ``n ≤ max_exact_n`` and its two
+``n × n`` matrices fit in the memory budget, in a single process; otherwise the projected mode
+with ``k = DEFAULT_PROJECTION_DIM``. Both modes check their memory before they allocate and stop
+with an error that names the way out.
 """
 
 from __future__ import annotations
@@ -21,14 +36,37 @@ import math
 import numpy as np
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
-from art_malleability.influence.base import InfluenceEstimator, per_example_loss, regression_targets
-from art_malleability.ntk.empirical import NTK_METHODS, empirical_ntk
+from art_malleability._torch_utils import available_memory
+from art_malleability.distributed import Shard, current_shard
+from art_malleability.influence.base import InfluenceEstimator, regression_targets
+from art_malleability.influence.ridge import DualRidge, PrimalRidge, loo_scores
+from art_malleability.ntk.empirical import DEFAULT_CHUNK_MB, NTK_METHODS, empirical_ntk
+from art_malleability.ntk.projection import ProjectedNTK, check_projection_dim
+from art_malleability.streaming import ExampleSource
 
 logger = logging.getLogger(__name__)
 
-# Elements of the (queries × n_train × C) leave-one-out prediction block processed at once.
-_CHUNK_ELEMENTS = 2**24
+#: Projection dimension of ``projection_dim="auto"`` when the projected mode runs.
+DEFAULT_PROJECTION_DIM = 4096
+#: Largest training set of the exact mode under ``projection_dim="auto"``.
+DEFAULT_MAX_EXACT_N = 10_000
+#: Share of the available memory the large matrices may take when no ``memory_limit_gb`` is set.
+MEMORY_SHARE = 0.8
+_GIB = 2**30
+
+
+def exact_bytes(n: int) -> int:
+    """Bytes of the exact mode's large buffers: two ``n × n`` float64 matrices and the kernel engine's chunks."""
+    return 16 * n * n + 3 * int(DEFAULT_CHUNK_MB * 2**20)
+
+
+def projected_bytes(n_local: int, n_total: int, k: int) -> int:
+    """Bytes of the projected mode's large buffers (primal: ``Φ``, three ``k × k``; dual: two ``Φ``, two ``n × n``)."""
+    if n_total <= k:
+        return 16 * n_total * k + 16 * n_total * n_total + int(DEFAULT_CHUNK_MB * 2**20)
+    return 8 * n_local * k + 24 * k * k + 8 * 8192 * k + int(DEFAULT_CHUNK_MB * 2**20)
 
 
 class NTKInfluence(InfluenceEstimator):
@@ -42,17 +80,42 @@ class NTKInfluence(InfluenceEstimator):
     :param loss: Loss applied to the kernel predictor's outputs: ``"mse"`` (the kernel ridge
         regression's own loss, default) or ``"cross_entropy"`` (outputs treated as logits).
     :param device: ``"auto"``, a device string or a :class:`torch.device`.
-    :param dtype: Dtype of the kernel computation (default ``torch.float64``); the ridge solve
-        is always done in float64.
-    :param batch_size: Examples per block in the kernel computation.
-    :param method: eNTK method, see :func:`~art_malleability.ntk.empirical.empirical_ntk`.
+    :param dtype: Dtype of the kernel and feature computation (default ``torch.float64``); the
+        ridge solves are always done in float64.
+    :param batch_size: Examples per block in the kernel and feature computations.
+    :param method: eNTK method of the exact mode, see :func:`~art_malleability.ntk.empirical.empirical_ntk`.
+    :param projection_dim: ``"auto"`` (exact or projected by the rule in the module docstring),
+        ``None`` (always exact) or the projection dimension ``k`` (always projected).
+    :param projection_seed: Seed of the projection matrices.
+    :param max_exact_n: Largest training set of the exact mode under ``projection_dim="auto"``.
+    :param memory_limit_gb: Memory (GiB) the large matrices may take; ``None``: 80 % of the memory
+        available on the device when :meth:`fit` starts.
+    :param distributed: ``"auto"`` (shard the projected mode over an initialised
+        ``torch.distributed`` group of several processes), ``True`` (require one) or ``False``.
+    :param verbose: Show a progress bar over the feature computation.
 
-    Fitted attributes: ``kernel_`` (``n_train × n_train`` eNTK, tensor), ``alpha_`` (dual
-    coefficients ``(K + λI)⁻¹ Y``, ``n_train × C`` float64 tensor), ``model_`` (working copy).
+    Fitted attributes: ``mode_`` (``"exact"`` or ``"projected"``), ``projection_dim_`` (realised
+    ``k``, ``None`` when exact), ``solver_`` (:class:`~art_malleability.influence.ridge.DualRidge`
+    or :class:`~art_malleability.influence.ridge.PrimalRidge`), ``projector_`` (projected mode),
+    ``shard_`` (the :class:`~art_malleability.distributed.Shard` or ``None``), ``kernel_`` (exact
+    mode: the ``n × n`` eNTK of the fitted training set), ``model_`` (working copy).
     """
 
     name = "ntk"
-    estimator_params = ("ridge", "loss", "device", "dtype", "batch_size", "method")
+    streams = True
+    estimator_params = (
+        "ridge",
+        "loss",
+        "device",
+        "dtype",
+        "batch_size",
+        "method",
+        "projection_dim",
+        "projection_seed",
+        "max_exact_n",
+        "memory_limit_gb",
+        "distributed",
+    )
 
     def __init__(
         self,
@@ -62,9 +125,21 @@ class NTKInfluence(InfluenceEstimator):
         dtype: torch.dtype = torch.float64,
         batch_size: int = 256,
         method: str = "auto",
+        projection_dim: int | str | None = "auto",
+        projection_seed: int = 0,
+        max_exact_n: int = DEFAULT_MAX_EXACT_N,
+        memory_limit_gb: float | None = None,
+        distributed: bool | str = "auto",
+        verbose: bool = False,
     ) -> None:
         self.ridge = ridge
         self.method = method
+        self.projection_dim = projection_dim
+        self.projection_seed = projection_seed
+        self.max_exact_n = max_exact_n
+        self.memory_limit_gb = memory_limit_gb
+        self.distributed = distributed
+        self.verbose = verbose
         super().__init__(loss=loss, device=device, dtype=dtype, batch_size=batch_size)
 
     def _check_params(self) -> None:
@@ -75,38 +150,207 @@ class NTKInfluence(InfluenceEstimator):
             raise ValueError(f"ridge must be a positive float, got {self.ridge!r}")
         if self.method not in NTK_METHODS:
             raise ValueError(f"method must be one of {NTK_METHODS}, got {self.method!r}")
+        if self.projection_dim is not None and self.projection_dim != "auto":
+            check_projection_dim(self.projection_dim)
+        if isinstance(self.projection_seed, bool) or not isinstance(self.projection_seed, (int, np.integer)):
+            raise ValueError(f"projection_seed must be an integer, got {self.projection_seed!r}")
+        if isinstance(self.max_exact_n, bool) or not isinstance(self.max_exact_n, (int, np.integer)):
+            raise ValueError(f"max_exact_n must be a non-negative integer, got {self.max_exact_n!r}")
+        if self.max_exact_n < 0:
+            raise ValueError(f"max_exact_n must be a non-negative integer, got {self.max_exact_n!r}")
+        if self.memory_limit_gb is not None:
+            ok = not isinstance(self.memory_limit_gb, bool) and isinstance(
+                self.memory_limit_gb, (int, float, np.integer, np.floating)
+            )
+            if not ok or not math.isfinite(float(self.memory_limit_gb)) or self.memory_limit_gb <= 0:
+                raise ValueError(
+                    f"memory_limit_gb must be a positive number of GiB or None, got {self.memory_limit_gb!r}"
+                )
+        if self.distributed not in ("auto", True, False):
+            raise ValueError(f"distributed must be 'auto', True or False, got {self.distributed!r}")
+
+    # ------------------------------------------------------------------ mode and memory
+    def _memory_budget(self) -> int:
+        if self.memory_limit_gb is not None:
+            return int(float(self.memory_limit_gb) * _GIB)
+        return int(MEMORY_SHARE * available_memory(self.device_))
+
+    def _choose_mode(self, n: int, shard: Shard | None) -> str:
+        budget = self._memory_budget()
+        if self.projection_dim is None:
+            if shard is not None:
+                raise ValueError(
+                    "projection_dim=None (exact NTK influence) runs in one process; "
+                    "pass a projection_dim (or 'auto') to shard over torch.distributed"
+                )
+            need = exact_bytes(n)
+            if need > budget:
+                raise ValueError(
+                    f"exact NTK influence on {n} training examples needs about {need / _GIB:.1f} GiB "
+                    f"(two {n} x {n} float64 matrices), more than the {budget / _GIB:.1f} GiB budget; "
+                    "use projection_dim='auto' or an integer projection dimension"
+                )
+            return "exact"
+        if self.projection_dim == "auto":
+            if shard is None and n <= self.max_exact_n and exact_bytes(n) <= budget:
+                return "exact"
+        return "projected"
+
+    # ------------------------------------------------------------------ fit
+    def _fit(self, model: nn.Module, x_train: np.ndarray, y_train: np.ndarray) -> None:
+        self._fit_source(model, ExampleSource(x_train, y_train, name="x_train"))
+
+    def _targets(self, y: np.ndarray) -> torch.Tensor:
+        return regression_targets(torch.as_tensor(y, device=self.device_), self.n_outputs_, torch.float64)
+
+    def _fit_source(self, model: nn.Module, source: ExampleSource) -> None:
+        n = source.n
+        shard = current_shard(self.distributed)
+        if shard is not None and shard.world_size > n:
+            raise ValueError(
+                f"the process group has {shard.world_size} processes but x_train has only {n} examples; "
+                "every process needs at least one"
+            )
+        self.shard_ = shard
+        self.mode_ = self._choose_mode(n, shard)
+        self.projector_ = None
+        self.projection_dim_ = None
+        self._prev_local = np.zeros(0, dtype=np.int64)
+        if self.mode_ == "exact":
+            x, y = source.arrays(self.batch_size)
+            self._check_labels(y, "y_train")
+            self.x_train_, self.y_train_ = np.array(x, copy=True), y
+            self._x_base = self.x_train_
+            kernel = self._kernel(model, x).to(torch.float64)
+            self.solver_ = DualRidge(float(self.ridge)).fit(kernel, self._targets(y))
+            logger.debug("NTK influence (exact): kernel %s, ridge %g", tuple(kernel.shape), self.ridge)
+            return
+        k = DEFAULT_PROJECTION_DIM if self.projection_dim == "auto" else int(self.projection_dim)
+        probe, _ = source.take(np.arange(min(n, 64)), self.batch_size)
+        projector = ProjectedNTK(model, k, seed=int(self.projection_seed), batch_size=self.batch_size)
+        projector.plan(probe)
+        dim = projector.dim
+        start, stop = shard.bounds(n) if shard is not None else (0, n)
+        need = projected_bytes(stop - start, n, dim)
+        budget = self._memory_budget()
+        if need > budget:
+            raise ValueError(
+                f"projected NTK influence with projection_dim={dim} on {n} training examples needs about "
+                f"{need / _GIB:.1f} GiB, more than the {budget / _GIB:.1f} GiB budget; lower projection_dim"
+                + (" or shard over more processes" if n > dim else "")
+            )
+        self.projector_, self.projection_dim_ = projector, dim
+        phi = torch.empty((stop - start, dim), dtype=torch.float64, device=self.device_)
+        y = np.empty(stop - start, dtype=np.int64)
+        with tqdm(total=stop - start, desc="NTK features", unit="ex", disable=not self.verbose) as bar:
+            for off, xb, yb in source.batches(self.batch_size, start, stop):
+                phi[off : off + len(xb)] = projector.features(xb)
+                y[off : off + len(yb)] = yb
+                bar.update(len(xb))
+        self._check_labels(y, "y_train")
+        self.y_train_ = y
+        self._bounds = (start, stop)
+        if n <= dim:  # dual on ΦΦᵀ: stable when the regression nearly interpolates, and no larger
+            if shard is not None:
+                phi = shard.all_gather_rows(phi)
+                y = shard.all_gather_rows(torch.as_tensor(y)).numpy()
+                self.y_train_ = y
+                self._bounds = (0, n)
+            self._phi_base, self._phi = phi, phi
+            self.solver_ = DualRidge(float(self.ridge)).fit(phi @ phi.T, self._targets(y))
+        else:
+            reduce = shard.all_reduce if shard is not None else None
+            self.solver_ = PrimalRidge(float(self.ridge), reduce=reduce).fit(phi, self._targets(y))
+        logger.debug(
+            "NTK influence (projected, k=%d of %d, %s): %d examples here of %d",
+            dim, projector.full_dim, type(self.solver_).__name__, stop - start, n,
+        )
 
     def _kernel(self, model: nn.Module, x1: np.ndarray, x2: np.ndarray | None = None) -> torch.Tensor:
         return empirical_ntk(model, x1, x2, method=self.method, batch_size=self.batch_size)
 
-    def _fit(self, model: nn.Module, x_train: np.ndarray, y_train: np.ndarray) -> None:
-        kernel = self._kernel(model, x_train)
-        k64 = kernel.to(torch.float64)
-        n = k64.shape[0]
-        system = k64 + float(self.ridge) * torch.eye(n, dtype=torch.float64, device=k64.device)
-        chol, info = torch.linalg.cholesky_ex(system)
-        if int(info) != 0:
-            raise ValueError(
-                f"K + ridge*I is not positive definite (ridge={self.ridge!r}, kernel scale "
-                f"{float(k64.diagonal().abs().max()):.3g}); increase ridge"
-            )
-        cinv = torch.cholesky_inverse(chol)
-        cinv = 0.5 * (cinv + cinv.T)
-        y = torch.as_tensor(y_train, device=k64.device)
-        targets = regression_targets(y, self.n_outputs_, torch.float64)
-        self.kernel_ = kernel
-        self.alpha_ = cinv @ targets
-        self._cinv = cinv
-        self._cinv_diag = cinv.diagonal().clone()
-        logger.debug("NTK influence: kernel %s, ridge %g", tuple(kernel.shape), self.ridge)
+    @property
+    def kernel_(self) -> torch.Tensor:
+        """The exact mode's ``n × n`` eNTK of the fitted training set (its base fit)."""
+        self._check_fitted()
+        if self.mode_ != "exact":
+            raise AttributeError("kernel_ exists in the exact mode only (projection_dim=None)")
+        return self.solver_.kernel_
 
-    def _query_quantities(self, x_query: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Kernel predictions ``f`` (n_q, C), ``B = K_q Cinv`` (n_q, n) and ``α / diag(Cinv)`` (n, C)."""
-        k_q = self._kernel(self.model_, x_query, self.x_train_).to(torch.float64)
-        f = k_q @ self.alpha_
-        b = k_q @ self._cinv
-        beta = self.alpha_ / self._cinv_diag[:, None]
-        return f, b, beta
+    @property
+    def alpha_(self) -> torch.Tensor:
+        """Dual coefficients ``A⁻¹Y`` (exact mode, or projected with ``n ≤ k``)."""
+        self._check_fitted()
+        if not isinstance(self.solver_, DualRidge):
+            raise AttributeError("alpha_ exists when the solve is in the dual (exact mode, or n <= projection_dim)")
+        return self.solver_.alpha_
+
+    # ------------------------------------------------------------------ refit
+    def _refit(self, changed: np.ndarray, x_changed: np.ndarray) -> None:
+        order = np.argsort(changed, kind="stable")
+        changed, x_changed = changed[order], x_changed[order]
+        if self.mode_ == "exact":
+            x = np.array(self._x_base, copy=True)
+            x[changed] = x_changed
+            self.x_train_ = x
+            rows = self._kernel(self.model_, x_changed, x).to(torch.float64) if len(changed) else None
+            self.solver_.update(changed, rows if rows is not None else self.solver_.kernel_[:0])
+            return
+        start, stop = self._local_bounds()
+        here = (changed >= start) & (changed < stop)
+        local, x_local = changed[here] - start, x_changed[here]
+        feats = self._features(x_local)
+        if isinstance(self.solver_, DualRidge):
+            if self.shard_ is not None:
+                local = self.shard_.all_gather_rows(torch.as_tensor(local + start)).numpy()
+                feats = self.shard_.all_gather_rows(feats)
+            phi = self._phi_base.clone()
+            phi[torch.as_tensor(local, device=phi.device)] = feats
+            self._phi = phi
+            self.solver_.update(local, feats @ phi.T)
+            return
+        # primal: rows changed by the previous refit go back to their fitted values in the same update
+        prev, prev_base = self._prev_local, getattr(self, "_prev_base", None)
+        restore = np.setdiff1d(prev, local)
+        rows_restore = prev_base[torch.as_tensor(np.searchsorted(prev, restore))] if len(restore) else feats[:0]
+        base_new = self.solver_.features_[torch.as_tensor(local)].clone()
+        in_prev = np.isin(local, prev)
+        if in_prev.any():
+            base_new[torch.as_tensor(np.flatnonzero(in_prev))] = prev_base[
+                torch.as_tensor(np.searchsorted(prev, local[in_prev]))
+            ]
+        self.solver_.update(np.concatenate([restore, local]), torch.cat([rows_restore, feats]))
+        self._prev_local, self._prev_base = local, base_new
+
+    def _local_bounds(self) -> tuple[int, int]:
+        if self.shard_ is not None and isinstance(self.solver_, PrimalRidge):
+            return self.shard_.bounds(self.n_train_)
+        return 0, self.n_train_
+
+    def _features(self, x: np.ndarray) -> torch.Tensor:
+        if len(x) == 0:
+            return torch.zeros((0, self.projection_dim_), dtype=torch.float64, device=self.device_)
+        out = torch.empty((len(x), self.projection_dim_), dtype=torch.float64, device=self.device_)
+        for s in range(0, len(x), self.batch_size):
+            out[s : s + self.batch_size] = self.projector_.features(x[s : s + self.batch_size])
+        return out
+
+    # ------------------------------------------------------------------ queries
+    def _query_parts(self, x_query: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Predictions ``f`` (n_q, C) and the leave-one-out factors ``b`` (n_q, n here) and ``β`` (n here, C)."""
+        if self.mode_ == "exact":
+            k_q = self._kernel(self.model_, x_query, self.x_train_).to(torch.float64)
+            return self.solver_.loo_parts(k_q)
+        phi_q = self._features(x_query)
+        if isinstance(self.solver_, DualRidge):
+            return self.solver_.loo_parts(phi_q @ self._phi.T)
+        return self.solver_.loo_parts(phi_q)
+
+    def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Columns of every shard side by side (primal solve in a sharded run), else ``t``."""
+        if self.shard_ is not None and isinstance(self.solver_, PrimalRidge):
+            return self.shard_.all_gather_columns(t)
+        return t
 
     def _check_fitted(self) -> None:
         if not self.is_fitted:
@@ -114,14 +358,14 @@ class NTKInfluence(InfluenceEstimator):
 
     def predict(self, x_query: np.ndarray) -> np.ndarray:
         """
-        Kernel ridge regression predictions ``f_q = K_q α``.
+        Kernel ridge regression predictions at the queries.
 
         :param x_query: Query inputs, shape ``(n_query, *input_shape)``.
         :return: ``float64`` array ``(n_query, C)``.
         """
         self._check_fitted()
-        k_q = self._kernel(self.model_, np.asarray(x_query), self.x_train_).to(torch.float64)
-        return (k_q @ self.alpha_).cpu().numpy()
+        f, _, _ = self._query_parts(np.asarray(x_query))
+        return f.cpu().numpy()
 
     def loo_predictions(self, x_query: np.ndarray) -> np.ndarray:
         """
@@ -132,18 +376,12 @@ class NTKInfluence(InfluenceEstimator):
         :return: ``float64`` array ``(n_query, n_train, C)``.
         """
         self._check_fitted()
-        f, b, beta = self._query_quantities(np.asarray(x_query))
+        f, b, beta = self._query_parts(np.asarray(x_query))
+        if self.shard_ is not None and isinstance(self.solver_, PrimalRidge):
+            b, beta = self.shard_.all_gather_columns(b), self.shard_.all_gather_rows(beta)
         return (f[:, None, :] - b[:, :, None] * beta[None, :, :]).cpu().numpy()
 
     def _scores(self, x_query: np.ndarray, y_query: np.ndarray) -> np.ndarray:
-        f, b, beta = self._query_quantities(x_query)
+        f, b, beta = self._query_parts(x_query)
         y = torch.as_tensor(y_query, device=f.device)
-        base = per_example_loss(f, y, self.loss)
-        n_query, n_train = b.shape
-        out = torch.empty((n_query, n_train), dtype=torch.float64, device=f.device)
-        chunk = max(1, _CHUNK_ELEMENTS // max(1, n_train * f.shape[1]))
-        for s in range(0, n_query, chunk):
-            e = min(s + chunk, n_query)
-            loo = f[s:e, None, :] - b[s:e, :, None] * beta[None, :, :]
-            out[s:e] = per_example_loss(loo, y[s:e, None], self.loss) - base[s:e, None]
-        return out.cpu().numpy()
+        return self._gather(loo_scores(f, b, beta, y, self.loss)).cpu().numpy()

@@ -159,6 +159,80 @@ def _fill(out: _Features, part: _Features, start: int) -> None:
             dst[start:stop] = src
 
 
+def plain_layers(model: nn.Module, types: tuple[type, ...]) -> list[tuple[str, nn.Module, bool, bool]]:
+    """
+    Modules of ``model`` of the given types whose ``weight`` (and ``bias``) are plain parameters used
+    nowhere else, with at least one of them trainable: the candidates of a factorised (per-layer)
+    treatment. Parametrised or tied weights are left out (they go through a generic fallback).
+
+    :param model: The model.
+    :param types: Module classes to look for.
+    :return: ``(name, module, weight trainable, bias trainable)`` per candidate, in registration order.
+    """
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    found = []
+    for name, module in model.named_modules():
+        if not isinstance(module, types):
+            continue
+        weight = module._parameters.get("weight")
+        bias = module._parameters.get("bias")
+        if weight is None or (module.bias is not None and bias is None):
+            continue  # parametrised weights are not plain parameters
+        if uses[id(weight)] != 1 or (bias is not None and uses[id(bias)] != 1):
+            continue  # shared (tied) parameters go through the fallback
+        w_train = weight.requires_grad
+        b_train = bias is not None and bias.requires_grad
+        if w_train or b_train:
+            found.append((name, module, w_train, b_train))
+    return found
+
+
+def per_example_jacobian(
+    model: nn.Module,
+    params: list[tuple[str, nn.Parameter]],
+    x: torch.Tensor,
+    y: torch.Tensor | None = None,
+    output_fn: OutputFn | None = None,
+) -> torch.Tensor:
+    """
+    Per-example Jacobians of the model outputs with respect to some of its parameters, with
+    ``torch.func.vmap(torch.func.jacrev(...))`` over ``functional_call`` (exact for any model whose
+    forward pass treats examples independently).
+
+    :param model: The model.
+    :param params: ``(name, parameter)`` pairs to differentiate (the others are held fixed).
+    :param x: Inputs ``(n, ...)``.
+    :param y: Labels passed to ``output_fn``, or ``None``.
+    :param output_fn: Map ``(outputs, labels) -> (n, C)`` applied after the model; ``None`` keeps the outputs.
+    :return: ``(n, C, P)`` with the parameters flattened and concatenated in the order given.
+    """
+    names = [name for name, _ in params]
+    values = {name: p.detach() for name, p in params}
+
+    def head(out: torch.Tensor, yi: torch.Tensor | None) -> torch.Tensor:
+        return (out if output_fn is None else output_fn(out, yi)).reshape(-1)
+
+    if y is None:
+
+        def single(p: dict[str, torch.Tensor], xi: torch.Tensor) -> torch.Tensor:
+            return head(functional_call(model, p, (xi.unsqueeze(0),)), None)
+
+        args: tuple = (values, x)
+        in_dims: tuple = (None, 0)
+    else:
+
+        def single(p: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
+            return head(functional_call(model, p, (xi.unsqueeze(0),)), yi.unsqueeze(0))
+
+        args = (values, x, y)
+        in_dims = (None, 0, 0)
+
+    with torch.no_grad():
+        jd = vmap(jacrev(single), in_dims=in_dims)(*args)
+    n = x.shape[0]
+    return torch.cat([jd[name].reshape(n, jd[name].shape[1], -1) for name in names], dim=2)
+
+
 class JacobianGram:
     """
     Gram matrices of per-example Jacobians of ``g(x, y) = output_fn(model(x), y)`` with respect
@@ -228,22 +302,11 @@ class JacobianGram:
         return g
 
     def _linear_candidates(self) -> list[_LinearPlan]:
-        uses = Counter(id(p) for _, p in self.model.named_parameters(remove_duplicate=False))
-        candidates = []
-        for name, module in self.model.named_modules():
-            if not isinstance(module, nn.Linear) or type(module).forward is not nn.Linear.forward:
-                continue
-            weight = module._parameters.get("weight")
-            bias = module._parameters.get("bias")
-            if weight is None or (module.bias is not None and bias is None):
-                continue  # parametrised weights are not plain parameters
-            if uses[id(weight)] != 1 or (bias is not None and uses[id(bias)] != 1):
-                continue  # shared (tied) parameters go through the fallback
-            w_train = weight.requires_grad
-            b_train = bias is not None and bias.requires_grad
-            if w_train or b_train:
-                candidates.append(_LinearPlan(name, module, w_train, b_train))
-        return candidates
+        return [
+            _LinearPlan(name, module, w, b)
+            for name, module, w, b in plain_layers(self.model, (nn.Linear,))
+            if type(module).forward is nn.Linear.forward
+        ]
 
     def _plan(self, x_probe: torch.Tensor, y_probe: torch.Tensor | None) -> None:
         """Decide which ``nn.Linear`` layers take the structured path (probe forward pass)."""
@@ -452,31 +515,7 @@ class JacobianGram:
         return g
 
     def _fallback_jacobian(self, x: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
-        names = [name for name, _ in self._fallback]
-        params = {name: p.detach() for name, p in self._fallback}
-        model = self.model
-
-        if y is None:
-
-            def single(p: dict[str, torch.Tensor], xi: torch.Tensor) -> torch.Tensor:
-                out = functional_call(model, p, (xi.unsqueeze(0),))
-                return self._apply_output_fn(out, None).reshape(-1)
-
-            args: tuple = (params, x)
-            in_dims: tuple = (None, 0)
-        else:
-
-            def single(p: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
-                out = functional_call(model, p, (xi.unsqueeze(0),))
-                return self._apply_output_fn(out, yi.unsqueeze(0)).reshape(-1)
-
-            args = (params, x, y)
-            in_dims = (None, 0, 0)
-
-        with torch.no_grad():
-            jd = vmap(jacrev(single), in_dims=in_dims)(*args)
-        n = x.shape[0]
-        return torch.cat([jd[name].reshape(n, jd[name].shape[1], -1) for name in names], dim=2)
+        return per_example_jacobian(self.model, self._fallback, x, y, self._apply_output_fn)
 
     # ------------------------------------------------------------------ contraction
     def contract(self, f1: _Features, f2: _Features, trace: bool = True) -> torch.Tensor:

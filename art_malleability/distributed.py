@@ -1,0 +1,168 @@
+"""
+Sharding an audit over processes with :mod:`torch.distributed`.
+
+Launch every process with ``torchrun`` (which sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+``MASTER_PORT``); the CLI and :func:`init_from_env` then join the process group, with backend
+``gloo`` on the CPU and ``nccl`` on CUDA. A library user who already called
+:func:`torch.distributed.init_process_group` needs nothing more: with ``distributed="auto"`` the
+audit shards itself over the initialised group.
+
+Each process owns a contiguous block of the training examples (:meth:`Shard.bounds`): it computes
+their projected NTK features and runs the attack on them. ``ΦᵀΦ`` and ``ΦᵀY`` are summed with
+``all_reduce``, influence columns and attack results are gathered with ``all_gather``, and every
+process ends with the same report (rank 0 alone writes it). Collectives carry the process group's
+timeout, so a process that dies makes the others fail with an error instead of hanging (and
+``torchrun`` stops the remaining workers when one exits with an error).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import logging
+import os
+import pickle
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class Shard:
+    """
+    This process's place in an initialised ``torch.distributed`` process group.
+
+    :param rank: Rank of this process.
+    :param world_size: Number of processes.
+    :param backend: Backend of the default process group (``"gloo"``, ``"nccl"``).
+    """
+
+    rank: int
+    world_size: int
+    backend: str
+
+    def bounds(self, n: int) -> tuple[int, int]:
+        """
+        :param n: Number of training examples.
+        :return: ``(start, stop)`` of this rank's contiguous block (sizes differ by at most one).
+        """
+        return self.rank * n // self.world_size, (self.rank + 1) * n // self.world_size
+
+    def _device(self, t: torch.Tensor) -> torch.device:
+        if self.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """
+        :param t: A tensor of the same shape on every rank.
+        :param op: ``"sum"`` or ``"max"``.
+        :return: The reduction over ranks, on ``t``'s device (``t`` itself is not modified).
+        """
+        work = t.detach().to(self._device(t), copy=True).contiguous()
+        dist.all_reduce(work, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+        return work.to(t.device)
+
+    def all_gather_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """
+        :param t: ``(n_rank, ...)`` rows of this rank (row counts may differ between ranks).
+        :return: The rows of all ranks stacked in rank order.
+        """
+        device = self._device(t)
+        count = torch.tensor([t.shape[0]], dtype=torch.int64, device=device)
+        counts = [torch.zeros_like(count) for _ in range(self.world_size)]
+        dist.all_gather(counts, count)
+        sizes = [int(c) for c in counts]
+        width = max(sizes)
+        padded = torch.zeros((width, *t.shape[1:]), dtype=t.dtype, device=device)
+        padded[: t.shape[0]] = t.detach().to(device)
+        parts = [torch.empty_like(padded) for _ in range(self.world_size)]
+        dist.all_gather(parts, padded)
+        return torch.cat([p[:s] for p, s in zip(parts, sizes, strict=True)]).to(t.device)
+
+    def all_gather_columns(self, t: torch.Tensor) -> torch.Tensor:
+        """
+        :param t: ``(rows, n_rank)`` columns of this rank.
+        :return: ``(rows, n)``: the columns of all ranks side by side in rank order.
+        """
+        return self.all_gather_rows(t.T.contiguous()).T.contiguous()
+
+    def broadcast_object(self, obj: object, src: int = 0) -> object:
+        """:return: ``obj`` of rank ``src`` on every rank (pickled)."""
+        payload = [obj]
+        dist.broadcast_object_list(payload, src=src, device=self._device(torch.empty(0)))
+        return payload[0]
+
+    def agree(self, value: object, what: str) -> None:
+        """
+        Check that ``value`` is the same on every rank.
+
+        :raises ValueError: If it differs (``what`` names it in the message).
+        """
+        code = int.from_bytes(hashlib.sha256(pickle.dumps(value)).digest()[:7], "little")
+        digest = torch.tensor([code], dtype=torch.int64)
+        low, high = self.all_reduce(digest, "max"), -self.all_reduce(-digest, "max")
+        if int(low) != int(high):
+            raise ValueError(f"{what} differs between the processes; every rank must pass the same {what}")
+
+
+def current_shard(distributed: bool | str = "auto") -> Shard | None:
+    """
+    The shard of this process, or ``None`` for a single-process run.
+
+    :param distributed: ``"auto"`` (shard when a ``torch.distributed`` default group with more than
+        one process is initialised), ``True`` (require one) or ``False`` (never shard).
+    :return: A :class:`Shard` or ``None``.
+    :raises ValueError: With ``distributed=True`` and no initialised group.
+    """
+    if distributed not in ("auto", True, False):
+        raise ValueError(f"distributed must be 'auto', True or False, got {distributed!r}")
+    if distributed is False:
+        return None
+    ready = dist.is_available() and dist.is_initialized()
+    if not ready:
+        if distributed is True:
+            raise ValueError(
+                "distributed=True needs an initialised torch.distributed process group: launch with torchrun "
+                "and call torch.distributed.init_process_group (or art_malleability.distributed.init_from_env)"
+            )
+        return None
+    world = dist.get_world_size()
+    if world == 1 and distributed == "auto":
+        return None
+    return Shard(rank=dist.get_rank(), world_size=world, backend=str(dist.get_backend()))
+
+
+def launched_by_torchrun() -> bool:
+    """Whether the environment describes a multi-process launch (``torchrun`` sets ``WORLD_SIZE`` and ``RANK``)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+
+
+def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Shard | None:
+    """
+    Join the process group described by the ``torchrun`` environment (``env://`` rendezvous),
+    unless one is initialised already; do nothing outside a multi-process launch.
+
+    :param backend: ``"gloo"``, ``"nccl"``, or ``None`` for ``nccl`` when CUDA is available and
+        ``gloo`` otherwise.
+    :param timeout_s: Timeout of every collective, in seconds: a process that stops answering
+        makes the others fail after this long.
+    :return: This process's :class:`Shard`, or ``None`` in a single-process run.
+    """
+    if not (timeout_s > 0):
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    if not dist.is_initialized():
+        if not launched_by_torchrun():
+            return None
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=float(timeout_s)))
+        logger.info("joined process group: rank %d of %d (%s)", dist.get_rank(), dist.get_world_size(), backend)
+    return current_shard("auto")

@@ -1,0 +1,316 @@
+"""
+Kernel ridge regression with its exact closed-form leave-one-out, in the dual and in the primal.
+
+Both solvers fit targets ``Y`` (``n × C``) with ridge ``λ`` and describe, for every query ``q`` and
+training example ``i``, the change of the prediction when ``i`` is removed and the regression is
+solved again, without retraining:
+
+    Δf_{q,i} = −b_{q,i} · β_i                (``b`` an ``n_q × n`` matrix, ``β`` an ``n × C`` matrix)
+
+- **Dual** (:class:`DualRidge`, an ``n × n`` kernel ``K``): with ``A = K + λI``, ``α = A⁻¹Y``,
+  ``b = K_q A⁻¹`` and ``β_i = α_i / (A⁻¹)_ii``.
+- **Primal** (:class:`PrimalRidge`, features ``Φ`` of shape ``n × k`` with ``K = ΦΦᵀ``): with
+  ``A = ΦᵀΦ + λI`` (``k × k``), weights ``W = A⁻¹ΦᵀY``, hat diagonal ``h_i = φ_iᵀA⁻¹φ_i`` and
+  residual ``r_i = y_i − φ_iᵀW``: ``b_{q,i} = φ_qᵀA⁻¹φ_i`` and ``β_i = r_i / (1 − h_i)``.
+
+The two are the same leave-one-out (``λα = r`` and ``λ(A⁻¹)_ii = 1 − h_i`` for ``K = ΦΦᵀ``). The
+dual computes ``(A⁻¹)_ii`` directly; the primal computes ``1 − h_i``, which cancels when the
+regression nearly interpolates (``n ≤ k``), so callers use the dual there (its ``n × n`` system is
+then no larger than the primal's ``k × k`` one).
+
+**Memory.** On the CPU in float64 the dual holds at most two ``n × n`` matrices: the kernel and an
+inverse Cholesky factor computed in place (LAPACK ``potrf`` then ``trtri`` on one buffer). On other
+devices a factorisation briefly needs a third. The primal holds ``Φ`` and two ``k × k`` matrices,
+never an ``n × n`` one.
+
+**Updates.** When only the rows ``P`` (``m`` examples) of the training set change:
+
+- the dual keeps the kernel of the base fit and the inverse Cholesky factor ``M`` of ``A_QQ`` (the
+  unchanged examples, computed once per ``P``); with the examples ordered ``(Q, P)`` the factor of
+  the new ``A'`` is ``[[L_QQ, 0], [A'_PQ L_QQ⁻ᵀ, chol(S)]]`` with the Schur complement
+  ``S = A'_PP − A'_PQ A_QQ⁻¹ A'_QP``, so an update costs ``O(m n²)`` instead of ``O(n³)``;
+- the primal updates ``ΦᵀΦ`` and ``ΦᵀY`` by the changed rows (``O(m k²)``) and solves the
+  ``k × k`` system again.
+
+Either result equals a fit from scratch up to rounding.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from scipy.linalg import lapack
+
+from art_malleability.influence.base import per_example_loss
+
+logger = logging.getLogger(__name__)
+
+# Elements of the (queries × n_train × C) leave-one-out prediction block processed at once.
+_CHUNK_ELEMENTS = 2**24
+# Rows of Φ multiplied at once when the hat diagonal is computed.
+_ROW_CHUNK = 8192
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def inverse_cholesky_(a: torch.Tensor, ridge: float, what: str = "K + ridge*I") -> torch.Tensor:
+    """
+    Overwrite the symmetric positive definite matrix ``a`` with ``L⁻¹`` where ``a = LLᵀ``.
+
+    On the CPU in float64 this runs LAPACK ``potrf`` and ``trtri`` in ``a``'s own memory (no
+    second ``n × n`` buffer); elsewhere it uses :mod:`torch.linalg` (two temporary buffers).
+
+    :param a: Symmetric positive definite matrix, C-contiguous; its content is destroyed.
+    :param ridge: The ridge that was added (for the error message).
+    :param what: Name of the matrix (for the error message).
+    :return: ``L⁻¹``, lower triangular (on the CPU a transposed view of ``a``'s memory).
+    :raises ValueError: If ``a`` is not positive definite.
+    """
+    scale = float(a.diagonal().abs().max()) if a.numel() else 0.0
+
+    def fail() -> ValueError:
+        return ValueError(
+            f"{what} is not positive definite (ridge={ridge!r}, scale {scale:.3g}); increase ridge"
+        )
+
+    if a.device.type == "cpu" and a.dtype == torch.float64 and a.is_contiguous():
+        arr = a.numpy()
+        # arr.T is Fortran-ordered and equal to arr (symmetric): LAPACK works on it in place
+        factor, info = lapack.dpotrf(arr.T, lower=1, overwrite_a=1, clean=1)
+        if info != 0:
+            raise fail()
+        inverse, info = lapack.dtrtri(factor, lower=1, overwrite_c=1)
+        if info != 0 or not np.shares_memory(inverse, arr):  # pragma: no cover - LAPACK contract
+            raise RuntimeError("in-place triangular inverse failed")
+        return a.T
+    chol, info = torch.linalg.cholesky_ex(a)
+    if int(info) != 0:
+        raise fail()
+    eye = torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
+    a.copy_(torch.linalg.solve_triangular(chol, eye, upper=False))
+    return a
+
+
+def loo_scores(
+    f: torch.Tensor, b: torch.Tensor, beta: torch.Tensor, y: torch.Tensor, loss: str
+) -> torch.Tensor:
+    """
+    Leave-one-out influence ``loss(f_q + Δf_{q,i}, y_q) − loss(f_q, y_q)`` with
+    ``Δf_{q,i} = −b_{q,i} β_i``: **positive = helpful** (removing ``i`` raises ``q``'s loss).
+
+    :param f: Predictions at the queries, ``(n_q, C)``.
+    :param b: ``(n_q, n)`` leave-one-out coefficients.
+    :param beta: ``(n, C)`` leave-one-out directions.
+    :param y: Query class indices ``(n_q,)``.
+    :param loss: ``"mse"`` or ``"cross_entropy"`` (see :func:`~art_malleability.influence.per_example_loss`).
+    :return: ``(n_q, n)`` float64 scores.
+    """
+    base = per_example_loss(f, y, loss)
+    n_query, n_train = b.shape
+    out = torch.empty((n_query, n_train), dtype=torch.float64, device=f.device)
+    chunk = max(1, _CHUNK_ELEMENTS // max(1, n_train * f.shape[1]))
+    for s in range(0, n_query, chunk):
+        e = min(s + chunk, n_query)
+        loo = f[s:e, None, :] - b[s:e, :, None] * beta[None, :, :]
+        out[s:e] = per_example_loss(loo, y[s:e, None], loss) - base[s:e, None]
+    return out
+
+
+def _sq_column_norms(m: torch.Tensor) -> torch.Tensor:
+    return (m * m).sum(dim=0) if m.numel() else torch.zeros(m.shape[1], dtype=m.dtype, device=m.device)
+
+
+class DualRidge:
+    """
+    Kernel ridge regression on an ``n × n`` kernel, with exact leave-one-out and row updates.
+
+    :param ridge: Ridge ``λ > 0``.
+
+    Fitted attributes: ``kernel_`` (the base kernel, owned by the solver), ``alpha_``
+    (``A⁻¹Y`` of the current training set), ``cinv_diag_`` (``diag A⁻¹``), ``changed_`` (rows
+    that differ from the base fit).
+    """
+
+    def __init__(self, ridge: float) -> None:
+        self.ridge = float(ridge)
+
+    def fit(self, kernel: torch.Tensor, targets: torch.Tensor) -> DualRidge:
+        """
+        :param kernel: ``n × n`` symmetric kernel, float64; the solver keeps it (not copied).
+        :param targets: ``n × C`` regression targets.
+        :return: ``self``.
+        """
+        self.kernel_ = kernel
+        self.targets_ = targets.to(kernel.dtype)
+        self._m: torch.Tensor | None = None  # inverse Cholesky factor of A_QQ
+        self._q_key: bytes | None = None
+        self.update(np.zeros(0, dtype=np.int64), kernel[:0])
+        return self
+
+    @property
+    def n(self) -> int:
+        return int(self.kernel_.shape[0])
+
+    def update(self, changed: np.ndarray, rows: torch.Tensor) -> DualRidge:
+        """
+        Solve again for a training set that differs from the base fit only in the rows ``changed``.
+
+        :param changed: Indices of the changed examples (``m``, distinct).
+        :param rows: Their new kernel rows against the whole new training set, ``(m, n)``.
+        :return: ``self``.
+        """
+        n = self.n
+        p = np.asarray(changed, dtype=np.int64)
+        mask = np.ones(n, dtype=bool)
+        mask[p] = False
+        q = np.flatnonzero(mask)
+        key = p.tobytes()
+        dev = self.kernel_.device
+        pt, qt = torch.as_tensor(p, device=dev), torch.as_tensor(q, device=dev)
+        if self._q_key != key:
+            self._m = None  # release before the next (n − m)² buffer
+            a_qq = self._submatrix(qt)
+            a_qq.diagonal().add_(self.ridge)
+            self._m = inverse_cholesky_(a_qq, self.ridge)
+            self._q_key = key
+        m = self._m
+        if len(p):
+            rows = rows.to(self.kernel_.dtype)
+            a_pq = rows[:, qt]
+            a_pp = rows[:, pt]
+            a_pp = 0.5 * (a_pp + a_pp.T)
+            a_pp.diagonal().add_(self.ridge)
+            l_pq = a_pq @ m.T
+            schur = a_pp - l_pq @ l_pq.T
+            y_p = inverse_cholesky_(schur.contiguous(), self.ridge, "the Schur complement of the changed rows")
+            x = -(y_p @ (l_pq @ m))
+        else:
+            x = m.new_zeros((0, n))
+            y_p = m.new_zeros((0, 0))
+        self._p, self._q, self._pt, self._qt = p, q, pt, qt
+        self._x, self._yp = x, y_p
+        self.changed_ = p
+        diag = torch.empty(n, dtype=m.dtype, device=dev)
+        diag[qt] = _sq_column_norms(m) + _sq_column_norms(x)
+        diag[pt] = _sq_column_norms(y_p)
+        self.cinv_diag_ = diag
+        self.alpha_ = self.solve(self.targets_)
+        return self
+
+    def _submatrix(self, idx: torch.Tensor) -> torch.Tensor:
+        """``K[idx][:, idx]`` as a new C-contiguous matrix, gathered in row blocks (no third ``n × n`` buffer)."""
+        if len(idx) == self.n:
+            return self.kernel_.clone()
+        out = self.kernel_.new_empty((len(idx), len(idx)))
+        for s in range(0, len(idx), _ROW_CHUNK // 8):
+            out[s : s + _ROW_CHUNK // 8] = self.kernel_[idx[s : s + _ROW_CHUNK // 8]][:, idx]
+        return out
+
+    def solve(self, v: torch.Tensor) -> torch.Tensor:
+        """
+        :param v: ``(n, r)`` right-hand sides.
+        :return: ``A⁻¹ v`` for the current training set.
+        """
+        v = v.to(self._m.dtype)
+        vq, vp = v[self._qt], v[self._pt]
+        uq = self._m @ vq
+        up = self._x @ vq + self._yp @ vp
+        out = torch.empty_like(v)
+        out[self._qt] = self._m.T @ uq + self._x.T @ up
+        out[self._pt] = self._yp.T @ up
+        return out
+
+    def loo_parts(self, k_q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """
+        :param k_q: Query kernel rows against the current training set, ``(n_q, n)``.
+        :return: ``(f, b, β)``: predictions ``(n_q, C)``, ``b = K_q A⁻¹`` and ``β = α / diag A⁻¹``.
+        """
+        k_q = k_q.to(self._m.dtype)
+        f = k_q @ self.alpha_
+        b = self.solve(k_q.T.contiguous()).T
+        beta = self.alpha_ / self.cinv_diag_[:, None]
+        return f, b, beta
+
+
+class PrimalRidge:
+    """
+    Ridge regression on features ``Φ`` (``n × k``) with exact leave-one-out, solved with a
+    ``k × k`` system; memory ``O(n k + k²)``.
+
+    In a sharded run every process holds the rows of its shard; ``reduce`` sums a tensor over the
+    processes (an all-reduce), so that ``ΦᵀΦ`` and ``ΦᵀY`` cover the whole training set while the
+    per-example quantities (``h``, ``r``, ``b``) stay local.
+
+    :param ridge: Ridge ``λ > 0``.
+    :param reduce: Sum over processes (identity in one process).
+
+    Fitted attributes: ``features_`` (local ``Φ``), ``gram_`` (``ΦᵀΦ``), ``cross_`` (``ΦᵀY``),
+    ``weights_`` (``W``), ``hat_`` (``h``), ``beta_`` (``r / (1 − h)``).
+    """
+
+    def __init__(self, ridge: float, reduce: Reduce | None = None) -> None:
+        self.ridge = float(ridge)
+        self.reduce = reduce or _identity
+
+    def fit(self, features: torch.Tensor, targets: torch.Tensor) -> PrimalRidge:
+        """
+        :param features: Local rows of ``Φ``, ``(n_local, k)``, float64; kept (not copied).
+        :param targets: Their targets ``(n_local, C)``.
+        :return: ``self``.
+        """
+        self.features_ = features
+        self.targets_ = targets.to(features.dtype)
+        self.gram_ = self.reduce(features.T @ features)
+        self.cross_ = self.reduce(features.T @ self.targets_)
+        self._solve()
+        return self
+
+    def update(self, changed: np.ndarray, rows: torch.Tensor) -> PrimalRidge:
+        """
+        Replace the local feature rows ``changed`` and solve again (a collective call in a
+        sharded run: every process calls it, possibly with no rows).
+
+        :param changed: Local indices of the changed examples.
+        :param rows: Their new features ``(m, k)``.
+        :return: ``self``.
+        """
+        idx = torch.as_tensor(np.asarray(changed, dtype=np.int64), device=self.features_.device)
+        rows = rows.to(self.features_.dtype)
+        old = self.features_[idx]
+        y = self.targets_[idx]
+        self.gram_ += self.reduce(rows.T @ rows - old.T @ old)
+        self.cross_ += self.reduce(rows.T @ y - old.T @ y)
+        self.features_[idx] = rows
+        self._solve()
+        return self
+
+    def _solve(self) -> None:
+        a = self.gram_.clone()
+        a.diagonal().add_(self.ridge)
+        self._linv = inverse_cholesky_(a, self.ridge, "Phi^T Phi + ridge*I")
+        self.weights_ = self._linv.T @ (self._linv @ self.cross_)
+        phi = self.features_
+        hat = torch.empty(phi.shape[0], dtype=phi.dtype, device=phi.device)
+        for s in range(0, phi.shape[0], _ROW_CHUNK):
+            z = phi[s : s + _ROW_CHUNK] @ self._linv.T
+            hat[s : s + _ROW_CHUNK] = (z * z).sum(dim=1)
+        residual = self.targets_ - phi @ self.weights_
+        self.hat_ = hat
+        self.beta_ = residual / (1.0 - hat)[:, None]
+
+    def loo_parts(self, phi_q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """
+        :param phi_q: Query features ``(n_q, k)``.
+        :return: ``(f, b, β)`` with ``b`` over the local training rows.
+        """
+        phi_q = phi_q.to(self.features_.dtype)
+        f = phi_q @ self.weights_
+        b = ((phi_q @ self._linv.T) @ self._linv) @ self.features_.T
+        return f, b, self.beta_

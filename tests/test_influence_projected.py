@@ -1,0 +1,265 @@
+"""Projected NTK influence: exact with a full projection, unbiased features, primal leave-one-out, updates, data."""
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+from art_malleability.influence import NTKInfluence
+from art_malleability.influence.ridge import DualRidge, PrimalRidge
+from art_malleability.ntk.empirical import empirical_ntk
+from art_malleability.ntk.projection import ProjectedNTK, allocate, kronecker_split
+
+
+def _rel(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+class _Scaled(nn.Module):
+    """A free-standing trainable parameter used in the parent's forward (fallback group)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.scale = nn.Parameter(torch.tensor([1.3, 0.7, 1.1]))
+
+    def forward(self, x):
+        return self.inner(x) * self.scale
+
+
+def _cnn(seed=0):
+    torch.manual_seed(seed)
+    net = nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=1),
+        nn.BatchNorm2d(3),
+        nn.ReLU(),
+        nn.Conv2d(3, 4, 2, stride=2, dilation=1, bias=False),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(4 * 3 * 3, 5),
+        nn.Tanh(),
+        nn.Linear(5, 3),
+    )
+    with torch.no_grad():
+        net[1].running_mean.normal_()
+        net[1].running_var.uniform_(0.5, 2.0)
+        net[1].weight.uniform_(0.5, 1.5)
+    return _Scaled(net).eval()
+
+
+class _Tokens(nn.Module):
+    """A linear layer on 3-D inputs (positions summed) and a frozen weight with a trainable bias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.embed = nn.Linear(3, 4)
+        self.mix = nn.Linear(4, 4)
+        self.mix.weight.requires_grad_(False)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.mix(torch.tanh(self.embed(x.reshape(x.shape[0], 2, 3)))))
+        return self.head(h.mean(dim=1))
+
+
+def _mlp(d=4, m=6, c=3, seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(d, m), nn.ReLU(), nn.Linear(m, c))
+
+
+def _images(n, seed=0, c=3):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, 2, 6, 6)).astype(np.float32), rng.integers(0, c, n)
+
+
+@pytest.mark.parametrize("model_fn,shape", [(_cnn, (2, 6, 6)), (_Tokens, (6,)), (_mlp, (4,))])
+def test_full_projection_reproduces_the_kernel(model_fn, shape):
+    model = model_fn().double()
+    x = torch.tensor(np.random.default_rng(2).normal(size=(9, *shape)))
+    projector = ProjectedNTK(model, 10**8).plan(x)
+    assert projector.is_exact
+    assert projector.full_dim == 3 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+    kinds = {g["kind"] for g in projector.describe()}
+    if model_fn is _cnn:
+        assert kinds == {"conv", "linear", "fallback"}
+    phi = projector.features(x)
+    kernel = empirical_ntk(model, x, method="jacobian")
+    assert _rel((phi @ phi.T).numpy(), kernel.numpy()) < 1e-12
+
+
+def test_projected_inner_products_are_unbiased():
+    """Monte Carlo over projection seeds: the mean of ΦΦᵀ is K within 5 standard errors, entry by entry."""
+    model = _cnn().double()
+    x = torch.tensor(_images(6)[0], dtype=torch.float64)
+    kernel = empirical_ntk(model, x, method="jacobian").numpy()
+    draws = []
+    for seed in range(300):
+        phi = ProjectedNTK(model, 48, seed=seed).plan(x).features(x)
+        draws.append((phi @ phi.T).numpy())
+    draws = np.array(draws)
+    mean, se = draws.mean(0), draws.std(0, ddof=1) / np.sqrt(len(draws))
+    z = np.abs(mean - kernel) / se
+    assert z.max() < 5.0, z.max()
+    # and the projection is not trivially exact: single draws do differ from K
+    assert np.abs(draws[0] - kernel).max() > 1e-3 * np.abs(kernel).max()
+
+
+def test_projection_is_seeded():
+    model = _cnn().double()
+    x = _images(5)[0]
+    a = ProjectedNTK(model, 40, seed=3).plan(x).features(x)
+    b = ProjectedNTK(model, 40, seed=3).plan(x).features(x)
+    c = ProjectedNTK(model, 40, seed=4).plan(x).features(x)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_allocation_and_split():
+    assert allocate([1.0, 1.0], [10, 10], 8) == [4, 4]
+    assert allocate([9.0, 1.0], [5, 100], 20) == [5, 15]  # capped group gives its excess to the others
+    assert allocate([0.0, 1.0], [10, 10], 6) == [1, 5]  # never below one
+    assert sum(allocate([3.0, 2.0, 1.0], [1000] * 3, 100)) == 100
+    k_out, k_in = kronecker_split(100, 50, 40)
+    assert k_out * k_in <= 100 and k_in == 10
+    assert kronecker_split(10**6, 50, 40) == (50, 40)
+    assert kronecker_split(30, 1000, 3) == (10, 3)
+
+
+@pytest.mark.parametrize("n", [12, 80])  # dual (n <= full dim) and primal (n > full dim)
+def test_full_projection_scores_equal_exact_scores(n):
+    model = _mlp(d=4, m=3, c=2)  # 23 parameters, 2 outputs: full dimension 46
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(n, 4)).astype(np.float32), rng.integers(0, 2, n)
+    xq, yq = rng.normal(size=(7, 4)).astype(np.float32), rng.integers(0, 2, 7)
+    exact = NTKInfluence(projection_dim=None, ridge=1e-2, device="cpu").fit(model, x, y)
+    full = NTKInfluence(projection_dim=10**6, ridge=1e-2, device="cpu").fit(model, x, y)
+    assert exact.mode_ == "exact" and full.mode_ == "projected" and full.projection_dim_ == 46
+    assert isinstance(full.solver_, DualRidge if n <= 46 else PrimalRidge)
+    assert _rel(full.scores(xq, yq), exact.scores(xq, yq)) < 1e-8
+
+
+def test_primal_scores_equal_an_explicit_leave_one_out_resolve():
+    model = _mlp(d=4, m=8, c=3)
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(60, 4)).astype(np.float32), rng.integers(0, 3, 60)
+    xq, yq = rng.normal(size=(4, 4)).astype(np.float32), rng.integers(0, 3, 4)
+    est = NTKInfluence(projection_dim=20, ridge=0.05, device="cpu").fit(model, x, y)
+    assert isinstance(est.solver_, PrimalRidge)
+    phi = est.solver_.features_.numpy()
+    phi_q = est._features(xq).numpy()
+    targets = np.eye(3)[y]
+    k = phi.shape[1]
+    w = np.linalg.solve(phi.T @ phi + 0.05 * np.eye(k), phi.T @ targets)
+    base = 0.5 * ((phi_q @ w - np.eye(3)[yq]) ** 2).sum(1)
+    expected = np.empty((4, 60))
+    for i in range(60):
+        keep = np.arange(60) != i
+        wi = np.linalg.solve(phi[keep].T @ phi[keep] + 0.05 * np.eye(k), phi[keep].T @ targets[keep])
+        expected[:, i] = 0.5 * ((phi_q @ wi - np.eye(3)[yq]) ** 2).sum(1) - base
+    assert _rel(est.scores(xq, yq), expected) < 1e-9
+
+
+@pytest.mark.parametrize("projection_dim", [None, 20, 500])  # exact, primal, dual
+def test_refit_equals_a_fit_from_scratch(projection_dim):
+    model = _mlp(d=4, m=8, c=3)
+    rng = np.random.default_rng(2)
+    x, y = rng.normal(size=(50, 4)).astype(np.float32), rng.integers(0, 3, 50)
+    xq, yq = rng.normal(size=(5, 4)).astype(np.float32), rng.integers(0, 3, 5)
+    est = NTKInfluence(projection_dim=projection_dim, ridge=0.05, device="cpu").fit(model, x, y)
+    for changed in ([3, 7, 40], [7, 11], []):
+        changed = np.array(changed, dtype=int)
+        x_new = x.copy()
+        x_new[changed] = rng.normal(size=(len(changed), 4)).astype(np.float32)
+        est.refit(changed[::-1], x_new[changed][::-1])  # any order
+        fresh = NTKInfluence(projection_dim=projection_dim, ridge=0.05, device="cpu").fit(model, x_new, y)
+        assert _rel(est.scores(xq, yq), fresh.scores(xq, yq)) < 1e-8
+
+
+def test_refit_checks_its_arguments():
+    model = _mlp()
+    x, y = np.random.default_rng(0).normal(size=(10, 4)).astype(np.float32), np.arange(10) % 3
+    est = NTKInfluence(device="cpu")
+    with pytest.raises(RuntimeError, match="before fit"):
+        est.refit([1], x[:1])
+    est.fit(model, x, y)
+    with pytest.raises(ValueError, match="distinct indices"):
+        est.refit([1, 1], x[:2])
+    with pytest.raises(ValueError, match="distinct indices"):
+        est.refit([10], x[:1])
+    with pytest.raises(ValueError, match="x_changed must have shape"):
+        est.refit([1, 2], x[:1])
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2**40, 1.5, "big", True])
+def test_bad_projection_dim_is_refused(bad):
+    with pytest.raises(ValueError, match="projection_dim"):
+        NTKInfluence(projection_dim=bad)
+
+
+def test_allocations_that_cannot_fit_stop_before_the_work():
+    model = _mlp()
+    x, y = np.random.default_rng(0).normal(size=(200, 4)).astype(np.float32), np.arange(200) % 3
+    with pytest.raises(ValueError, match="exact NTK influence on 200 training examples needs"):
+        NTKInfluence(projection_dim=None, memory_limit_gb=1e-6, device="cpu").fit(model, x, y)
+    with pytest.raises(ValueError, match="lower projection_dim"):
+        NTKInfluence(projection_dim=40, memory_limit_gb=1e-6, device="cpu").fit(model, x, y)
+
+
+def test_auto_mode_rule():
+    model = _mlp()
+    x, y = np.random.default_rng(0).normal(size=(30, 4)).astype(np.float32), np.arange(30) % 3
+    assert NTKInfluence(device="cpu").fit(model, x, y).mode_ == "exact"
+    est = NTKInfluence(max_exact_n=20, device="cpu").fit(model, x, y)
+    assert est.mode_ == "projected" and est.projection_dim_ == 3 * 51  # capped at the full dimension
+    # the budget decides too: no room for the exact mode's matrices -> projected
+    assert NTKInfluence(memory_limit_gb=0.5, device="cpu").fit(model, x, y).mode_ == "projected"
+
+
+def test_dataset_and_dataloader_give_the_array_scores():
+    model = _cnn()
+    x, y = _images(40, seed=5)
+    xq, yq = _images(4, seed=6)
+    ref = NTKInfluence(projection_dim=64, device="cpu").fit(model, x, y).scores(xq, yq)
+    ds = TensorDataset(torch.tensor(x), torch.tensor(y))
+    for data in (ds, DataLoader(ds, batch_size=7, shuffle=True)):
+        est = NTKInfluence(projection_dim=64, device="cpu", batch_size=16).fit(model, data)
+        assert _rel(est.scores(xq, yq), ref) < 1e-12
+    one_hot = TensorDataset(torch.tensor(x), torch.eye(3)[torch.tensor(y)])
+    assert _rel(NTKInfluence(projection_dim=64, device="cpu").fit(model, one_hot).scores(xq, yq), ref) < 1e-12
+    exact = NTKInfluence(projection_dim=None, device="cpu").fit(model, ds).scores(xq, yq)
+    assert _rel(exact, NTKInfluence(projection_dim=None, device="cpu").fit(model, x, y).scores(xq, yq)) < 1e-12
+
+
+class _Stream(IterableDataset):
+    def __iter__(self):
+        yield torch.zeros(2, 6, 6), 0
+
+
+class _Ragged(torch.utils.data.Dataset):
+    """Example 7 has another shape."""
+
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, i):
+        return torch.zeros(2, 5, 5) if i == 7 else torch.zeros(2, 6, 6), i % 3
+
+
+def test_bad_datasets_are_refused_with_clear_errors():
+    model = _cnn()
+    x, y = _images(10)
+    est = NTKInfluence(projection_dim=32, device="cpu", batch_size=4)
+    with pytest.raises(ValueError, match=r"x_train could not be read .*examples 4\.\.7"):
+        est.fit(model, _Ragged())
+    with pytest.raises(ValueError, match="class indices in"):
+        est.fit(model, TensorDataset(torch.tensor(x), torch.full((10,), 7)))
+    with pytest.raises(ValueError, match="y_train must be None"):
+        est.fit(model, TensorDataset(torch.tensor(x), torch.tensor(y)), y)
+    with pytest.raises(TypeError, match="map-style"):
+        est.fit(model, _Stream())
+    with pytest.raises(ValueError, match="NaN"):
+        bad = torch.tensor(x)
+        bad[3, 0, 0, 0] = float("nan")
+        est.fit(model, TensorDataset(bad, torch.tensor(y)))

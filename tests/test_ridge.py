@@ -1,0 +1,109 @@
+"""Kernel ridge leave-one-out in the dual and the primal, and their row updates, against explicit re-solves."""
+
+import numpy as np
+import pytest
+import torch
+
+from art_malleability.influence.ridge import DualRidge, PrimalRidge, inverse_cholesky_, loo_scores
+
+
+def _rel(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def _problem(n, k, c=3, seed=0):
+    rng = np.random.default_rng(seed)
+    phi = rng.normal(size=(n, k))
+    phi_q = rng.normal(size=(5, k))
+    y = rng.integers(0, c, size=n)
+    return phi, phi_q, np.eye(c)[y]
+
+
+def _explicit_loo(phi, phi_q, targets, ridge):
+    """Prediction at each query after removing each example: re-solve the primal ridge system without it."""
+    n, k = phi.shape
+    out = np.empty((len(phi_q), n, targets.shape[1]))
+    for i in range(n):
+        keep = np.arange(n) != i
+        w = np.linalg.solve(phi[keep].T @ phi[keep] + ridge * np.eye(k), phi[keep].T @ targets[keep])
+        out[:, i] = phi_q @ w
+    return out
+
+
+def _loo_from(parts):
+    f, b, beta = (t.numpy() for t in parts)
+    return f[:, None, :] - b[:, :, None] * beta[None, :, :]
+
+
+@pytest.mark.parametrize("n,k", [(40, 12), (12, 40)])
+def test_primal_and_dual_equal_explicit_leave_one_out(n, k):
+    phi, phi_q, targets = _problem(n, k)
+    ridge = 0.3
+    expected = _explicit_loo(phi, phi_q, targets, ridge)
+    primal = PrimalRidge(ridge).fit(torch.tensor(phi), torch.tensor(targets))
+    assert _rel(_loo_from(primal.loo_parts(torch.tensor(phi_q))), expected) < 1e-9
+    dual = DualRidge(ridge).fit(torch.tensor(phi @ phi.T), torch.tensor(targets))
+    assert _rel(_loo_from(dual.loo_parts(torch.tensor(phi_q @ phi.T))), expected) < 1e-9
+
+
+def test_inverse_cholesky_in_place_on_cpu():
+    rng = np.random.default_rng(1)
+    g = rng.normal(size=(30, 30))
+    a = torch.tensor(g @ g.T + np.eye(30))
+    ptr = a.data_ptr()
+    linv = inverse_cholesky_(a, 0.0)
+    assert linv.data_ptr() == ptr  # no second buffer
+    chol = np.linalg.cholesky(g @ g.T + np.eye(30))
+    assert _rel(linv.numpy(), np.linalg.inv(chol)) < 1e-10
+    with pytest.raises(ValueError, match="not positive definite"):
+        inverse_cholesky_(torch.tensor(-np.eye(3)), 1e-3)
+
+
+@pytest.mark.parametrize("changed", [[3], [0, 7, 19], list(range(10, 24))])
+def test_dual_row_update_equals_fit_from_scratch(changed):
+    n, k, ridge = 24, 30, 1e-2
+    phi, phi_q, targets = _problem(n, k, seed=2)
+    changed = np.array(changed)
+    new = phi.copy()
+    new[changed] = np.random.default_rng(3).normal(size=(len(changed), k))
+    kernel_new = new @ new.T
+    dual = DualRidge(ridge).fit(torch.tensor(phi @ phi.T), torch.tensor(targets))
+    dual.update(changed, torch.tensor(kernel_new[changed]))
+    fresh = DualRidge(ridge).fit(torch.tensor(kernel_new), torch.tensor(targets))
+    k_q = torch.tensor(phi_q @ new.T)
+    for a, b in zip(dual.loo_parts(k_q), fresh.loo_parts(k_q), strict=True):
+        assert _rel(a.numpy(), b.numpy()) < 1e-9
+    assert _rel(_loo_from(dual.loo_parts(k_q)), _explicit_loo(new, phi_q, targets, ridge)) < 1e-8
+    # back to the base training set
+    dual.update(np.zeros(0, dtype=int), torch.zeros((0, n), dtype=torch.float64))
+    base = DualRidge(ridge).fit(torch.tensor(phi @ phi.T), torch.tensor(targets))
+    assert _rel(dual.alpha_.numpy(), base.alpha_.numpy()) < 1e-10
+
+
+def test_primal_row_update_equals_fit_from_scratch():
+    n, k, ridge = 60, 10, 1e-1
+    phi, phi_q, targets = _problem(n, k, seed=4)
+    changed = np.array([1, 5, 30, 59])
+    new = phi.copy()
+    new[changed] = np.random.default_rng(5).normal(size=(len(changed), k))
+    primal = PrimalRidge(ridge).fit(torch.tensor(phi), torch.tensor(targets))
+    primal.update(changed, torch.tensor(new[changed]))
+    fresh = PrimalRidge(ridge).fit(torch.tensor(new), torch.tensor(targets))
+    q = torch.tensor(phi_q)
+    for a, b in zip(primal.loo_parts(q), fresh.loo_parts(q), strict=True):
+        assert _rel(a.numpy(), b.numpy()) < 1e-10
+
+
+def test_loo_scores_are_loss_differences():
+    f = torch.tensor([[0.2, 0.8], [0.6, 0.1]], dtype=torch.float64)
+    b = torch.tensor([[1.0, -2.0, 0.5], [0.0, 1.0, 3.0]], dtype=torch.float64)
+    beta = torch.tensor([[0.1, 0.0], [0.2, -0.1], [0.0, 0.3]], dtype=torch.float64)
+    y = torch.tensor([1, 0])
+    scores = loo_scores(f, b, beta, y, "mse").numpy()
+    target = np.eye(2)[[1, 0]]
+    for qi in range(2):
+        for i in range(3):
+            loo = f[qi].numpy() - b[qi, i].item() * beta[i].numpy()
+            expected = 0.5 * np.sum((loo - target[qi]) ** 2) - 0.5 * np.sum((f[qi].numpy() - target[qi]) ** 2)
+            assert scores[qi, i] == pytest.approx(expected, abs=1e-15)
