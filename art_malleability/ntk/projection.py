@@ -16,17 +16,25 @@ per-example Jacobian larger than a layer's factors:
   ``Σ_p (P_out vec Δ_p) ⊗ (P_in a_p)``: each factor is projected first, then the small outer
   products are summed over positions. The output side accumulates class by class during the
   ``C`` backward passes, so the ``C × out`` gradients are never stored for all classes at once.
-- **Other trainable parameters** (batch norm, layer norm, free-standing or tied parameters, any
-  other layer) form one *fallback* group: per-example Jacobians from
-  ``torch.func.vmap(torch.func.jacrev(...))`` in sub-batches, multiplied by a Gaussian matrix
-  generated in column blocks from the seed (never stored whole when it is large).
+- **Parameters of other modules called once** (batch norm, layer norm, any layer that owns its
+  parameters and treats examples independently): the module's input and output are captured in
+  the same forward pass, and the per-example gradients of its own parameters for each class come
+  from a ``torch.func`` vector-Jacobian product of *that module alone*
+  (``vmap(vjp(functional_call(module, ...)))``) with the output gradients of the same ``C``
+  backward passes; they are multiplied by a Gaussian matrix class block by class block.
+- **All other trainable parameters** (free-standing parameters of the root module, tied
+  parameters, modules called several times) form one *fallback* group: per-example Jacobians of
+  the whole model from ``torch.func.vmap(torch.func.jacrev(...))`` in sub-batches, multiplied by a
+  Gaussian matrix.
+
+Gaussian matrices are generated in column blocks from the seed and stored only when small.
 
 **Projections.** A side of dimension ``D`` projected to ``d < D`` dimensions uses
 ``sqrt(D/d) Qᵀ`` with ``Q`` (``D × d``) the orthonormal basis of a Gaussian matrix's columns, so
 ``E[PᵀP] = I`` and the projection becomes exact as ``d`` reaches ``D``; with ``d ≥ D`` the side is
 not projected at all (identity). Independent factors give ``E[(P_out ⊗ P_in)ᵀ(P_out ⊗ P_in)] = I``.
-The fallback group uses i.i.d. ``N(0, 1/d)`` entries (or the identity when ``d`` reaches its
-dimension). Every matrix is drawn from a generator seeded by ``(seed, group, side)``: the same
+Module and fallback groups use i.i.d. ``N(0, 1/d)`` entries (or the identity when ``d`` reaches
+their dimension). Every matrix is drawn from a generator seeded by ``(seed, group, side)``: the same
 seed gives the same features on any machine and in every process of a sharded run.
 
 **Dimensions.** The budget ``k`` is shared among the groups in proportion to their share of the
@@ -42,6 +50,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -49,6 +58,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.func import functional_call, vmap
 
 from art_malleability._torch_utils import eval_mode, model_device_dtype, no_tf32, to_tensor, trainable_parameters
 from art_malleability.ntk.empirical import DEFAULT_CHUNK_MB, per_example_jacobian, plain_layers
@@ -63,30 +73,32 @@ _PILOT_SIDE = 16
 
 @dataclass
 class _Group:
-    """One block of the feature vector: a Kronecker-factored layer or the fallback parameters."""
+    """One block of the feature vector: a Kronecker-factored layer, a module's own parameters, or the fallback."""
 
     name: str
-    kind: str  # "linear", "conv" or "fallback"
+    kind: str  # "linear" / "conv" (Kronecker), "module" (module-local vjp) or "fallback" (whole model)
     module: nn.Module | None = None
     weight: bool = False
     bias: bool = False
     d_out: int = 0  # C × out (Kronecker groups)
     d_in: int = 0  # layer input (+1 for the bias), or 1 when only the bias is trained
-    params: list[tuple[str, nn.Parameter]] = field(default_factory=list)  # fallback group
+    params: list[tuple[str, nn.Parameter]] = field(default_factory=list)  # module and fallback groups
     k_out: int = 0
     k_in: int = 0
     k: int = 0  # dimension of this group's block of φ
     p_out: torch.Tensor | None = None  # (k_out, d_out) or None for the identity
     p_in: torch.Tensor | None = None  # (k_in, d_in) or None for the identity
-    fallback_matrix: torch.Tensor | None = None  # (k, dim) when stored, None: identity or generated
-    seed: int = 0  # seed of the fallback matrix's column blocks
+    matrix: torch.Tensor | None = None  # (k, dim) Gaussian when stored; None: identity or generated blocks
+    seed: int = 0  # seed of the Gaussian matrix's column blocks
     positions: int = 1  # positions summed over (output pixels of a convolution)
     offset: int = 0
 
     @property
+    def kronecker(self) -> bool:
+        return self.kind in ("linear", "conv")
+
+    @property
     def full_dim(self) -> int:
-        if self.kind == "fallback":
-            return self.d_out
         return self.d_out * self.d_in
 
 
@@ -294,23 +306,42 @@ class ProjectedNTK:
             offset += g.k
 
     def _find_groups(self, x_probe: torch.Tensor) -> list[_Group]:
-        candidates = [
-            c for c in plain_layers(self.model, (nn.Linear, nn.Conv2d)) if _factorisable(c[1])
-        ]
-        calls: list[list[bool]] = [[] for _ in candidates]
-        positions = [1] * len(candidates)
+        kron = [c for c in plain_layers(self.model, (nn.Linear, nn.Conv2d)) if _factorisable(c[1])]
+        kron_ids = {id(c[1]) for c in kron}
+        uses = Counter(id(p) for _, p in self.model.named_parameters(remove_duplicate=False))
+        owners = []  # other submodules owning trainable parameters used nowhere else
+        for name, module in self.model.named_modules():
+            if module is self.model or id(module) in kron_ids:
+                continue
+            own = [
+                (f"{name}.{pname}", p)
+                for pname, p in module._parameters.items()
+                if p is not None and p.requires_grad and uses[id(p)] == 1
+            ]
+            if own:
+                owners.append((name, module, own))
+        watched = [c[1] for c in kron] + [o[1] for o in owners]
+        calls: list[list[bool]] = [[] for _ in watched]
+        positions = [1] * len(watched)
 
         def record(k: int, module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
-            ok = len(inputs) == 1 and isinstance(inputs[0], torch.Tensor) and isinstance(output, torch.Tensor)
-            if ok and isinstance(module, nn.Conv2d):
+            ok = (
+                len(inputs) == 1
+                and isinstance(inputs[0], torch.Tensor)
+                and isinstance(output, torch.Tensor)
+                and inputs[0].dim() >= 1
+                and output.dim() >= 1
+                and inputs[0].shape[0] == x_probe.shape[0] == output.shape[0]
+            )
+            if ok and isinstance(module, nn.Conv2d) and id(module) in kron_ids:
                 ok = inputs[0].dim() == 4 and output.dim() == 4
-            elif ok:
+            elif ok and id(module) in kron_ids:
                 ok = inputs[0].dim() >= 2 and output.dim() == inputs[0].dim()
-            calls[k].append(ok and inputs[0].shape[0] == x_probe.shape[0])
-            if ok:
+            calls[k].append(ok)
+            if ok and id(module) in kron_ids:
                 positions[k] = _positions(module, output)
 
-        handles = [c[1].register_forward_hook(partial(record, k)) for k, c in enumerate(candidates)]
+        handles = [m.register_forward_hook(partial(record, k)) for k, m in enumerate(watched)]
         try:
             with torch.no_grad():
                 out = self.model(x_probe)
@@ -321,7 +352,7 @@ class ProjectedNTK:
             raise ValueError(f"model must return outputs of shape (n, C), got shape {tuple(out.shape)}")
         c = self.n_outputs = int(out.shape[1])
         groups, covered = [], set()
-        for k, (name, module, w, b) in enumerate(candidates):
+        for k, (name, module, w, b) in enumerate(kron):
             if calls[k] != [True]:
                 continue
             if isinstance(module, nn.Conv2d):
@@ -331,29 +362,32 @@ class ProjectedNTK:
                 kind, n_in, out_size = "linear", module.in_features, module.out_features
             d_in = (n_in if w else 0) + (1 if b else 0)
             groups.append(_Group(name, kind, module, w, b, d_out=c * out_size, d_in=d_in, positions=positions[k]))
-            if w:
-                covered.add(id(module.weight))
-            if b:
-                covered.add(id(module.bias))
+            covered.update(id(p) for p, t in ((module.weight, w), (module.bias, b)) if t)
+        for k, (name, module, own) in enumerate(owners, start=len(kron)):
+            if calls[k] != [True]:
+                continue
+            dim = c * sum(p.numel() for _, p in own)
+            groups.append(_Group(name, "module", module, params=own, d_out=dim, d_in=1))
+            covered.update(id(p) for _, p in own)
         rest = [(n, p) for n, p in trainable_parameters(self.model) if id(p) not in covered]
         if rest:
             dim = c * sum(p.numel() for _, p in rest)
             groups.append(_Group("fallback", "fallback", params=rest, d_out=dim, d_in=1))
         logger.debug(
-            "projected NTK plan: factorised %s, fallback %s",
-            [g.name for g in groups if g.kind != "fallback"],
+            "projected NTK plan: %s; fallback %s",
+            [(g.name, g.kind) for g in groups if g.kind != "fallback"],
             [n for n, _ in rest],
         )
         return groups
 
     def _draw(self, g: _Group, index: int, k: int, pilot: bool) -> None:
         seed = _seed_of(self.seed, index, 1 if pilot else 0)
-        if g.kind == "fallback":
+        if not g.kronecker:
             g.k = g.k_out = min(k, g.full_dim)
             g.k_in = 1
-            g.fallback_matrix = None
+            g.matrix = None
             if g.k < g.full_dim and g.k * g.full_dim * 8 <= self.chunk_mb * 2**20:
-                g.fallback_matrix = gaussian_block(g.k, 0, g.full_dim, seed, self.dtype, self.device)
+                g.matrix = gaussian_block(g.k, 0, g.full_dim, seed, self.dtype, self.device)
             g.p_out = g.p_in = None
             g.seed = seed
             return
@@ -391,7 +425,7 @@ class ProjectedNTK:
         """Examples per pass: ``batch_size`` capped by the budget on the per-example buffers."""
         per_example = self.dim
         for g in self.groups:
-            if g.kind == "fallback":
+            if not g.kronecker:
                 per_example += 2 * g.full_dim
             else:
                 per_example += g.positions * (g.k_out + g.k_in + g.d_in + g.d_out // max(self.n_outputs, 1))
@@ -402,9 +436,9 @@ class ProjectedNTK:
     def _pass(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
         out = torch.empty((n, self.dim), dtype=self.dtype, device=self.device)
-        kron = [g for g in self.groups if g.kind != "fallback"]
-        if kron:
-            captured: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(kron)
+        hooked = [g for g in self.groups if g.kind != "fallback"]
+        if hooked:
+            captured: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(hooked)
 
             def hook(k: int, module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
                 captured[k] = (inputs[0].detach(), output)
@@ -412,7 +446,7 @@ class ProjectedNTK:
                 # the output tensor we differentiate against
                 return output.clone()
 
-            handles = [g.module.register_forward_hook(partial(hook, k), prepend=True) for k, g in enumerate(kron)]
+            handles = [g.module.register_forward_hook(partial(hook, k), prepend=True) for k, g in enumerate(hooked)]
             try:
                 with torch.enable_grad():
                     logits = self.model(x)
@@ -424,7 +458,9 @@ class ProjectedNTK:
             outs = [c[1] for c in captured]
             acc = [
                 torch.zeros((n, _positions(g.module, o), g.k_out), dtype=self.dtype, device=self.device)
-                for g, o in zip(kron, outs, strict=True)
+                if g.kronecker
+                else torch.zeros((n, g.k), dtype=self.dtype, device=self.device)
+                for g, o in zip(hooked, outs, strict=True)
             ]
             n_out = logits.shape[1]
             for c in range(n_out):
@@ -434,10 +470,14 @@ class ProjectedNTK:
                     )
                 else:
                     grads = (None,) * len(outs)
-                for g, a, d in zip(kron, acc, grads, strict=True):
+                for g, a, d, (inp, _) in zip(hooked, acc, grads, captured, strict=True):
                     if d is None:
                         continue
                     width = g.d_out // n_out
+                    if not g.kronecker:
+                        jac = _module_gradients(g, inp, d)
+                        self._project_columns(g, jac, c * width, (c + 1) * width, a)
+                        continue
                     d = d.flatten(2).transpose(1, 2) if g.kind == "conv" else d.reshape(n, -1, width)
                     if g.p_out is None:
                         a[:, :, c * width : (c + 1) * width] = d
@@ -445,7 +485,10 @@ class ProjectedNTK:
                         a += d @ g.p_out[:, c * width : (c + 1) * width].T
                 del grads
             del logits, outs
-            for g, a, (inp, _) in zip(kron, acc, captured, strict=True):
+            for g, a, (inp, _) in zip(hooked, acc, captured, strict=True):
+                if not g.kronecker:
+                    out[:, g.offset : g.offset + g.k] = a
+                    continue
                 side = self._input_side(g, inp, a.shape[1])
                 if g.p_in is not None:
                     side = side @ g.p_in.T
@@ -454,8 +497,22 @@ class ProjectedNTK:
             del acc, captured
         for g in self.groups:
             if g.kind == "fallback":
-                out[:, g.offset : g.offset + g.k] = self._fallback(g, x)
+                jac = per_example_jacobian(self.model, g.params, x).reshape(n, -1)
+                a = torch.zeros((n, g.k), dtype=self.dtype, device=self.device)
+                self._project_columns(g, jac, 0, g.full_dim, a)
+                out[:, g.offset : g.offset + g.k] = a
         return out
+
+    def _project_columns(self, g: _Group, jac: torch.Tensor, start: int, stop: int, acc: torch.Tensor) -> None:
+        """``acc += jac @ R[:, start:stop]ᵀ`` for the group's Gaussian matrix ``R`` (or the identity)."""
+        if g.k >= g.full_dim:
+            acc[:, start:stop] += jac
+        elif g.matrix is not None:
+            acc += jac @ g.matrix[:, start:stop].T
+        else:
+            for s in range(start, stop, _FALLBACK_BLOCK):
+                e = min(s + _FALLBACK_BLOCK, stop)
+                acc += jac[:, s - start : e - start] @ gaussian_block(g.k, s, e, g.seed, self.dtype, self.device).T
 
     @staticmethod
     def _input_side(g: _Group, inp: torch.Tensor, length: int) -> torch.Tensor:
@@ -472,17 +529,27 @@ class ProjectedNTK:
             side = torch.cat([side, side.new_ones(side.shape[:2] + (1,))], dim=2)
         return side
 
-    def _fallback(self, g: _Group, x: torch.Tensor) -> torch.Tensor:
-        jac = per_example_jacobian(self.model, g.params, x).reshape(x.shape[0], -1)
-        if g.k >= g.full_dim:
-            return jac
-        if g.fallback_matrix is not None:
-            return jac @ g.fallback_matrix.T
-        out = torch.zeros((x.shape[0], g.k), dtype=self.dtype, device=self.device)
-        for s in range(0, g.full_dim, _FALLBACK_BLOCK):
-            e = min(s + _FALLBACK_BLOCK, g.full_dim)
-            out += jac[:, s:e] @ gaussian_block(g.k, s, e, g.seed, self.dtype, self.device).T
-        return out
+
+
+def _module_gradients(g: _Group, inp: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """
+    Per-example gradients of a module's own parameters for one class: the vector-Jacobian product
+    of the module alone with its output gradient ``d``, vmapped over examples.
+
+    :return: ``(n, P)``, parameters flattened in the group's order.
+    """
+    names = [name.rsplit(".", 1)[-1] if "." in name else name for name, _ in g.params]
+    values = {name: p.detach() for name, (_, p) in zip(names, g.params, strict=True)}
+    module = g.module
+
+    def single(params: dict[str, torch.Tensor], xi: torch.Tensor, di: torch.Tensor) -> dict[str, torch.Tensor]:
+        _, vjp = torch.func.vjp(lambda p: functional_call(module, p, (xi.unsqueeze(0),)), params)
+        return vjp(di.unsqueeze(0))[0]
+
+    with torch.no_grad():
+        grads = vmap(single, in_dims=(None, 0, 0))(values, inp, d.detach())
+    n = inp.shape[0]
+    return torch.cat([grads[name].reshape(n, -1) for name in names], dim=1)
 
 
 def _positions(module: nn.Module, output: torch.Tensor) -> int:
