@@ -13,14 +13,18 @@ import argparse
 import importlib
 import inspect
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
+from art_malleability._io import atomic_write
 from art_malleability.attacks import ATTACK_NAMES, STRATEGIES
+from art_malleability.distributed import launched_by_torchrun
 from art_malleability.influence import INFLUENCE_NAMES
 from art_malleability.metrics import RANK_BY
 
@@ -47,9 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         action="append",
         default=None,
-        help="reference model name ('2l-relu', 'mlp-attn') or 'package.module:factory' returning an "
-        "nn.Module (called with input_shape= and nb_classes= when it takes them); repeat for several; "
-        "default: both reference models",
+        help="reference model name ('2l-relu', 'mlp-attn'), architecture ('cnn', 'resnet20': see "
+        "art_malleability.architectures) or 'package.module:factory' returning an nn.Module (called with "
+        "input_shape= and nb_classes= when it takes them); repeat for several; default: both reference models",
     )
     model.add_argument(
         "--weights",
@@ -73,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     audit_group.add_argument("--attack-max-iter", type=int, default=20, help="steps of PGD and MIM")
     audit_group.add_argument("--influence", choices=INFLUENCE_NAMES, default="ntk", help="influence estimator")
     audit_group.add_argument("--ridge", type=float, default=1e-3, help="ridge lambda of the NTK influence")
+    audit_group.add_argument(
+        "--projection-dim",
+        type=_projection_dim,
+        default="auto",
+        help="NTK influence mode: 'auto' (exact n x n solve when it fits the memory and n <= 10000, else "
+        "projected with k = 4096), 'none' (always exact) or the projection dimension k (always projected)",
+    )
     audit_group.add_argument("--top-fraction", type=float, default=0.1, help="share of training data in the top set")
     audit_group.add_argument("--strategy", choices=STRATEGIES, default="top", help="perturb the top set or all")
     audit_group.add_argument("--rank-by", choices=RANK_BY, default="abs", help="rank the top set by |score| or score")
@@ -83,6 +94,19 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--device", default="auto", help="'auto', 'cpu' or 'cuda'")
     run.add_argument("--output", default="malleability-audit", help="report folder")
     run.add_argument("--quiet", action="store_true", help="no progress bars")
+    dist = audit.add_argument_group(
+        "distributed",
+        "launch with torchrun (e.g. torchrun --standalone --nproc-per-node 2 -m art_malleability.cli audit ...): "
+        "every process computes the NTK features and the attack of its share of the training set; rank 0 "
+        "trains the model, prints and writes the reports",
+    )
+    dist.add_argument(
+        "--dist-backend", choices=("gloo", "nccl"), default=None, help="default: nccl with CUDA, else gloo"
+    )
+    dist.add_argument(
+        "--dist-timeout", type=float, default=600.0,
+        help="seconds a collective waits for the other processes before failing (a dead process ends the job)",
+    )
     audit.set_defaults(func=run_audit)
     _add_ntk_check(sub)
     _add_spectrum(sub)
@@ -197,17 +221,40 @@ def run_spectrum(args: argparse.Namespace) -> int:
     return 0
 
 
+def _projection_dim(text: str) -> int | str | None:
+    key = text.strip().lower()
+    if key == "auto":
+        return "auto"
+    if key == "none":
+        return None
+    try:
+        value = int(key)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto', 'none' or a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected 'auto', 'none' or a positive integer, got {text!r}")
+    return value
+
+
 def run_audit(args: argparse.Namespace) -> int:
     """
-    Run the ``audit`` subcommand.
+    Run the ``audit`` subcommand (sharded over the processes of a ``torchrun`` launch).
 
     :param args: Parsed arguments.
     :return: Exit status.
     """
     from art_malleability.datasets import load_dataset
+    from art_malleability.distributed import init_from_env
     from art_malleability.estimator import MalleabilityEstimator
     from art_malleability.report import comparison_table, slugify
     from art_malleability.training import make_classifier, train_model
+
+    shard = init_from_env(args.dist_backend, args.dist_timeout)
+    lead = shard is None or shard.rank == 0
+
+    def say(text: str) -> None:
+        if lead:
+            print(text)
 
     names = args.model or ["2l-relu", "mlp-attn"]
     if args.weights is not None and len(names) != 1:
@@ -217,9 +264,10 @@ def run_audit(args: argparse.Namespace) -> int:
         args.dataset, root=args.data_root, n_train=args.n_train, n_test=args.n_test, classes=args.classes,
         seed=args.seed,
     )
-    print(
+    say(
         f"data: {data.name}, {len(data.x_train)} train / {len(data.x_test)} test, input {data.input_shape}, "
         f"{data.nb_classes} classes ({time.perf_counter() - start:.1f} s)"
+        + (f"; {shard.world_size} processes ({shard.backend})" if shard is not None else "")
     )
     out = Path(args.output)
     reports = []
@@ -231,11 +279,14 @@ def run_audit(args: argparse.Namespace) -> int:
             module.load_state_dict(state)
             what = f"loaded {args.weights}"
         else:
-            module = train_model(
-                module, data.x_train, data.y_train, loss=args.loss, epochs=args.epochs, batch_size=args.batch_size,
-                lr=args.lr, weight_decay=args.weight_decay, seed=args.seed, device=args.device,
-                verbose=not args.quiet,
-            )
+            if lead:
+                module = train_model(
+                    module, data.x_train, data.y_train, loss=args.loss, epochs=args.epochs,
+                    batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,
+                    device=args.device, verbose=not args.quiet,
+                )
+            if shard is not None:  # every process audits rank 0's weights
+                module.load_state_dict(shard.broadcast_object({k: v.cpu() for k, v in module.state_dict().items()}))
             what = f"trained {args.epochs} epochs"
         trained = time.perf_counter() - start
         classifier = make_classifier(
@@ -258,17 +309,21 @@ def run_audit(args: argparse.Namespace) -> int:
             batch_size=args.batch_size,
             seed=args.seed,
             device=args.device,
-            verbose=not args.quiet,
+            verbose=lead and not args.quiet,
             model_name=name,
+            projection_dim=args.projection_dim,
         ).evaluate(data.x_train, data.y_train, data.x_test, data.y_test, dataset=data.name)
         report.seconds["train"] = trained
+        reports.append(report)
+        if not lead:
+            continue
         folder = report.save(out / slugify(name))
         print(f"\n{name}: {what} in {trained:.1f} s, audited in {time.perf_counter() - start:.1f} s -> {folder}")
         print(report.summary())
-        reports.append(report)
-    table = comparison_table(reports)
-    (out / "summary.md").write_text(f"# Influence malleability on {data.name}\n\n{table}\n")
-    print(f"\n{table}\n\nreports in {out}/")
+    if lead:
+        table = comparison_table(reports)
+        atomic_write(out / "summary.md", f"# Influence malleability on {data.name}\n\n{table}\n")
+        print(f"\n{table}\n\nreports in {out}/")
     return 0
 
 
@@ -347,12 +402,17 @@ def run_reproduce(args: argparse.Namespace) -> int:
 
 
 def _build_model(name: str, input_shape: tuple[int, ...], nb_classes: int, width: int, seed: int) -> torch.nn.Module:
+    from art_malleability.architectures import ARCHITECTURES, build_architecture
     from art_malleability.models import REFERENCE_MODELS, build_reference_model
 
     if name in REFERENCE_MODELS:
         return build_reference_model(name, input_shape, nb_classes, width=width, seed=seed)
+    if name in ARCHITECTURES:
+        return build_architecture(name, input_shape, nb_classes, seed=seed)
     if ":" not in name:
-        raise ValueError(f"--model must be one of {REFERENCE_MODELS} or 'package.module:factory', got {name!r}")
+        raise ValueError(
+            f"--model must be one of {REFERENCE_MODELS + ARCHITECTURES} or 'package.module:factory', got {name!r}"
+        )
     module_name, _, attr = name.partition(":")
     try:
         factory = getattr(importlib.import_module(module_name), attr)
@@ -375,11 +435,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # under torchrun, name the process in every error (the launcher shows each worker's output)
+    where = f" (rank {os.environ['RANK']})" if launched_by_torchrun() else ""
     try:
         return args.func(args)
     except (ValueError, TypeError, FileNotFoundError) as err:
-        print(f"art-malleability {args.command}: error: {err}", file=sys.stderr)
+        print(f"art-malleability {args.command}{where}: error: {err}", file=sys.stderr)
         return 2
+    except dist.DistBackendError as err:
+        print(
+            f"art-malleability {args.command}{where}: error: another process failed or stopped answering "
+            f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})",
+            file=sys.stderr,
+        )
+        return 1
 
 
 if __name__ == "__main__":

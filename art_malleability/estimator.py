@@ -5,6 +5,7 @@ The audit: influence on clean training data, ART attacks on that data, influence
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
 import time
 from collections.abc import Sequence
@@ -15,7 +16,8 @@ import numpy as np
 import torch
 from art.attacks import EvasionAttack
 from art.estimators.classification import PyTorchClassifier
-from art.utils import compute_success
+from art.utils import compute_success_array
+from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
 from art_malleability._state import preserved
@@ -29,9 +31,11 @@ from art_malleability.attacks import (
     make_attack,
     perturb_training_set,
 )
-from art_malleability.influence import INFLUENCE_NAMES, InfluenceEstimator, get_influence
+from art_malleability.distributed import Shard, current_shard
+from art_malleability.influence import INFLUENCE_NAMES, InfluenceEstimator, NTKInfluence, get_influence
 from art_malleability.metrics import RANK_BY, aggregate_scores, malleability_metrics, top_indices, top_k_count
 from art_malleability.report import AttackResult, MalleabilityReport
+from art_malleability.streaming import ExampleSource, is_torch_data
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +76,8 @@ class MalleabilityEstimator:
         "seed",
         "device",
         "verbose",
+        "projection_dim",
+        "distributed",
     ]
 
     def __init__(
@@ -97,6 +103,8 @@ class MalleabilityEstimator:
         loss: str = "cross_entropy",
         clip_values: tuple[float, float] | None = (0.0, 1.0),
         model_name: str | None = None,
+        projection_dim: int | str | None = "auto",
+        distributed: bool | str = "auto",
     ) -> None:
         """
         :param classifier: An ART :class:`PyTorchClassifier`, or a raw :class:`torch.nn.Module` together
@@ -124,6 +132,12 @@ class MalleabilityEstimator:
         :param loss: ``"cross_entropy"`` or ``"mse"``, only with a raw module.
         :param clip_values: Valid input range, only with a raw module.
         :param model_name: Name of the model in the report (default: the module's class name).
+        :param projection_dim: Mode of the NTK influence (see :class:`~art_malleability.influence.NTKInfluence`):
+               ``"auto"`` (exact when the ``n × n`` solve fits the memory and ``n ≤ 10,000``, otherwise projected
+               with ``k = 4096``), ``None`` (always exact) or the projection dimension ``k``. The projection is
+               seeded with ``seed``.
+        :param distributed: ``"auto"`` (shard the audit over an initialised ``torch.distributed`` group of several
+               processes, see :mod:`art_malleability.distributed`), ``True`` (require one) or ``False``.
         """
         self.classifier = self._as_classifier(classifier, input_shape, nb_classes, loss, clip_values, device)
         self.attacks = (attacks,) if isinstance(attacks, (str, EvasionAttack)) else tuple(attacks)
@@ -141,6 +155,8 @@ class MalleabilityEstimator:
         self.seed = seed
         self.device = device
         self.verbose = verbose
+        self.projection_dim = projection_dim
+        self.distributed = distributed
         self.model_name = model_name or type(self.classifier.model).__name__
         self._check_params()
         self._attacks = [self._build_attack(a) for a in self.attacks]
@@ -151,81 +167,123 @@ class MalleabilityEstimator:
 
     def evaluate(
         self,
-        x: np.ndarray,
-        y: np.ndarray,
-        x_test: np.ndarray | None = None,
+        x: np.ndarray | Dataset | DataLoader,
+        y: np.ndarray | None = None,
+        x_test: np.ndarray | Dataset | DataLoader | None = None,
         y_test: np.ndarray | None = None,
         dataset: str | None = None,
     ) -> MalleabilityReport:
         """
         Audit the influence malleability of the classifier on its training data.
 
-        :param x: Training inputs whose influence is audited, (n, *input_shape), in the classifier's input space.
-        :param y: Their labels: class indices (n,) or one-hot (n, nb_classes).
-        :param x_test: Query points; when omitted, a seeded sample of ``n_queries`` training examples
-               is used and each query's score on itself is excluded.
-        :param y_test: Labels of ``x_test``.
+        :param x: Training inputs whose influence is audited, (n, *input_shape), in the classifier's input space;
+               or a map-style ``torch.utils.data.Dataset`` / ``DataLoader`` of ``(x, y)`` pairs, read in batches
+               (see :mod:`art_malleability.streaming`).
+        :param y: Their labels: class indices (n,) or one-hot (n, nb_classes); ``None`` for a dataset.
+        :param x_test: Query points (array or dataset); when omitted, a seeded sample of ``n_queries`` training
+               examples is used and each query's score on itself is excluded.
+        :param y_test: Labels of ``x_test``; ``None`` for a dataset.
         :param dataset: Optional name of the data set for the report.
-        :return: A :class:`MalleabilityReport`.
+        :return: A :class:`MalleabilityReport`. In a sharded run every process returns the same report.
         """
         clf = self.classifier
         shape, nb_classes = tuple(clf.input_shape), int(clf.nb_classes)
-        x = check_features(x, "x", shape)
-        y = check_labels(y, "y", len(x), nb_classes)
-        k = top_k_count(len(x), self.top_fraction)
+        source = self._source(x, y, "x", shape, nb_classes)
+        k = top_k_count(source.n, self.top_fraction)
         if k < 1:
             raise ValueError(
-                f"x has {len(x)} training examples, too few for top_fraction={self.top_fraction}: the influential "
+                f"x has {source.n} training examples, too few for top_fraction={self.top_fraction}: the influential "
                 f"set would be empty; pass at least {int(np.ceil(1 / self.top_fraction))} examples"
             )
-        if (x_test is None) != (y_test is None):
+        if (x_test is None) != (y_test is None) and not is_torch_data(x_test):
             raise ValueError("x_test and y_test must be given together (both or neither)")
+        shard = current_shard(self.distributed)
+        if shard is not None and shard.world_size > source.n:
+            raise ValueError(
+                f"the process group has {shard.world_size} processes but x has only {source.n} examples; "
+                "every process needs at least one"
+            )
+        if shard is not None:
+            shard.agree((source.n, _weights_digest(clf.model)), "the classifier's weights and the size of x")
         rng = np.random.default_rng(self.seed)
         if x_test is not None:
-            x_test = check_features(x_test, "x_test", shape)
-            y_test = check_labels(y_test, "y_test", len(x_test), nb_classes)
-            rows = np.arange(len(x_test))
+            test = self._source(x_test, y_test, "x_test", shape, nb_classes)
+            rows = np.arange(test.n)
             if len(rows) > self.n_queries:
                 rows = np.sort(rng.choice(len(rows), self.n_queries, replace=False))
-            x_q, y_q, self_pairs, source = x_test[rows], y_test[rows], None, "test"
-            x_acc, y_acc = x_test, y_test
+            (x_q, y_q), self_pairs, queries = test.take(rows, self.batch_size), None, test
         else:
-            if len(x) < 2:
+            if source.n < 2:
                 raise ValueError("x needs at least 2 examples when queries are drawn from it (x_test is None)")
-            rows = np.sort(rng.choice(len(x), min(self.n_queries, len(x)), replace=False))
-            x_q, y_q, self_pairs, source = x[rows], y[rows], rows, "train"
-            x_acc, y_acc = x, y
+            rows = np.sort(rng.choice(source.n, min(self.n_queries, source.n), replace=False))
+            (x_q, y_q), self_pairs, queries = source.take(rows, self.batch_size), rows, source
 
-        with preserved(clf._model, getattr(clf, "_loss", None)):
-            return self._audit(x, y, x_q, y_q, self_pairs, source, x_acc, y_acc, k, dataset)
+        with preserved(clf.model, getattr(clf, "_loss", None)):
+            return self._audit(source, queries, x_q, y_q, self_pairs, k, dataset, shard)
 
-    def _audit(self, x, y, x_q, y_q, self_pairs, source, x_acc, y_acc, k, dataset) -> MalleabilityReport:
+    @staticmethod
+    def _source(x: Any, y: Any, name: str, shape: tuple[int, ...], nb_classes: int) -> ExampleSource:
+        if is_torch_data(x):
+            return ExampleSource(x, y, input_shape=shape, nb_classes=nb_classes, name=name)
+        x = check_features(x, name, shape)
+        return ExampleSource(x, check_labels(y, "y" + name[1:], len(x), nb_classes), name=name)
+
+    def _accuracy(self, data: ExampleSource, shard: Shard | None) -> tuple[float, np.ndarray]:
+        """Clean accuracy on a source (each process its shard) and the source's labels."""
+        start, stop = shard.bounds(data.n) if shard is not None else (0, data.n)
+        correct = 0
+        for _, xb, yb in data.batches(self.batch_size * 8, start, stop):
+            correct += int(np.sum(self.classifier.predict(xb, batch_size=self.batch_size).argmax(axis=1) == yb))
+        if shard is not None:
+            correct = int(shard.all_reduce(torch.tensor([correct], dtype=torch.int64))[0])
+        return correct / data.n, data.labels(self.batch_size * 8)
+
+    def _audit(self, source, queries, x_q, y_q, self_pairs, k, dataset, shard) -> MalleabilityReport:
         clf, nb_classes = self.classifier, int(self.classifier.nb_classes)
-        y_onehot = one_hot(y, nb_classes)
         work = copy.deepcopy(clf.model)
         transductive = callable(getattr(work, "set_context", None))
+        influence = self._influence
+        if shard is not None and not (isinstance(influence, NTKInfluence) and influence.projection_dim is not None):
+            raise ValueError(
+                "a sharded audit needs the projected NTK influence (influence='ntk' with projection_dim 'auto' or "
+                f"an integer); got {type(influence).__name__} with this configuration, which runs in one process"
+            )
         seconds: dict[str, float] = {}
         steps = tqdm(total=1 + 2 * len(self._attacks), desc="malleability", disable=not self.verbose)
+        # transductive models need the whole training set as their context: read it into an array
+        x_all = source.arrays(self.batch_size * 8)[0] if transductive else None
+        y = source.labels(self.batch_size * 8)
+        train_data = x_all if x_all is not None else (source.x if source.is_array else source.dataset)
 
-        def influence_on(x_train: np.ndarray) -> np.ndarray:
-            if transductive:
-                work.set_context(x_train)
-            scores = self._influence.fit(work, x_train, y).scores(x_q, y_q)
+        def scores_now() -> np.ndarray:
+            scores = influence.scores(x_q, y_q)
             if self_pairs is not None:
                 scores[np.arange(len(self_pairs)), self_pairs] = np.nan
             return scores
 
+        def fit_on(x_train: Any) -> None:
+            if transductive:
+                work.set_context(x_train)
+            if is_torch_data(x_train):
+                influence.fit(work, x_train)
+            else:
+                influence.fit(work, x_train, y)
+
         start = time.perf_counter()
-        pred = clf.predict(x_acc, batch_size=self.batch_size)
-        clean_accuracy = float(np.mean(pred.argmax(axis=1) == y_acc))
-        warnings = near_chance_warnings(clean_accuracy, y_acc, source)
+        clean_accuracy, y_acc = self._accuracy(queries, shard)
+        warnings = near_chance_warnings(clean_accuracy, y_acc, "test" if self_pairs is None else "train")
+        seconds["accuracy"] = time.perf_counter() - start
         steps.set_postfix_str("influence (clean)")
-        before = influence_on(x)
+        start = time.perf_counter()
+        fit_on(train_data)
+        before = scores_now()
         seconds["influence_clean"] = time.perf_counter() - start
         steps.update()
         agg_before = aggregate_scores(before)
         top = top_indices(agg_before, k, self.rank_by)
-        perturbed = top if self.strategy == "top" else np.arange(len(x))
+        perturbed = top if self.strategy == "top" else np.arange(source.n)
+        lo, hi = shard.bounds(source.n) if shard is not None else (0, source.n)
+        local = np.sort(perturbed[(perturbed >= lo) & (perturbed < hi)])
 
         results = []
         for attack in self._attacks:
@@ -233,20 +291,32 @@ class MalleabilityEstimator:
             timing = {}
             steps.set_postfix_str(f"attack {label}")
             start = time.perf_counter()
-            x_adv = perturb_training_set(attack, x, y_onehot, perturbed, seed=self.seed)
+            x_adv, changed, linf = self._attack_rows(attack, source, local, nb_classes)
+            success, linf = self._combine_attack_stats(changed, linf, len(perturbed), shard)
             timing["attack"] = time.perf_counter() - start
-            success = compute_success(
-                clf, x[perturbed], y_onehot[perturbed], x_adv[perturbed], batch_size=self.batch_size
-            )
             steps.update()
             steps.set_postfix_str(f"influence ({label})")
             start = time.perf_counter()
-            after = influence_on(x_adv)
+            if transductive:
+                rows_all, adv_all = local, x_adv
+                if shard is not None:
+                    rows_all = shard.all_gather_rows(torch.as_tensor(local)).numpy()
+                    adv_all = shard.all_gather_rows(torch.as_tensor(x_adv)).numpy()
+                x_full = x_all.copy()
+                x_full[rows_all] = adv_all
+                fit_on(x_full)
+            else:
+                influence.refit(local, x_adv)
+            after = scores_now()
             timing["influence"] = time.perf_counter() - start
             start = time.perf_counter()
-            metrics = malleability_metrics(
-                before, after, self.top_fraction, self.rank_by, self.n_bootstrap, self.confidence, self.seed, top
-            )
+            metrics = None
+            if shard is None or shard.rank == 0:
+                metrics = malleability_metrics(
+                    before, after, self.top_fraction, self.rank_by, self.n_bootstrap, self.confidence, self.seed, top
+                )
+            if shard is not None:
+                metrics = shard.broadcast_object(metrics)
             timing["metrics"] = time.perf_counter() - start
             steps.update()
             results.append(
@@ -254,8 +324,8 @@ class MalleabilityEstimator:
                     attack=label,
                     params=attack_config(attack),
                     n_perturbed=len(perturbed),
-                    attack_success=float(success),
-                    max_perturbation=float(np.max(np.abs(x_adv - x))),
+                    attack_success=success,
+                    max_perturbation=linf,
                     scores_after=aggregate_scores(after),
                     seconds=timing,
                     **metrics,
@@ -266,9 +336,9 @@ class MalleabilityEstimator:
         return MalleabilityReport(
             model=self.model_name,
             config=self.get_params(),
-            n_train=len(x),
+            n_train=source.n,
             n_queries=len(x_q),
-            query_source=source,
+            query_source="test" if self_pairs is None else "train",
             top_k=k,
             top_indices=top,
             clean_accuracy=clean_accuracy,
@@ -278,7 +348,57 @@ class MalleabilityEstimator:
             versions=_versions(),
             dataset=dataset,
             warnings=warnings,
+            execution=self._execution(influence, shard),
         )
+
+    def _attack_rows(
+        self, attack: EvasionAttack, source: ExampleSource, rows: np.ndarray, nb_classes: int
+    ) -> tuple[np.ndarray, int, float]:
+        """
+        Run the attack on some training rows, in chunks read from the source.
+
+        :return: ``(x_adv rows, number whose prediction changed, largest ℓ∞ change)``.
+        """
+        x_adv = np.empty((len(rows), *source.input_shape), dtype=np.float32)
+        changed, linf = 0, 0.0
+        chunk = max(self.batch_size * 8, 1)
+        bar = tqdm(total=len(rows), desc=f"attack {attack_label(attack)}", unit="ex", leave=False,
+                   disable=not self.verbose or len(rows) <= chunk)
+        for s, xb, yb in source.batches(chunk, indices=rows):
+            labels = one_hot(yb, nb_classes)
+            adv = perturb_training_set(attack, xb, labels, np.arange(len(xb)), seed=self.seed + s)
+            x_adv[s : s + len(xb)] = adv
+            changed += int(np.sum(compute_success_array(self.classifier, xb, labels, adv, batch_size=self.batch_size)))
+            linf = max(linf, float(np.max(np.abs(adv - xb))) if len(xb) else 0.0)
+            bar.update(len(xb))
+        bar.close()
+        return x_adv, changed, linf
+
+    @staticmethod
+    def _combine_attack_stats(changed: int, linf: float, total: int, shard: Shard | None) -> tuple[float, float]:
+        """Attack success (share of perturbed examples whose prediction changed) and ℓ∞ over all processes."""
+        if shard is not None:
+            changed = int(shard.all_reduce(torch.tensor([changed], dtype=torch.int64))[0])
+            linf = float(shard.all_reduce(torch.tensor([linf], dtype=torch.float64), "max")[0])
+        return changed / total, linf
+
+    @staticmethod
+    def _execution(influence: InfluenceEstimator, shard: Shard | None) -> dict[str, Any]:
+        """What ran: the influence estimator's parameters and mode, and the process group."""
+        params = {
+            key: value if isinstance(value, (bool, int, float, str)) or value is None else str(value)
+            for key, value in influence.get_params().items()
+        }
+        details: dict[str, Any] = {"influence": type(influence).__name__, "params": params}
+        if hasattr(influence, "mode_"):
+            details["mode"] = influence.mode_
+        if getattr(influence, "projector_", None) is not None:
+            details["projection_dim"] = influence.projection_dim_
+            details["projection_seed"] = influence.projection_seed
+            details["projection_groups"] = influence.projector_.describe()
+        details["world_size"] = 1 if shard is None else shard.world_size
+        details["backend"] = None if shard is None else shard.backend
+        return details
 
     def get_params(self) -> dict[str, Any]:
         """:return: The estimator's parameters as JSON-ready values (attacks and influence by name)."""
@@ -333,7 +453,15 @@ class MalleabilityEstimator:
         if isinstance(self.influence, InfluenceEstimator):
             return self.influence
         if self.influence == "ntk":
-            return get_influence("ntk", ridge=float(self.ridge), device=self.device)
+            return get_influence(
+                "ntk",
+                ridge=float(self.ridge),
+                device=self.device,
+                projection_dim=self.projection_dim,
+                projection_seed=int(self.seed),
+                distributed=self.distributed,
+                verbose=self.verbose,
+            )
         return get_influence(self.influence, loss=loss_name(self.classifier), device=self.device)
 
     @staticmethod
@@ -398,6 +526,15 @@ def near_chance_warnings(accuracy: float, y: np.ndarray, source: str) -> list[st
     )
     logger.warning(message)
     return [message]
+
+
+def _weights_digest(model: torch.nn.Module) -> str:
+    """SHA-256 of a model's parameters and buffers (to check that every process audits the same model)."""
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def _versions() -> dict[str, str]:

@@ -89,6 +89,9 @@ class MalleabilityReport:
     :param versions: Library versions.
     :param dataset: Name of the data set, where known.
     :param warnings: Things a reader must know before trusting the numbers (e.g. a model near chance).
+    :param execution: What ran: the influence estimator's parameters and mode (``"exact"`` or
+                      ``"projected"``, with the projection dimension, seed and per-layer dimensions), and
+                      the process group (``world_size``, ``backend``).
     """
 
     model: str
@@ -105,6 +108,7 @@ class MalleabilityReport:
     versions: dict[str, str] = field(default_factory=dict)
     dataset: str | None = None
     warnings: list[str] = field(default_factory=list)
+    execution: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.results = [r if isinstance(r, AttackResult) else AttackResult(**r) for r in self.results]

@@ -80,6 +80,8 @@ def inverse_cholesky_(a: torch.Tensor, ridge: float, what: str = "K + ridge*I") 
             f"{what} is not positive definite (ridge={ridge!r}, scale {scale:.3g}); increase ridge"
         )
 
+    if a.shape[0] == 0:
+        return a
     if a.device.type == "cpu" and a.dtype == torch.float64 and a.is_contiguous():
         arr = a.numpy()
         # arr.T is Fortran-ordered and equal to arr (symmetric): LAPACK works on it in place

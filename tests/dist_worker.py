@@ -1,0 +1,71 @@
+"""
+A sharded audit for the multi-process tests, launched by ``torchrun`` (or called in one process as the
+reference): ``python tests/dist_worker.py OUT_DIR [ok|die]``.
+
+Rank 0 writes ``report.json`` and ``scores.npy`` (the full clean influence matrix) into ``OUT_DIR``.
+Fault modes: ``die`` — rank 1 exits abruptly in the middle of the audit (after the clean influence,
+in the first attack's update), as a crashed worker would; ``hang`` — rank 1 stops answering there
+(the others must give up after the collective timeout, 10 s here); ``tiny`` — a training set of one
+example for two processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+
+def problem():
+    """A small trained CNN on random images: deterministic, seeded, quick."""
+    from art_malleability.architectures import SmallCNN
+    from art_malleability.training import make_classifier, train_model
+
+    rng = np.random.default_rng(0)
+    x = rng.random((90, 1, 8, 8), dtype=np.float32)
+    y = (x[:, 0, :4].mean(axis=(1, 2)) > x[:, 0, 4:].mean(axis=(1, 2))).astype(np.int64) + 2 * (
+        x[:, 0, :, :4].mean(axis=(1, 2)) > 0.5
+    )
+    model = train_model(
+        SmallCNN((1, 8, 8), 4, seed=0), x[:70], y[:70], epochs=5, lr=1e-2, seed=0, verbose=False, device="cpu"
+    )
+    return make_classifier(model, (1, 8, 8), 4, device="cpu"), x[:70], y[:70], x[70:], y[70:]
+
+
+def run(out: str, mode: str = "ok") -> None:
+    from art_malleability import MalleabilityEstimator
+    from art_malleability.distributed import init_from_env
+    from art_malleability.influence import NTKInfluence
+
+    torch.set_num_threads(1)
+    shard = init_from_env("gloo", timeout_s=10 if mode == "hang" else 60)
+    clf, x, y, xq, yq = problem()
+    if mode in ("die", "hang") and shard is not None and shard.rank == 1:
+
+        def fault(*args, **kwargs):
+            if mode == "die":
+                os._exit(7)
+            time.sleep(600)
+
+        NTKInfluence.refit = fault
+    if mode == "tiny":
+        MalleabilityEstimator(clf, projection_dim=48, top_fraction=1.0, verbose=False, device="cpu").evaluate(
+            x[:1], y[:1], xq, yq
+        )
+    scores = NTKInfluence(projection_dim=48, device="cpu").fit(clf.model, x, y).scores(xq, yq)
+    report = MalleabilityEstimator(
+        clf, projection_dim=48, n_queries=12, n_bootstrap=40, verbose=False, device="cpu", attack_max_iter=5
+    ).evaluate(x, y, xq, yq)
+    if shard is None or shard.rank == 0:
+        os.makedirs(out, exist_ok=True)
+        np.save(os.path.join(out, "scores.npy"), scores)
+        with open(os.path.join(out, "report.json"), "w") as handle:
+            json.dump(report.to_dict(), handle)
+
+
+if __name__ == "__main__":
+    run(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "ok")

@@ -1,0 +1,111 @@
+"""Sharded audits on torch.distributed: two gloo processes launched by torchrun on localhost."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from art_malleability.distributed import Shard, current_shard
+
+WORKER = Path(__file__).with_name("dist_worker.py")
+LAUNCH_TIMEOUT = 240
+
+
+def _torchrun(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, env=env)
+
+
+def _read(folder: Path) -> tuple[dict, np.ndarray]:
+    return json.loads((folder / "report.json").read_text()), np.load(folder / "scores.npy")
+
+
+def _close(a, b, tol=1e-8) -> bool:
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    return float(np.abs(a - b).max() / np.abs(b).max()) < tol
+
+
+def test_two_gloo_processes_give_the_single_process_report(tmp_path):
+    sys.path.insert(0, str(WORKER.parent))
+    try:
+        from dist_worker import run
+    finally:
+        sys.path.pop(0)
+    run(str(tmp_path / "one"))
+    done = _torchrun(str(WORKER), str(tmp_path / "two"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    one, scores_one = _read(tmp_path / "one")
+    two, scores_two = _read(tmp_path / "two")
+    assert _close(scores_two, scores_one)
+    assert two["top_indices"] == one["top_indices"]
+    assert _close(two["scores_before"], one["scores_before"])
+    for a, b in zip(two["results"], one["results"], strict=True):
+        assert a["flip_rate"] == b["flip_rate"] and a["attack_success"] == b["attack_success"]
+        assert a["top_k_jaccard"] == b["top_k_jaccard"]
+        assert _close(a["scores_after"], b["scores_after"])
+        assert a["max_perturbation"] == pytest.approx(b["max_perturbation"], abs=1e-7)
+    assert two["execution"]["world_size"] == 2 and two["execution"]["backend"] == "gloo"
+    assert one["execution"]["world_size"] == 1 and one["execution"]["mode"] == "projected"
+
+
+def test_a_dying_process_ends_the_job_with_its_error(tmp_path):
+    start = time.perf_counter()
+    done = _torchrun(str(WORKER), str(tmp_path), "die")
+    assert done.returncode != 0
+    assert time.perf_counter() - start < 120
+    assert "exitcode  : 7" in done.stderr and "FAILED" in done.stderr
+
+
+def test_a_process_that_stops_answering_times_out(tmp_path):
+    start = time.perf_counter()
+    done = _torchrun(str(WORKER), str(tmp_path), "hang")
+    assert done.returncode != 0
+    assert time.perf_counter() - start < 150
+    assert "timed out" in done.stderr.lower() or "timeout" in done.stderr.lower()
+
+
+def test_more_processes_than_training_examples_is_refused(tmp_path):
+    done = _torchrun(str(WORKER), str(tmp_path), "tiny")
+    assert done.returncode != 0
+    assert "the process group has 2 processes but x has only 1 examples" in done.stderr
+
+
+def test_cli_under_torchrun_writes_the_single_process_report(tmp_path):
+    args = [
+        "audit", "--model", "cnn", "--n-train", "150", "--n-test", "40", "--epochs", "5", "--n-queries", "10",
+        "--n-bootstrap", "30", "--attack-max-iter", "4", "--projection-dim", "64", "--quiet",
+    ]
+    single = subprocess.run(
+        [sys.executable, "-m", "art_malleability.cli", *args, "--output", str(tmp_path / "one")],
+        capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert single.returncode == 0, single.stderr[-3000:]
+    done = _torchrun("-m", "art_malleability.cli", *args, "--output", str(tmp_path / "two"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("reports in") == 1  # rank 0 alone prints and writes
+    one = json.loads((tmp_path / "one" / "cnn" / "report.json").read_text())
+    two = json.loads((tmp_path / "two" / "cnn" / "report.json").read_text())
+    assert _close(two["scores_before"], one["scores_before"])
+    assert [r["flip_rate"] for r in two["results"]] == [r["flip_rate"] for r in one["results"]]
+    assert two["execution"]["world_size"] == 2
+
+
+def test_shard_bounds_cover_the_training_set_and_single_process_is_not_sharded():
+    for world in (1, 2, 3, 7):
+        blocks = [Shard(rank, world, "gloo").bounds(20) for rank in range(world)]
+        assert blocks[0][0] == 0 and blocks[-1][1] == 20
+        assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:], strict=False))
+        assert max(b - a for a, b in blocks) - min(b - a for a, b in blocks) <= 1
+    assert current_shard("auto") is None and current_shard(False) is None
+    with pytest.raises(ValueError, match="initialised torch.distributed process group"):
+        current_shard(True)
+    with pytest.raises(ValueError, match="distributed must be"):
+        current_shard("yes")
