@@ -29,6 +29,31 @@ def atomic_write(path: Path, text: str) -> None:
         raise
 
 
+def atomic_write_files(folder: Path, files: dict[str, str | bytes]) -> None:
+    """
+    Write several files into a folder so that an interruption leaves the previous versions intact:
+    every file is first written to a temporary name beside its target, and only when all are
+    written are they renamed into place (a rename per file, each atomic).
+
+    :param folder: Target folder (must exist).
+    :param files: File name to content (text is written as UTF-8).
+    """
+    staged: list[tuple[str, Path]] = []
+    try:
+        for name, content in files.items():
+            fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
+            staged.append((tmp, folder / name))
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(content.encode("utf-8") if isinstance(content, str) else content)
+        for tmp, target in staged:
+            os.replace(tmp, target)
+    except BaseException:
+        for tmp, _ in staged:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        raise
+
+
 def json_ready(value: Any) -> Any:
     """
     A JSON-ready copy: numpy scalars and arrays to Python, tuples to lists, NaN and infinities to ``None``.

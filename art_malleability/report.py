@@ -12,12 +12,13 @@ import json
 import logging
 import os
 from dataclasses import asdict, dataclass, field, fields
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from art_malleability._io import atomic_write, json_ready
+from art_malleability._io import atomic_write_files, json_ready
 
 logger = logging.getLogger(__name__)
 
@@ -186,24 +187,34 @@ class MalleabilityReport:
 
     def save(self, directory: str | os.PathLike) -> Path:
         """
-        Write ``report.json`` (atomically), ``report.md`` and the figures into a folder.
+        Write ``report.json``, ``report.md`` and the figures into a folder. Everything is rendered
+        and written to temporary files first, then renamed into place, so an interrupted save leaves
+        the previous report in the folder intact.
 
         :param directory: Output folder (created if missing).
         :return: The folder.
         """
-        out = Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write(out / "report.json", json.dumps(self.to_dict(), indent=2, allow_nan=False))
-        atomic_write(out / "report.md", self.to_markdown())
+        import io
+
         import matplotlib.pyplot as plt
 
-        figure = self.plot_flip_rates()
-        figure.savefig(out / "flip_rates.png", dpi=120, bbox_inches="tight")
-        plt.close(figure)
-        for r in self.results:
-            figure = self.plot_influence_scatter(r.attack)
-            figure.savefig(out / f"scatter_{slugify(r.attack)}.png", dpi=120, bbox_inches="tight")
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        files: dict[str, str | bytes] = {
+            "report.json": json.dumps(self.to_dict(), indent=2, allow_nan=False),
+            "report.md": self.to_markdown(),
+        }
+        figures = [("flip_rates.png", self.plot_flip_rates)]
+        figures += [
+            (f"scatter_{slugify(r.attack)}.png", partial(self.plot_influence_scatter, r.attack)) for r in self.results
+        ]
+        for name, draw in figures:
+            figure = draw()
+            buffer = io.BytesIO()
+            figure.savefig(buffer, format="png", dpi=120, bbox_inches="tight")
             plt.close(figure)
+            files[name] = buffer.getvalue()
+        atomic_write_files(out, files)
         logger.info("Report written to %s", out)
         return out
 

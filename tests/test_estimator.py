@@ -301,3 +301,52 @@ def test_any_pytorch_classifier_with_mixed_flags_is_left_as_it_was():
         _assert_same(before, _snapshot(clf))
     assert before["reduction"] == "sum" and before["flags"] == [True, True, True, False]
     np.testing.assert_array_equal(x, data.x_train)
+
+
+def test_projected_mode_equals_a_by_hand_pipeline_and_is_recorded(relu_clf):
+    """Projected influence with the update of the attacked rows equals fits from scratch on the perturbed set."""
+    data = digits()
+    x, y, xq, yq = data.x_train, data.y_train, data.x_test[:15], data.y_test[:15]
+    report = MalleabilityEstimator(relu_clf, attacks=["fgsm"], projection_dim=64, seed=3, **FAST).evaluate(
+        x, y, xq, yq
+    )
+    model = copy.deepcopy(relu_clf.model)
+    before = NTKInfluence(projection_dim=64, projection_seed=3, device="cpu").fit(model, x, y).scores(xq, yq)
+    top = top_indices(aggregate_scores(before), 20)
+    x_adv = x.copy()
+    x_adv[top] = FastGradientMethod(relu_clf, eps=0.3).generate(x[top], np.eye(10, dtype=np.float32)[y[top]])
+    after = NTKInfluence(projection_dim=64, projection_seed=3, device="cpu").fit(model, x_adv, y).scores(xq, yq)
+    result = report.result("fgsm")
+    assert report.top_indices == top.tolist()
+    np.testing.assert_allclose(result.scores_after, aggregate_scores(after), rtol=1e-8, atol=1e-12)
+    assert result.flip_rate == pytest.approx(flip_rate(before, after, 0.1))
+    run = report.execution
+    assert run["mode"] == "projected" and run["projection_dim"] == 64 and run["projection_seed"] == 3
+    assert run["world_size"] == 1 and run["backend"] is None and run["params"]["ridge"] == 1e-3
+    assert {g["kind"] for g in run["projection_groups"]} == {"linear"}
+    exact = MalleabilityEstimator(relu_clf, attacks=["fgsm"], **FAST).evaluate(x, y, xq, yq)
+    assert exact.execution["mode"] == "exact" and "projection_dim" not in exact.execution
+
+
+def test_datasets_give_the_array_report(relu_clf):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = digits()
+    x, y, xq, yq = data.x_train, data.y_train, data.x_test[:15], data.y_test[:15]
+    kwargs = dict(attacks=["pgd"], projection_dim=64, **FAST)
+    ref = MalleabilityEstimator(relu_clf, **kwargs).evaluate(x, y, xq, yq)
+    train = TensorDataset(torch.tensor(x), torch.tensor(y))
+    test = DataLoader(TensorDataset(torch.tensor(xq), torch.tensor(yq)), batch_size=4)
+    got = MalleabilityEstimator(relu_clf, **kwargs).evaluate(train, x_test=test)
+    assert got.top_indices == ref.top_indices and got.clean_accuracy == ref.clean_accuracy
+    np.testing.assert_allclose(got.scores_before, ref.scores_before, rtol=1e-12)
+    assert got.result("pgd").flip_rate == ref.result("pgd").flip_rate
+    np.testing.assert_allclose(got.result("pgd").scores_after, ref.result("pgd").scores_after, rtol=1e-12)
+    # queries drawn from a training dataset
+    got = MalleabilityEstimator(relu_clf, **kwargs).evaluate(train)
+    ref = MalleabilityEstimator(relu_clf, **kwargs).evaluate(x, y)
+    assert got.query_source == "train" and got.top_indices == ref.top_indices
+    with pytest.raises(ValueError, match=r"x .*yielded inputs of shape \(32,\)"):
+        MalleabilityEstimator(relu_clf, **kwargs).evaluate(TensorDataset(torch.zeros(30, 32), torch.zeros(30)))
+    with pytest.raises(ValueError, match="y must be None"):
+        MalleabilityEstimator(relu_clf, **kwargs).evaluate(train, y)

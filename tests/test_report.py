@@ -85,3 +85,27 @@ def test_lookup_and_missing_file(tmp_path):
         report.result("mim")
     with pytest.raises(FileNotFoundError, match="report.json"):
         MalleabilityReport.load(tmp_path)
+
+
+def test_an_interrupted_save_leaves_the_old_report_intact(tmp_path, monkeypatch):
+    import art_malleability._io as io_module
+
+    report = _report()
+    report.save(tmp_path)
+    old = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    changed = _report()
+    changed.model = "another model"
+    real_replace = io_module.os.replace
+    calls = []
+
+    def interrupted(src, dst):
+        calls.append(dst)
+        raise KeyboardInterrupt  # the first rename never happens: as if the process stopped while writing
+
+    monkeypatch.setattr(io_module.os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        changed.save(tmp_path)
+    monkeypatch.setattr(io_module.os, "replace", real_replace)
+    assert calls  # everything was rendered and staged before the first rename
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == old  # no temporary files left either
+    assert MalleabilityReport.load(tmp_path).model == report.model
