@@ -32,6 +32,10 @@ from __future__ import annotations
 
 import logging
 import math
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import partial
 
 import numpy as np
 import torch
@@ -98,7 +102,10 @@ class NTKInfluence(InfluenceEstimator):
     ``k``, ``None`` when exact), ``solver_`` (:class:`~art_malleability.influence.ridge.DualRidge`
     or :class:`~art_malleability.influence.ridge.PrimalRidge`), ``projector_`` (projected mode),
     ``shard_`` (the :class:`~art_malleability.distributed.Shard` or ``None``), ``kernel_`` (exact
-    mode: the ``n × n`` eNTK of the fitted training set), ``model_`` (working copy).
+    mode: the ``n × n`` eNTK of the fitted training set), ``model_`` (working copy), ``seconds_``
+    (wall time since :meth:`fit` per phase: ``features`` (the kernel in the exact mode), ``solve``,
+    ``communication`` (collectives of a sharded run), ``scores``; :meth:`refit` and :meth:`scores`
+    add to it).
     """
 
     name = "ntk"
@@ -212,6 +219,7 @@ class NTKInfluence(InfluenceEstimator):
                 "every process needs at least one"
             )
         self.shard_ = shard
+        self.seconds_ = dict.fromkeys(("features", "solve", "communication", "scores"), 0.0)
         self.mode_ = self._choose_mode(n, shard)
         self.projector_ = None
         self.projection_dim_ = None
@@ -221,8 +229,10 @@ class NTKInfluence(InfluenceEstimator):
             self._check_labels(y, "y_train")
             self.x_train_, self.y_train_ = np.array(x, copy=True), y
             self._x_base = self.x_train_
-            kernel = self._kernel(model, x).to(torch.float64)
-            self.solver_ = DualRidge(float(self.ridge)).fit(kernel, self._targets(y))
+            with self._clock("features"):
+                kernel = self._kernel(model, x).to(torch.float64)
+            with self._clock("solve"):
+                self.solver_ = DualRidge(float(self.ridge)).fit(kernel, self._targets(y))
             logger.debug("NTK influence (exact): kernel %s, ridge %g", tuple(kernel.shape), self.ridge)
             return
         k = DEFAULT_PROJECTION_DIM if self.projection_dim == "auto" else int(self.projection_dim)
@@ -242,7 +252,9 @@ class NTKInfluence(InfluenceEstimator):
         self.projector_, self.projection_dim_ = projector, dim
         phi = torch.empty((stop - start, dim), dtype=torch.float64, device=self.device_)
         y = np.empty(stop - start, dtype=np.int64)
-        with tqdm(total=stop - start, desc="NTK features", unit="ex", disable=not self.verbose) as bar:
+        with self._clock("features"), tqdm(
+            total=stop - start, desc="NTK features", unit="ex", disable=not self.verbose
+        ) as bar:
             for off, xb, yb in source.batches(self.batch_size, start, stop):
                 phi[off : off + len(xb)] = projector.features(xb)
                 y[off : off + len(yb)] = yb
@@ -252,15 +264,17 @@ class NTKInfluence(InfluenceEstimator):
         self._bounds = (start, stop)
         if n <= dim:  # dual on ΦΦᵀ: stable when the regression nearly interpolates, and no larger
             if shard is not None:
-                phi = shard.all_gather_rows(phi)
-                y = shard.all_gather_rows(torch.as_tensor(y)).numpy()
+                phi = self._comm(shard.all_gather_rows, phi)
+                y = self._comm(shard.all_gather_rows, torch.as_tensor(y)).numpy()
                 self.y_train_ = y
                 self._bounds = (0, n)
             self._phi_base, self._phi = phi, phi
-            self.solver_ = DualRidge(float(self.ridge)).fit(phi @ phi.T, self._targets(y))
+            with self._clock("solve"):
+                self.solver_ = DualRidge(float(self.ridge)).fit(phi @ phi.T, self._targets(y))
         else:
-            reduce = shard.all_reduce if shard is not None else None
-            self.solver_ = PrimalRidge(float(self.ridge), reduce=reduce).fit(phi, self._targets(y))
+            reduce = partial(self._comm, shard.all_reduce) if shard is not None else None
+            with self._clock("solve"):
+                self.solver_ = PrimalRidge(float(self.ridge), reduce=reduce).fit(phi, self._targets(y))
         logger.debug(
             "NTK influence (projected, k=%d of %d, %s): %d examples here of %d",
             dim, projector.full_dim, type(self.solver_).__name__, stop - start, n,
@@ -293,8 +307,10 @@ class NTKInfluence(InfluenceEstimator):
             x = np.array(self._x_base, copy=True)
             x[changed] = x_changed
             self.x_train_ = x
-            rows = self._kernel(self.model_, x_changed, x).to(torch.float64) if len(changed) else None
-            self.solver_.update(changed, rows if rows is not None else self.solver_.kernel_[:0])
+            with self._clock("features"):
+                rows = self._kernel(self.model_, x_changed, x).to(torch.float64) if len(changed) else None
+            with self._clock("solve"):
+                self.solver_.update(changed, rows if rows is not None else self.solver_.kernel_[:0])
             return
         start, stop = self._local_bounds()
         here = (changed >= start) & (changed < stop)
@@ -302,12 +318,13 @@ class NTKInfluence(InfluenceEstimator):
         feats = self._features(x_local)
         if isinstance(self.solver_, DualRidge):
             if self.shard_ is not None:
-                local = self.shard_.all_gather_rows(torch.as_tensor(local + start)).numpy()
-                feats = self.shard_.all_gather_rows(feats)
+                local = self._comm(self.shard_.all_gather_rows, torch.as_tensor(local + start)).numpy()
+                feats = self._comm(self.shard_.all_gather_rows, feats)
             phi = self._phi_base.clone()
             phi[torch.as_tensor(local, device=phi.device)] = feats
             self._phi = phi
-            self.solver_.update(local, feats @ phi.T)
+            with self._clock("solve"):
+                self.solver_.update(local, feats @ phi.T)
             return
         # primal: rows changed by the previous refit go back to their fitted values in the same update
         prev, prev_base = self._prev_local, getattr(self, "_prev_base", None)
@@ -319,7 +336,8 @@ class NTKInfluence(InfluenceEstimator):
             base_new[torch.as_tensor(np.flatnonzero(in_prev))] = prev_base[
                 torch.as_tensor(np.searchsorted(prev, local[in_prev]))
             ]
-        self.solver_.update(np.concatenate([restore, local]), torch.cat([rows_restore, feats]))
+        with self._clock("solve"):
+            self.solver_.update(np.concatenate([restore, local]), torch.cat([rows_restore, feats]))
         self._prev_local, self._prev_base = local, base_new
 
     def _local_bounds(self) -> tuple[int, int]:
@@ -327,7 +345,29 @@ class NTKInfluence(InfluenceEstimator):
             return self.shard_.bounds(self.n_train_)
         return 0, self.n_train_
 
+    @contextmanager
+    def _clock(self, phase: str) -> Iterator[None]:
+        """Add the wall time of the block to ``seconds_[phase]`` (communication inside a solve is counted apart)."""
+        comm, start = self.seconds_["communication"], time.perf_counter()
+        try:
+            yield
+        finally:
+            inner = self.seconds_["communication"] - comm if phase != "communication" else 0.0
+            self.seconds_[phase] += time.perf_counter() - start - inner
+
+    def _comm(self, fn: Callable[..., torch.Tensor], *args: object) -> torch.Tensor:
+        """A collective of the shard, timed as communication."""
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.seconds_["communication"] += time.perf_counter() - start
+
     def _features(self, x: np.ndarray) -> torch.Tensor:
+        with self._clock("features"):
+            return self._project(x)
+
+    def _project(self, x: np.ndarray) -> torch.Tensor:
         if len(x) == 0:
             return torch.zeros((0, self.projection_dim_), dtype=torch.float64, device=self.device_)
         out = torch.empty((len(x), self.projection_dim_), dtype=torch.float64, device=self.device_)
@@ -341,7 +381,7 @@ class NTKInfluence(InfluenceEstimator):
         if self.mode_ == "exact":
             k_q = self._kernel(self.model_, x_query, self.x_train_).to(torch.float64)
             return self.solver_.loo_parts(k_q)
-        phi_q = self._features(x_query)
+        phi_q = self._project(x_query)
         if isinstance(self.solver_, DualRidge):
             return self.solver_.loo_parts(phi_q @ self._phi.T)
         return self.solver_.loo_parts(phi_q)
@@ -349,7 +389,7 @@ class NTKInfluence(InfluenceEstimator):
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
         """Columns of every shard side by side (primal solve in a sharded run), else ``t``."""
         if self.shard_ is not None and isinstance(self.solver_, PrimalRidge):
-            return self.shard_.all_gather_columns(t)
+            return self._comm(self.shard_.all_gather_columns, t)
         return t
 
     def _check_fitted(self) -> None:
@@ -382,6 +422,7 @@ class NTKInfluence(InfluenceEstimator):
         return (f[:, None, :] - b[:, :, None] * beta[None, :, :]).cpu().numpy()
 
     def _scores(self, x_query: np.ndarray, y_query: np.ndarray) -> np.ndarray:
-        f, b, beta = self._query_parts(x_query)
-        y = torch.as_tensor(y_query, device=f.device)
-        return self._gather(loo_scores(f, b, beta, y, self.loss)).cpu().numpy()
+        with self._clock("scores"):
+            f, b, beta = self._query_parts(x_query)
+            y = torch.as_tensor(y_query, device=f.device)
+            return self._gather(loo_scores(f, b, beta, y, self.loss)).cpu().numpy()
