@@ -22,10 +22,14 @@ Two modes compute it (see :mod:`art_malleability.influence.ridge` for the solves
   ``n ≤ k``). Memory ``O(n k + k²)``, never ``n × n``; time ``O(n k²)``. With a projection that
   keeps every dimension the scores equal the exact ones.
 
-``projection_dim="auto"`` (the default) runs the exact mode when ``n ≤ max_exact_n`` and its two
-``n × n`` matrices fit in the memory budget, in a single process; otherwise the projected mode
-with ``k = DEFAULT_PROJECTION_DIM``. Both modes check their memory before they allocate and stop
-with an error that names the way out.
+``projection_dim="auto"`` (the default) runs the exact mode in a single process when
+``n ≤ max_exact_n`` (10,000), its two ``n × n`` matrices fit in the memory budget and its estimated
+cost ``2 n² D + n³`` (``D`` the size of an example's Jacobian factors: a few thousand for the
+reference models, about 50,000 for a small CNN, millions for a ResNet) stays below
+``EXACT_MAX_FLOPS``; otherwise the projected mode with ``k = DEFAULT_PROJECTION_DIM``. The exact
+mode is preferred because the projected scores are a different estimator: at the paper's ridge they
+agree only loosely with the exact ones (see the scale page of the documentation). Both modes check
+their memory before they allocate and stop with an error that names the way out.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from art_malleability._torch_utils import available_memory
 from art_malleability.distributed import Shard, current_shard
 from art_malleability.influence.base import InfluenceEstimator, regression_targets
 from art_malleability.influence.ridge import DualRidge, PrimalRidge, loo_scores
-from art_malleability.ntk.empirical import DEFAULT_CHUNK_MB, NTK_METHODS, empirical_ntk
+from art_malleability.ntk.empirical import DEFAULT_CHUNK_MB, NTK_METHODS, JacobianGram
 from art_malleability.ntk.projection import ProjectedNTK, check_projection_dim
 from art_malleability.streaming import ExampleSource
 
@@ -56,6 +60,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_PROJECTION_DIM = 4096
 #: Largest training set of the exact mode under ``projection_dim="auto"``.
 DEFAULT_MAX_EXACT_N = 10_000
+#: Largest estimated cost (floating-point operations) of the exact mode under ``projection_dim="auto"``:
+#: ``2 n² D`` for the kernel (``D`` elements of Jacobian factors per example) plus ``n³`` for the solve;
+#: about five minutes on two CPU cores.
+EXACT_MAX_FLOPS = 1e13
 #: Share of the available memory the large matrices may take when no ``memory_limit_gb`` is set.
 MEMORY_SHARE = 0.8
 _GIB = 2**30
@@ -182,7 +190,7 @@ class NTKInfluence(InfluenceEstimator):
             return int(float(self.memory_limit_gb) * _GIB)
         return int(MEMORY_SHARE * available_memory(self.device_))
 
-    def _choose_mode(self, n: int, shard: Shard | None) -> str:
+    def _choose_mode(self, n: int, shard: Shard | None, model: nn.Module, probe: np.ndarray) -> str:
         budget = self._memory_budget()
         if self.projection_dim is None:
             if shard is not None:
@@ -198,10 +206,30 @@ class NTKInfluence(InfluenceEstimator):
                     "use projection_dim='auto' or an integer projection dimension"
                 )
             return "exact"
-        if self.projection_dim == "auto":
-            if shard is None and n <= self.max_exact_n and exact_bytes(n) <= budget:
+        if self.projection_dim == "auto" and shard is None and n <= self.max_exact_n and exact_bytes(n) <= budget:
+            factor = self._engine(model, n, budget).factor_elements(probe)
+            flops = 2.0 * n * n * factor + n**3  # kernel entries, then the factorisation and inverse
+            if flops <= EXACT_MAX_FLOPS:
                 return "exact"
+            logger.info(
+                "NTK influence: exact mode would take about %.1e flops (%d examples, %d factor elements each); "
+                "projected instead", flops, n, factor,
+            )
         return "projected"
+
+    def _engine(self, model: nn.Module, n: int, budget: int) -> JacobianGram:
+        """
+        The exact kernel's engine, with a chunk budget that lets it keep the factors of all ``n``
+        training examples between blocks when the memory left beside the two ``n × n`` matrices
+        allows (each block would otherwise compute them again).
+        """
+        engine = getattr(self, "_jacobian_gram", None)
+        if engine is not None and engine.model is model:
+            return engine
+        spare = max(budget - 16 * n * n, 0)
+        chunk_mb = max(DEFAULT_CHUNK_MB, min(spare / 3, 8 * _GIB) / 2**20)
+        self._jacobian_gram = JacobianGram(model, method=self.method, batch_size=self.batch_size, chunk_mb=chunk_mb)
+        return self._jacobian_gram
 
     # ------------------------------------------------------------------ fit
     def _fit(self, model: nn.Module, x_train: np.ndarray, y_train: np.ndarray) -> None:
@@ -220,7 +248,9 @@ class NTKInfluence(InfluenceEstimator):
             )
         self.shard_ = shard
         self.seconds_ = dict.fromkeys(("features", "solve", "communication", "scores"), 0.0)
-        self.mode_ = self._choose_mode(n, shard)
+        self._jacobian_gram = None
+        probe, _ = source.take(np.arange(min(n, 64)), self.batch_size)
+        self.mode_ = self._choose_mode(n, shard, model, probe)
         self.projector_ = None
         self.projection_dim_ = None
         self._prev_local = np.zeros(0, dtype=np.int64)
@@ -236,7 +266,6 @@ class NTKInfluence(InfluenceEstimator):
             logger.debug("NTK influence (exact): kernel %s, ridge %g", tuple(kernel.shape), self.ridge)
             return
         k = DEFAULT_PROJECTION_DIM if self.projection_dim == "auto" else int(self.projection_dim)
-        probe, _ = source.take(np.arange(min(n, 64)), self.batch_size)
         projector = ProjectedNTK(model, k, seed=int(self.projection_seed), batch_size=self.batch_size)
         projector.plan(probe)
         dim = projector.dim
@@ -281,7 +310,7 @@ class NTKInfluence(InfluenceEstimator):
         )
 
     def _kernel(self, model: nn.Module, x1: np.ndarray, x2: np.ndarray | None = None) -> torch.Tensor:
-        return empirical_ntk(model, x1, x2, method=self.method, batch_size=self.batch_size)
+        return self._engine(model, self.n_train_, self._memory_budget()).gram(x1, x2)
 
     @property
     def kernel_(self) -> torch.Tensor:

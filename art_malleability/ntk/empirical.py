@@ -282,6 +282,8 @@ class JacobianGram:
             raise ValueError("model has no trainable parameters (none with requires_grad=True)")
         self._layers: list[_LinearPlan] | None = None
         self._fallback: list[tuple[str, nn.Parameter]] = []
+        self._exact_rest = None  # exact factor-based Jacobians of the fallback parameters (traced NTK)
+        self._trace = False
         self._n_outputs: int = 0
         # rank-one class factorisation: per structured layer, whether it is still assumed
         # (sticky once a layer fails the check), and the class directions u (C, out) with the
@@ -352,9 +354,25 @@ class JacobianGram:
             [n for n, _ in self._fallback],
         )
 
+    def factor_elements(self, x_probe: np.ndarray | torch.Tensor) -> int:
+        """
+        Elements stored per example for the traced kernel (the size of its Jacobian factors): the
+        cost of one kernel entry is about this many multiply-adds, and the memory of cached factors
+        this many numbers per example.
+
+        :param x_probe: A few inputs (to plan the layers).
+        :return: Elements per example (optimistic: assumes the rank-one class factorisation holds).
+        """
+        x = to_tensor(x_probe[:2], self.device, self.dtype)
+        with eval_mode(self.model):
+            self._plan(x, None)
+        self._start(True)
+        return self._example_size(raw=False)
+
     def _start(self, trace: bool) -> None:
         """Reset the per-computation state (class directions) before a kernel computation."""
         self._compress = trace and self._n_outputs > 1
+        self._trace = trace
         self._directions = [None] * len(self._layers)
         self._known = [None] * len(self._layers)
         self._scratch = [None] * len(self._layers)
@@ -515,6 +533,17 @@ class JacobianGram:
         return g
 
     def _fallback_jacobian(self, x: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
+        if self.output_fn is None and self._trace and self.method != "jacobian":
+            # traced NTK: exact Jacobians of convolutions and of modules' own parameters from their
+            # factors (an unprojected ProjectedNTK), whole-model torch.func only for the rest
+            if self._exact_rest is None:
+                from art_malleability.ntk.projection import ProjectedNTK
+
+                params = [p for _, p in self._fallback]
+                self._exact_rest = ProjectedNTK(
+                    self.model, 2**31 - 1, batch_size=self.batch_size, chunk_mb=self.chunk_mb, parameters=params
+                ).plan(x)
+            return self._exact_rest._features(x).unsqueeze(1)
         return per_example_jacobian(self.model, self._fallback, x, y, self._apply_output_fn)
 
     # ------------------------------------------------------------------ contraction

@@ -211,6 +211,8 @@ class ProjectedNTK:
     :param chunk_mb: Memory budget (MiB) of the per-pass buffers (projected factors, unfolded
         patches, fallback Jacobians); passes shrink below ``batch_size`` to fit it.
     :param probe_size: Examples of the first :meth:`plan` batch used to share ``k`` among groups.
+    :param parameters: Only these trainable parameters (``None``: all); the exact NTK engine uses this
+        with an unbounded ``projection_dim`` for the exact Jacobians of the layers it does not factorise.
     """
 
     def __init__(
@@ -222,6 +224,7 @@ class ProjectedNTK:
         batch_size: int = 256,
         chunk_mb: float = DEFAULT_CHUNK_MB,
         probe_size: int = 64,
+        parameters: list[nn.Parameter] | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -232,6 +235,7 @@ class ProjectedNTK:
         self.chunk_mb = float(chunk_mb)
         self.probe_size = int(probe_size)
         self.device, self.dtype = model_device_dtype(model)
+        self._include = None if parameters is None else {id(p) for p in parameters}
         if not trainable_parameters(model):
             raise ValueError("model has no trainable parameters (none with requires_grad=True)")
         self.groups: list[_Group] | None = None
@@ -280,14 +284,18 @@ class ProjectedNTK:
         x = to_tensor(x_probe[: self.probe_size], self.device, self.dtype)
         with eval_mode(self.model), no_tf32(self.device):
             groups = self._find_groups(x[:2])
-            # pilot: small projections estimate each group's squared Jacobian norm
-            for g_idx, g in enumerate(groups):
-                self._draw(g, g_idx, _PILOT_SIDE * _PILOT_SIDE, pilot=True)
-            self.groups = groups
-            self._offsets()
-            pilot = self._features(x)
-        traces = [float(pilot[:, g.offset : g.offset + g.k].pow(2).sum()) for g in groups]
-        ks = allocate(traces, [g.full_dim for g in groups], self.projection_dim)
+            if self.projection_dim >= sum(g.full_dim for g in groups):
+                ks = [g.full_dim for g in groups]  # nothing to share: every group unprojected
+            else:
+                # pilot: small projections estimate each group's squared Jacobian norm
+                for g_idx, g in enumerate(groups):
+                    self._draw(g, g_idx, _PILOT_SIDE * _PILOT_SIDE, pilot=True)
+                self.groups = groups
+                self._offsets()
+                pilot = self._features(x)
+                traces = [float(pilot[:, g.offset : g.offset + g.k].pow(2).sum()) for g in groups]
+                ks = allocate(traces, [g.full_dim for g in groups], self.projection_dim)
+        self.groups = groups
         for g_idx, (g, k) in enumerate(zip(groups, ks, strict=True)):
             self._draw(g, g_idx, k, pilot=False)
         self._offsets()
@@ -306,7 +314,15 @@ class ProjectedNTK:
             offset += g.k
 
     def _find_groups(self, x_probe: torch.Tensor) -> list[_Group]:
-        kron = [c for c in plain_layers(self.model, (nn.Linear, nn.Conv2d)) if _factorisable(c[1])]
+        def wanted(p: nn.Parameter | None) -> bool:
+            return p is not None and p.requires_grad and (self._include is None or id(p) in self._include)
+
+        kron = [
+            c
+            for c in plain_layers(self.model, (nn.Linear, nn.Conv2d))
+            if _factorisable(c[1])
+            and all(wanted(p) == t for p, t in ((c[1].weight, c[2]), (c[1].bias, c[3])) if p is not None)
+        ]
         kron_ids = {id(c[1]) for c in kron}
         uses = Counter(id(p) for _, p in self.model.named_parameters(remove_duplicate=False))
         owners = []  # other submodules owning trainable parameters used nowhere else
@@ -316,7 +332,7 @@ class ProjectedNTK:
             own = [
                 (f"{name}.{pname}", p)
                 for pname, p in module._parameters.items()
-                if p is not None and p.requires_grad and uses[id(p)] == 1
+                if wanted(p) and uses[id(p)] == 1
             ]
             if own:
                 owners.append((name, module, own))
@@ -369,7 +385,7 @@ class ProjectedNTK:
             dim = c * sum(p.numel() for _, p in own)
             groups.append(_Group(name, "module", module, params=own, d_out=dim, d_in=1))
             covered.update(id(p) for _, p in own)
-        rest = [(n, p) for n, p in trainable_parameters(self.model) if id(p) not in covered]
+        rest = [(n, p) for n, p in trainable_parameters(self.model) if id(p) not in covered and wanted(p)]
         if rest:
             dim = c * sum(p.numel() for _, p in rest)
             groups.append(_Group("fallback", "fallback", params=rest, d_out=dim, d_in=1))
