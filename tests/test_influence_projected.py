@@ -263,3 +263,29 @@ def test_bad_datasets_are_refused_with_clear_errors():
         bad = torch.tensor(x)
         bad[3, 0, 0, 0] = float("nan")
         est.fit(model, TensorDataset(bad, torch.tensor(y)))
+
+
+def test_exact_engine_takes_convolutions_and_batch_norm_from_their_factors():
+    from art_malleability.ntk.empirical import JacobianGram
+
+    model = _cnn().double()
+    x = torch.tensor(_images(8)[0], dtype=torch.float64)
+    engine = JacobianGram(model)
+    kernel = engine.gram(x)
+    assert {g["kind"] for g in engine._exact_rest.describe()} == {"conv", "module", "fallback"}
+    assert engine._exact_rest.is_exact
+    assert _rel(kernel.numpy(), empirical_ntk(model, x, method="jacobian").numpy()) < 1e-12
+    # the full output block still comes from torch.func for those parameters
+    full = empirical_ntk(model, x, trace=False)
+    assert _rel(full.numpy(), empirical_ntk(model, x, method="jacobian", trace=False).numpy()) < 1e-12
+
+
+def test_auto_mode_weighs_the_exact_cost(monkeypatch):
+    import art_malleability.influence.ntk as ntk_module
+
+    model = _cnn()
+    x, y = _images(30)
+    assert NTKInfluence(device="cpu").fit(model, x, y).mode_ == "exact"
+    monkeypatch.setattr(ntk_module, "EXACT_MAX_FLOPS", 1.0)
+    assert NTKInfluence(device="cpu").fit(model, x, y).mode_ == "projected"
+    assert NTKInfluence(projection_dim=None, device="cpu").fit(model, x, y).mode_ == "exact"  # asked for
