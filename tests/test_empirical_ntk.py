@@ -438,3 +438,37 @@ def test_cuda_matches_cpu() -> None:
     before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     empirical_ntk(model, torch.randn(4, 5))
     assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == before
+
+
+def test_kept_factors_match_fresh_kernels_through_changes_and_rank_changes() -> None:
+    from art_malleability.ntk.empirical import KeptFactors
+
+    # mlp3's first layer only shows it is not rank one on later single-example chunks: built first
+    # from one example (looks rank one), the kept factors must be rebuilt when a new query shows it
+    model, shape = _models()["mlp3"]
+    model = model.double()
+    x = torch.randn(6, *shape, generator=_gen(31), dtype=torch.float64)
+    xq = torch.randn(3, *shape, generator=_gen(32), dtype=torch.float64)
+    engine = JacobianGram(model, chunk_mb=TINY_MB / 4)
+    kept = KeptFactors(engine, x[:1])
+    assert _rel(kept.rows(xq), empirical_ntk(model, xq, x[:1], method="jacobian")) < 1e-10
+    kept = KeptFactors(engine, x)
+    assert _rel(kept.gram(), empirical_ntk(model, x, method="jacobian")) < 1e-10
+    # dead columns of the 2L-ReLU: class directions set late stay consistent with the kept factors
+    model2, shape2 = _models()["2l-relu"]
+    model2 = model2.double()
+    z = torch.randn(8, *shape2, generator=_gen(33), dtype=torch.float64)
+    z[:4] = 0.0
+    kept2 = KeptFactors(JacobianGram(model2, chunk_mb=TINY_MB), z)
+    zq = torch.randn(4, *shape2, generator=_gen(34), dtype=torch.float64)
+    assert _rel(kept2.rows(zq), empirical_ntk(model2, zq, z, method="jacobian")) < 1e-12
+    # swapped rows: rows and gram equal those of the modified set
+    changed = np.array([1, 5])
+    new = torch.randn(2, *shape, generator=_gen(35), dtype=torch.float64)
+    x_mod = x.clone()
+    x_mod[changed] = new
+    kept.set_changed(changed, new)
+    assert _rel(kept.gram(), empirical_ntk(model, x_mod, method="jacobian")) < 1e-10
+    assert _rel(kept.rows(xq), empirical_ntk(model, xq, x_mod, method="jacobian")) < 1e-10
+    kept.set_changed(np.zeros(0, dtype=int), x[:0])
+    assert _rel(kept.rows(xq), empirical_ntk(model, xq, x, method="jacobian")) < 1e-10

@@ -50,7 +50,7 @@ from art_malleability._torch_utils import available_memory
 from art_malleability.distributed import Shard, current_shard
 from art_malleability.influence.base import InfluenceEstimator, regression_targets
 from art_malleability.influence.ridge import DualRidge, PrimalRidge, loo_scores
-from art_malleability.ntk.empirical import DEFAULT_CHUNK_MB, NTK_METHODS, JacobianGram
+from art_malleability.ntk.empirical import DEFAULT_CHUNK_MB, NTK_METHODS, JacobianGram, KeptFactors
 from art_malleability.ntk.projection import ProjectedNTK, check_projection_dim
 from art_malleability.streaming import ExampleSource
 
@@ -249,6 +249,7 @@ class NTKInfluence(InfluenceEstimator):
         self.shard_ = shard
         self.seconds_ = dict.fromkeys(("features", "solve", "communication", "scores"), 0.0)
         self._jacobian_gram = None
+        self._kept = None
         probe, _ = source.take(np.arange(min(n, 64)), self.batch_size)
         self.mode_ = self._choose_mode(n, shard, model, probe)
         self.projector_ = None
@@ -260,7 +261,7 @@ class NTKInfluence(InfluenceEstimator):
             self.x_train_, self.y_train_ = np.array(x, copy=True), y
             self._x_base = self.x_train_
             with self._clock("features"):
-                kernel = self._kernel(model, x).to(torch.float64)
+                kernel = self._exact_fit_kernel(model, x)
             with self._clock("solve"):
                 self.solver_ = DualRidge(float(self.ridge)).fit(kernel, self._targets(y))
             logger.debug("NTK influence (exact): kernel %s, ridge %g", tuple(kernel.shape), self.ridge)
@@ -309,6 +310,20 @@ class NTKInfluence(InfluenceEstimator):
             dim, projector.full_dim, type(self.solver_).__name__, stop - start, n,
         )
 
+    def _exact_fit_kernel(self, model: nn.Module, x: np.ndarray) -> torch.Tensor:
+        """
+        The training kernel; the training set's Jacobian factors are kept for the queries and the
+        refits when they fit the memory left beside the two ``n × n`` matrices (otherwise every
+        later call computes them again).
+        """
+        engine = self._engine(model, len(x), self._memory_budget())
+        spare = self._memory_budget() - 16 * len(x) ** 2
+        if engine.factor_elements(x) * len(x) * 8 <= spare // 2:
+            self._kept = KeptFactors(engine, x)
+            return self._kept.gram().to(torch.float64)
+        logger.info("NTK influence: the training set's Jacobian factors do not fit the memory; not kept")
+        return self._kernel(model, x).to(torch.float64)
+
     def _kernel(self, model: nn.Module, x1: np.ndarray, x2: np.ndarray | None = None) -> torch.Tensor:
         return self._engine(model, self.n_train_, self._memory_budget()).gram(x1, x2)
 
@@ -337,7 +352,11 @@ class NTKInfluence(InfluenceEstimator):
             x[changed] = x_changed
             self.x_train_ = x
             with self._clock("features"):
-                rows = self._kernel(self.model_, x_changed, x).to(torch.float64) if len(changed) else None
+                if self._kept is not None:
+                    self._kept.set_changed(changed, x_changed)
+                    rows = self._kept.rows(x_changed).to(torch.float64) if len(changed) else None
+                else:
+                    rows = self._kernel(self.model_, x_changed, x).to(torch.float64) if len(changed) else None
             with self._clock("solve"):
                 self.solver_.update(changed, rows if rows is not None else self.solver_.kernel_[:0])
             return
@@ -408,7 +427,10 @@ class NTKInfluence(InfluenceEstimator):
     def _query_parts(self, x_query: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Predictions ``f`` (n_q, C) and the leave-one-out factors ``b`` (n_q, n here) and ``β`` (n here, C)."""
         if self.mode_ == "exact":
-            k_q = self._kernel(self.model_, x_query, self.x_train_).to(torch.float64)
+            if self._kept is not None:
+                k_q = self._kept.rows(x_query).to(torch.float64)
+            else:
+                k_q = self._kernel(self.model_, x_query, self.x_train_).to(torch.float64)
             return self.solver_.loo_parts(k_q)
         phi_q = self._project(x_query)
         if isinstance(self.solver_, DualRidge):

@@ -66,10 +66,11 @@ Results do not depend on the chunking beyond rounding.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 
@@ -668,6 +669,152 @@ class JacobianGram:
                 del f2, block
             del f1
         return kernel
+
+
+class KeptFactors:
+    """
+    The Jacobian factors of a fixed set of examples (a training set), kept between traced-kernel
+    computations, so that kernel rows of new examples against the set cost the new examples'
+    factors and the contractions only. Some rows of the set can be swapped for new inputs
+    (:meth:`set_changed`) without recomputing the others.
+
+    The rank-one class directions (see the module docstring) of the kept factors are carried from
+    call to call; if a later example shows that a layer is not rank one after all, every kept
+    factor is computed again in the full representation.
+
+    :param engine: The engine (traced kernel, no ``output_fn``).
+    :param x: The examples to keep, ``(n, *input_shape)``.
+    """
+
+    def __init__(self, engine: JacobianGram, x: np.ndarray | torch.Tensor) -> None:
+        self.engine = engine
+        self.x = to_tensor(x, engine.device, engine.dtype)
+        self._changed = np.zeros(0, dtype=np.int64)
+        self._x_changed = self.x[:0]
+        self._build()
+
+    @property
+    def n(self) -> int:
+        return int(self.x.shape[0])
+
+    def nbytes(self) -> int:
+        """Memory of the kept factors."""
+        sizes = [t for b in self._blocks + self._changed_blocks for t in [*b.acts, *b.grads, b.jac] if t is not None]
+        return sum(t.numel() * t.element_size() for t in sizes)
+
+    @contextlib.contextmanager
+    def _session(self) -> Iterator[None]:
+        engine = self.engine
+        with eval_mode(engine.model), no_tf32(engine.device):
+            engine._directions, engine._known, engine._scratch = self._state
+            engine._compress, engine._trace = engine._n_outputs > 1, True
+            try:
+                yield
+            finally:
+                self._state = (engine._directions, engine._known, [None] * len(engine._layers))
+                engine._directions, engine._known, engine._scratch = [], [], []
+                engine._compress = False
+
+    def _blocks_of(self, x: torch.Tensor) -> list[_Features]:
+        bs = self.engine._block_rows()
+        return [self.engine.features(x[i : i + bs]) for i in range(0, x.shape[0], bs)]
+
+    def _build(self) -> None:
+        engine = self.engine
+        with eval_mode(engine.model):
+            engine._plan(self.x[:2], None)
+        while True:
+            engine._start(True)
+            self._state = (engine._directions, engine._known, engine._scratch)
+            try:
+                with self._session():
+                    self._blocks = self._blocks_of(self.x)
+                    self._changed_blocks = self._blocks_of(self._x_changed) if len(self._changed) else []
+                return
+            except _RankChange as change:
+                logger.debug("eNTK: layer %s is not rank one over the classes; recomputing", change)
+
+    def _retrying(self, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+        while True:
+            try:
+                with self._session():
+                    return compute()
+            except _RankChange as change:
+                logger.debug("eNTK: layer %s is not rank one over the classes; recomputing kept factors", change)
+                self._build()
+
+    def _contract_all(self, f: list[_Features], blocks: list[_Features], n: int) -> torch.Tensor:
+        rows = sum(b.n for b in f)
+        out = torch.empty((rows, n), dtype=self.engine.dtype, device=self.engine.device)
+        i = 0
+        for a in f:
+            j = 0
+            for b in blocks:
+                out[i : i + a.n, j : j + b.n] = self.engine.contract(a, b)
+                j += b.n
+            i += a.n
+        return out
+
+    def gram(self) -> torch.Tensor:
+        """:return: The ``n × n`` traced kernel of the kept examples (with the changed rows swapped in)."""
+
+        def compute() -> torch.Tensor:
+            kernel = torch.empty((self.n, self.n), dtype=self.engine.dtype, device=self.engine.device)
+            starts = np.cumsum([0] + [b.n for b in self._blocks])
+            for bi, a in enumerate(self._blocks):
+                for bj in range(bi, len(self._blocks)):
+                    b = self._blocks[bj]
+                    block = self.engine.contract(a, b)
+                    if bi == bj:
+                        block = 0.5 * (block + block.T)
+                    kernel[starts[bi] : starts[bi] + a.n, starts[bj] : starts[bj] + b.n] = block
+                    kernel[starts[bj] : starts[bj] + b.n, starts[bi] : starts[bi] + a.n] = block.T
+            if len(self._changed):
+                rows = self._swap_columns(self._contract_all(self._changed_blocks, self._blocks, self.n))
+                idx = torch.as_tensor(self._changed, device=kernel.device)
+                kernel[idx] = rows
+                kernel[:, idx] = rows.T
+            return kernel
+
+        return self._retrying(compute)
+
+    def _swap_columns(self, rows: torch.Tensor, f: list[_Features] | None = None) -> torch.Tensor:
+        if len(self._changed):
+            f = self._changed_blocks if f is None else f
+            rows[:, torch.as_tensor(self._changed, device=rows.device)] = self._contract_all(
+                f, self._changed_blocks, len(self._changed)
+            )
+        return rows
+
+    def rows(self, x_new: np.ndarray | torch.Tensor) -> torch.Tensor:
+        """
+        :param x_new: Inputs ``(m, *input_shape)``.
+        :return: ``(m, n)`` traced kernel between ``x_new`` and the kept examples (changed rows swapped in).
+        """
+        x_new = to_tensor(x_new, self.engine.device, self.engine.dtype)
+
+        def compute() -> torch.Tensor:
+            f = self._blocks_of(x_new)
+            return self._swap_columns(self._contract_all(f, self._blocks, self.n), f)
+
+        return self._retrying(compute)
+
+    def set_changed(self, changed: np.ndarray, x_changed: np.ndarray | torch.Tensor) -> None:
+        """
+        Swap the kept examples ``changed`` for ``x_changed`` in later results (rows not listed are
+        back to the examples given at construction).
+
+        :param changed: Indices into the kept examples (distinct).
+        :param x_changed: Their new inputs.
+        """
+        self._changed = np.asarray(changed, dtype=np.int64)
+        self._x_changed = to_tensor(x_changed, self.engine.device, self.engine.dtype)
+
+        def compute() -> torch.Tensor:
+            self._changed_blocks = self._blocks_of(self._x_changed) if len(self._changed) else []
+            return self._x_changed
+
+        self._retrying(compute)
 
 
 def empirical_ntk(
