@@ -46,7 +46,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from art_malleability._torch_utils import available_memory
+from art_malleability._torch_utils import available_memory, tensor_digest
 from art_malleability.distributed import Shard, current_shard
 from art_malleability.influence.base import InfluenceEstimator, regression_targets
 from art_malleability.influence.ridge import DualRidge, PrimalRidge, loo_scores
@@ -250,6 +250,7 @@ class NTKInfluence(InfluenceEstimator):
         self.seconds_ = dict.fromkeys(("features", "solve", "communication", "scores"), 0.0)
         self._jacobian_gram = None
         self._kept = None
+        self._query_features = None
         probe, _ = source.take(np.arange(min(n, 64)), self.batch_size)
         self.mode_ = self._choose_mode(n, shard, model, probe)
         self.projector_ = None
@@ -432,7 +433,11 @@ class NTKInfluence(InfluenceEstimator):
             else:
                 k_q = self._kernel(self.model_, x_query, self.x_train_).to(torch.float64)
             return self.solver_.loo_parts(k_q)
-        phi_q = self._project(x_query)
+        key = tensor_digest(torch.as_tensor(np.ascontiguousarray(x_query)))
+        if self._query_features is None or self._query_features[0] != key:
+            self._query_features = None
+            self._query_features = (key, self._project(x_query))  # an audit asks for the same queries again
+        phi_q = self._query_features[1]
         if isinstance(self.solver_, DualRidge):
             return self.solver_.loo_parts(phi_q @ self._phi.T)
         return self.solver_.loo_parts(phi_q)
