@@ -289,3 +289,13 @@ def test_auto_mode_weighs_the_exact_cost(monkeypatch):
     monkeypatch.setattr(ntk_module, "EXACT_MAX_FLOPS", 1.0)
     assert NTKInfluence(device="cpu").fit(model, x, y).mode_ == "projected"
     assert NTKInfluence(projection_dim=None, device="cpu").fit(model, x, y).mode_ == "exact"  # asked for
+
+
+def test_projection_matrices_that_cannot_fit_are_refused_before_they_are_drawn():
+    torch.manual_seed(0)
+    wide = nn.Sequential(nn.Linear(300, 400), nn.ReLU(), nn.Linear(400, 10))
+    x = np.random.default_rng(0).normal(size=(20, 300)).astype(np.float32)
+    with pytest.raises(ValueError, match="GiB of projection matrices"):
+        ProjectedNTK(wide.double(), 10**6, max_bytes=2**20).plan(x)  # 4000 x 3322 output side
+    with pytest.raises(ValueError, match="lower projection_dim"):
+        NTKInfluence(projection_dim=10**6, memory_limit_gb=0.002, device="cpu").fit(wide, x, np.arange(20) % 10)

@@ -268,7 +268,9 @@ class NTKInfluence(InfluenceEstimator):
             logger.debug("NTK influence (exact): kernel %s, ridge %g", tuple(kernel.shape), self.ridge)
             return
         k = DEFAULT_PROJECTION_DIM if self.projection_dim == "auto" else int(self.projection_dim)
-        projector = ProjectedNTK(model, k, seed=int(self.projection_seed), batch_size=self.batch_size)
+        projector = ProjectedNTK(
+            model, k, seed=int(self.projection_seed), batch_size=self.batch_size, max_bytes=self._memory_budget() // 2
+        )
         projector.plan(probe)
         dim = projector.dim
         start, stop = shard.bounds(n) if shard is not None else (0, n)

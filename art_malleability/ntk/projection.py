@@ -213,6 +213,8 @@ class ProjectedNTK:
     :param probe_size: Examples of the first :meth:`plan` batch used to share ``k`` among groups.
     :param parameters: Only these trainable parameters (``None``: all); the exact NTK engine uses this
         with an unbounded ``projection_dim`` for the exact Jacobians of the layers it does not factorise.
+    :param max_bytes: Memory the projection matrices may take; :meth:`plan` raises before drawing
+        matrices that would exceed it (``None``: no limit).
     """
 
     def __init__(
@@ -225,6 +227,7 @@ class ProjectedNTK:
         chunk_mb: float = DEFAULT_CHUNK_MB,
         probe_size: int = 64,
         parameters: list[nn.Parameter] | None = None,
+        max_bytes: int | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -236,6 +239,7 @@ class ProjectedNTK:
         self.probe_size = int(probe_size)
         self.device, self.dtype = model_device_dtype(model)
         self._include = None if parameters is None else {id(p) for p in parameters}
+        self.max_bytes = max_bytes
         if not trainable_parameters(model):
             raise ValueError("model has no trainable parameters (none with requires_grad=True)")
         self.groups: list[_Group] | None = None
@@ -296,6 +300,7 @@ class ProjectedNTK:
                 traces = [float(pilot[:, g.offset : g.offset + g.k].pow(2).sum()) for g in groups]
                 ks = allocate(traces, [g.full_dim for g in groups], self.projection_dim)
         self.groups = groups
+        self._check_matrix_memory(ks)
         for g_idx, (g, k) in enumerate(zip(groups, ks, strict=True)):
             self._draw(g, g_idx, k, pilot=False)
         self._offsets()
@@ -306,6 +311,25 @@ class ProjectedNTK:
             [(g.name, g.k_out, g.k_in, g.k) for g in groups],
         )
         return self
+
+    def _check_matrix_memory(self, ks: list[int]) -> None:
+        """Refuse, before drawing them, projection matrices that would not fit ``max_bytes``."""
+        if self.max_bytes is None:
+            return
+        need = 0
+        for g, k in zip(self.groups, ks, strict=True):
+            if not g.kronecker:
+                stored = k < g.full_dim and k * g.full_dim * 8 <= self.chunk_mb * 2**20
+                need += 8 * k * g.full_dim if stored else 8 * k * _FALLBACK_BLOCK
+                continue
+            k_out, k_in = kronecker_split(k, g.d_out, g.d_in)
+            for d, kk in ((g.d_out, k_out), (g.d_in, k_in)):
+                need += 0 if kk >= d else 3 * 8 * d * kk  # the Gaussian, its QR factor and the result
+        if need > self.max_bytes:
+            raise ValueError(
+                f"projection_dim={self.projection_dim} needs about {need / 2**30:.1f} GiB of projection matrices for "
+                f"this model, more than the {self.max_bytes / 2**30:.1f} GiB budget; lower projection_dim"
+            )
 
     def _offsets(self) -> None:
         offset = 0
