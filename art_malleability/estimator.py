@@ -34,6 +34,7 @@ from art_malleability.attacks import (
 from art_malleability.distributed import Shard, current_shard
 from art_malleability.influence import INFLUENCE_NAMES, InfluenceEstimator, NTKInfluence, get_influence
 from art_malleability.metrics import RANK_BY, aggregate_scores, malleability_metrics, top_indices, top_k_count
+from art_malleability.ntk.projection import check_projection_dim
 from art_malleability.report import AttackResult, MalleabilityReport
 from art_malleability.streaming import ExampleSource, is_torch_data
 
@@ -443,6 +444,10 @@ class MalleabilityEstimator:
         if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)):
             raise TypeError(f"seed must be an integer, got {self.seed!r}")
         resolve_device(self.device)
+        if self.projection_dim is not None and self.projection_dim != "auto":
+            check_projection_dim(self.projection_dim)
+        if self.distributed not in ("auto", True, False):
+            raise ValueError(f"distributed must be 'auto', True or False, got {self.distributed!r}")
 
     def _build_attack(self, attack: str | EvasionAttack) -> EvasionAttack:
         if isinstance(attack, EvasionAttack):

@@ -229,6 +229,10 @@ def test_bad_classifier_and_parameters(relu_clf):
         ({"confidence": 1.0}, ValueError, "confidence"),
         ({"seed": 1.5}, TypeError, "seed"),
         ({"device": 3}, TypeError, "device"),
+        ({"projection_dim": 0}, ValueError, "projection_dim"),
+        ({"projection_dim": 2**40, "influence": "gradient"}, ValueError, "projection_dim"),
+        ({"projection_dim": "large"}, ValueError, "projection_dim"),
+        ({"distributed": "yes"}, ValueError, "distributed"),
     ]
     for kwargs, error, match in cases:
         with pytest.raises(error, match=match):

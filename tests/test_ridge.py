@@ -107,3 +107,15 @@ def test_loo_scores_are_loss_differences():
             loo = f[qi].numpy() - b[qi, i].item() * beta[i].numpy()
             expected = 0.5 * np.sum((loo - target[qi]) ** 2) - 0.5 * np.sum((f[qi].numpy() - target[qi]) ** 2)
             assert scores[qi, i] == pytest.approx(expected, abs=1e-15)
+
+
+def test_dual_update_of_every_row():
+    n, k, ridge = 15, 20, 1e-2
+    phi, phi_q, targets = _problem(n, k, seed=6)
+    new = np.random.default_rng(7).normal(size=(n, k))
+    dual = DualRidge(ridge).fit(torch.tensor(phi @ phi.T), torch.tensor(targets))
+    dual.update(np.arange(n)[::-1].copy(), torch.tensor((new @ new.T)[::-1].copy()))
+    fresh = DualRidge(ridge).fit(torch.tensor(new @ new.T), torch.tensor(targets))
+    k_q = torch.tensor(phi_q @ new.T)
+    for a, b in zip(dual.loo_parts(k_q), fresh.loo_parts(k_q), strict=True):
+        assert _rel(a.numpy(), b.numpy()) < 1e-9
