@@ -130,13 +130,13 @@ def _check_method(method: str) -> str:
     return method
 
 
-def _check_batch_size(batch_size: int) -> int:
+def check_batch_size(batch_size: int) -> int:
     if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     return int(batch_size)
 
 
-def _check_chunk_mb(chunk_mb: float) -> float:
+def check_chunk_mb(chunk_mb: float) -> float:
     ok = not isinstance(chunk_mb, bool) and isinstance(chunk_mb, (int, float, np.integer, np.floating))
     if not ok or not math.isfinite(float(chunk_mb)) or chunk_mb <= 0:
         raise ValueError(f"chunk_mb must be a positive number of MiB, got {chunk_mb!r}")
@@ -276,9 +276,9 @@ class JacobianGram:
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.model = model
         self.method = _check_method(method)
-        self.batch_size = _check_batch_size(batch_size)
+        self.batch_size = check_batch_size(batch_size)
         self.output_fn = output_fn
-        self.chunk_mb = _check_chunk_mb(chunk_mb)
+        self.chunk_mb = check_chunk_mb(chunk_mb)
         self.device, self.dtype = model_device_dtype(model)
         if not trainable_parameters(model):
             raise ValueError("model has no trainable parameters (none with requires_grad=True)")

@@ -61,7 +61,13 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from art_malleability._torch_utils import eval_mode, model_device_dtype, no_tf32, to_tensor, trainable_parameters
-from art_malleability.ntk.empirical import DEFAULT_CHUNK_MB, per_example_jacobian, plain_layers
+from art_malleability.ntk.empirical import (
+    DEFAULT_CHUNK_MB,
+    check_batch_size,
+    check_chunk_mb,
+    per_example_jacobian,
+    plain_layers,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -234,9 +240,9 @@ class ProjectedNTK:
         self.model = model
         self.projection_dim = check_projection_dim(projection_dim)
         self.seed = int(seed)
-        self.batch_size = int(batch_size)
-        self.chunk_mb = float(chunk_mb)
-        self.probe_size = int(probe_size)
+        self.batch_size = check_batch_size(batch_size)
+        self.chunk_mb = check_chunk_mb(chunk_mb)
+        self.probe_size = check_batch_size(probe_size)
         self.device, self.dtype = model_device_dtype(model)
         self._include = None if parameters is None else {id(p) for p in parameters}
         self.max_bytes = max_bytes
