@@ -242,7 +242,7 @@ class ProjectedNTK:
         self.seed = int(seed)
         self.batch_size = check_batch_size(batch_size)
         self.chunk_mb = check_chunk_mb(chunk_mb)
-        self.probe_size = check_batch_size(probe_size)
+        self.probe_size = max(1, int(probe_size))
         self.device, self.dtype = model_device_dtype(model)
         self._include = None if parameters is None else {id(p) for p in parameters}
         self.max_bytes = max_bytes
