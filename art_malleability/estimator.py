@@ -254,7 +254,7 @@ class MalleabilityEstimator:
         # transductive models need the whole training set as their context: read it into an array
         x_all = source.arrays(self.batch_size * 8)[0] if transductive else None
         y = source.labels(self.batch_size * 8)
-        train_data = x_all if x_all is not None else (source.x if source.is_array else source.dataset)
+        train_data = x_all if x_all is not None else source.given
 
         def scores_now() -> np.ndarray:
             scores = influence.scores(x_q, y_q)

@@ -62,6 +62,7 @@ class ExampleSource:
         if not is_torch_data(x):
             # arrays: validated by the caller, used as they are (no copy)
             self.dataset: Dataset | None = None
+            self.given = x
             self.x = x
             self._labels = y
             self.n = len(x)
@@ -72,6 +73,7 @@ class ExampleSource:
                 f"{self.label_name} must be None when {name} is a torch Dataset or DataLoader "
                 "(the dataset yields the labels)"
             )
+        self.given = x  # the object as passed (a DataLoader keeps its collate_fn and workers when passed on)
         if isinstance(x, DataLoader):
             self.collate_fn, self.num_workers = x.collate_fn, x.num_workers
             x = x.dataset
