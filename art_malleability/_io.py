@@ -31,9 +31,10 @@ def atomic_write(path: Path, text: str) -> None:
 
 def atomic_write_files(folder: Path, files: dict[str, str | bytes]) -> None:
     """
-    Write several files into a folder so that an interruption leaves the previous versions intact:
-    every file is first written to a temporary name beside its target, and only when all are
-    written are they renamed into place (a rename per file, each atomic).
+    Write several files into a folder so that an interruption while they are written leaves the
+    previous versions intact: every file is first written to a temporary name beside its target,
+    and only when all are written are they renamed into place, one atomic rename each, in the
+    order given (put the file that marks a complete set, such as ``report.json``, last).
 
     :param folder: Target folder (must exist).
     :param files: File name to content (text is written as UTF-8).

@@ -81,8 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--projection-dim",
         type=_projection_dim,
         default="auto",
-        help="NTK influence mode: 'auto' (exact n x n solve when it fits the memory and n <= 10000, else "
-        "projected with k = 4096), 'none' (always exact) or the projection dimension k (always projected)",
+        help="NTK influence mode: 'auto' (exact n x n solve when n <= 10000, it fits the memory and its estimated "
+        "cost is below ~1e13 flops; else projected with k = 4096), 'none' (always exact) or the projection "
+        "dimension k (always projected)",
     )
     audit_group.add_argument("--top-fraction", type=float, default=0.1, help="share of training data in the top set")
     audit_group.add_argument("--strategy", choices=STRATEGIES, default="top", help="perturb the top set or all")

@@ -98,6 +98,19 @@ class Shard:
         dist.broadcast_object_list(payload, src=src, device=self._device(torch.empty(0)))
         return payload[0]
 
+    def raise_if_any(self, error: BaseException | None) -> None:
+        """
+        Collective: fail on every process when any process failed, so that none is left waiting in a
+        later collective. The failing process raises its own error; the others a ``RuntimeError``.
+
+        :param error: This process's error, or ``None``.
+        """
+        failed = int(self.all_reduce(torch.tensor([0 if error is None else 1], dtype=torch.int64), "max")[0])
+        if error is not None:
+            raise error
+        if failed:
+            raise RuntimeError("another process of the group failed (its error is in its own output); stopping")
+
     def agree(self, value: object, what: str) -> None:
         """
         Check that ``value`` is the same on every rank.

@@ -134,9 +134,9 @@ class MalleabilityEstimator:
         :param clip_values: Valid input range, only with a raw module.
         :param model_name: Name of the model in the report (default: the module's class name).
         :param projection_dim: Mode of the NTK influence (see :class:`~art_malleability.influence.NTKInfluence`):
-               ``"auto"`` (exact when the ``n × n`` solve fits the memory and ``n ≤ 10,000``, otherwise projected
-               with ``k = 4096``), ``None`` (always exact) or the projection dimension ``k``. The projection is
-               seeded with ``seed``.
+               ``"auto"`` (exact when ``n ≤ 10,000``, the ``n × n`` solve fits the memory and its estimated cost
+               stays below about five minutes of a CPU; otherwise projected with ``k = 4096``), ``None`` (always
+               exact) or the projection dimension ``k``. The projection is seeded with ``seed``.
         :param distributed: ``"auto"`` (shard the audit over an initialised ``torch.distributed`` group of several
                processes, see :mod:`art_malleability.distributed`), ``True`` (require one) or ``False``.
         """
@@ -260,15 +260,22 @@ class MalleabilityEstimator:
             scores = influence.scores(x_q, y_q)
             if self_pairs is not None:
                 scores[np.arange(len(self_pairs)), self_pairs] = np.nan
+            if shard is not None:  # rank 0's copy everywhere: every process then takes the same top set
+                scores = shard.broadcast_object(scores)
             return scores
 
-        def fit_on(x_train: Any) -> None:
+        def fit_on(x_train: Any, warm_start: bool = False) -> None:
             if transductive:
                 work.set_context(x_train)
             if is_torch_data(x_train):
-                influence.fit(work, x_train)
+                influence.fit(work, x_train, warm_start=warm_start)
             else:
-                influence.fit(work, x_train, y)
+                influence.fit(work, x_train, y, warm_start=warm_start)
+            if shard is not None and getattr(influence, "shard_", None) != shard:
+                raise ValueError(
+                    "the influence estimator did not shard over the process group (its distributed is "
+                    f"{getattr(influence, 'distributed', None)!r}); pass distributed='auto' or True to it"
+                )
 
         start = time.perf_counter()
         clean_accuracy, y_acc = self._accuracy(queries, shard)
@@ -292,7 +299,15 @@ class MalleabilityEstimator:
             timing = {}
             steps.set_postfix_str(f"attack {label}")
             start = time.perf_counter()
-            x_adv, changed, linf = self._attack_rows(attack, source, local, nb_classes)
+            error, x_adv, changed, linf = None, None, 0, 0.0
+            try:
+                x_adv, changed, linf = self._attack_rows(attack, source, local, nb_classes)
+            except Exception as failure:  # noqa: BLE001 - handed to every process below
+                error = failure
+            if shard is not None:
+                shard.raise_if_any(error)  # nobody waits in a collective for a process that failed
+            elif error is not None:
+                raise error
             success, linf = self._combine_attack_stats(changed, linf, len(perturbed), shard)
             timing["attack"] = time.perf_counter() - start
             steps.update()
@@ -305,7 +320,7 @@ class MalleabilityEstimator:
                     adv_all = shard.all_gather_rows(torch.as_tensor(x_adv)).numpy()
                 x_full = x_all.copy()
                 x_full[rows_all] = adv_all
-                fit_on(x_full)
+                fit_on(x_full, warm_start=True)  # the same random projection as the clean fit
             else:
                 influence.refit(local, x_adv)
             after = scores_now()
@@ -356,7 +371,10 @@ class MalleabilityEstimator:
         self, attack: EvasionAttack, source: ExampleSource, rows: np.ndarray, nb_classes: int
     ) -> tuple[np.ndarray, int, float]:
         """
-        Run the attack on some training rows, in chunks read from the source.
+        Run the attack on some training rows, in chunks read from the source. numpy's global
+        generator is seeded with ``seed`` plus the chunk's offset for every chunk: attacks with random
+        starts (not the named ones, which are deterministic) therefore depend on the chunking, and a
+        sharded run differs from a single-process one for them.
 
         :return: ``(x_adv rows, number whose prediction changed, largest ℓ∞ change)``.
         """

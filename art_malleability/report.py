@@ -188,8 +188,8 @@ class MalleabilityReport:
     def save(self, directory: str | os.PathLike) -> Path:
         """
         Write ``report.json``, ``report.md`` and the figures into a folder. Everything is rendered
-        and written to temporary files first, then renamed into place, so an interrupted save leaves
-        the previous report in the folder intact.
+        and written to temporary files first, then renamed into place (``report.json`` last), so a
+        save interrupted while rendering or writing leaves the previous report in the folder intact.
 
         :param directory: Output folder (created if missing).
         :return: The folder.
@@ -200,10 +200,7 @@ class MalleabilityReport:
 
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
-        files: dict[str, str | bytes] = {
-            "report.json": json.dumps(self.to_dict(), indent=2, allow_nan=False),
-            "report.md": self.to_markdown(),
-        }
+        files: dict[str, str | bytes] = {"report.md": self.to_markdown()}
         figures = [("flip_rates.png", self.plot_flip_rates)]
         figures += [
             (f"scatter_{slugify(r.attack)}.png", partial(self.plot_influence_scatter, r.attack)) for r in self.results
@@ -214,6 +211,7 @@ class MalleabilityReport:
             figure.savefig(buffer, format="png", dpi=120, bbox_inches="tight")
             plt.close(figure)
             files[name] = buffer.getvalue()
+        files["report.json"] = json.dumps(self.to_dict(), indent=2, allow_nan=False)  # renamed last
         atomic_write_files(out, files)
         logger.info("Report written to %s", out)
         return out

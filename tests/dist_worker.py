@@ -6,7 +6,8 @@ Rank 0 writes ``report.json`` and ``scores.npy`` (the full clean influence matri
 Fault modes: ``die`` — rank 1 exits abruptly in the middle of the audit (after the clean influence,
 in the first attack's update), as a crashed worker would; ``hang`` — rank 1 stops answering there
 (the others must give up after the collective timeout, 10 s here); ``tiny`` — a training set of one
-example for two processes.
+example for two processes; ``userinf`` — an influence estimator built with ``distributed=False``.
+``dual`` runs the audit with the dual solve (``n <= k``) instead of the primal one.
 """
 
 from __future__ import annotations
@@ -56,13 +57,23 @@ def run(out: str, mode: str = "ok") -> None:
         MalleabilityEstimator(clf, projection_dim=48, top_fraction=1.0, verbose=False, device="cpu").evaluate(
             x[:1], y[:1], xq, yq
         )
-    scores = NTKInfluence(projection_dim=48, device="cpu").fit(clf.model, x, y).scores(xq, yq)
+    if mode == "userinf":  # an influence estimator told not to shard, in a sharded audit
+        influence = NTKInfluence(projection_dim=48, device="cpu", distributed=False)
+        MalleabilityEstimator(clf, influence=influence, verbose=False, device="cpu").evaluate(x, y, xq, yq)
+    k = 256 if mode == "dual" else 48  # n = 70: the dual solve on ΦΦᵀ (n <= k) or the primal one
+    est = NTKInfluence(projection_dim=k, device="cpu").fit(clf.model, x, y)
+    scores = est.scores(xq, yq)
+    # refit contract: every process passes the whole change
+    changed = np.array([2, 40, 41, 69])
+    est.refit(changed, np.clip(x[changed] + 0.1, 0.0, 1.0))
+    refitted = est.scores(xq, yq)
     report = MalleabilityEstimator(
-        clf, projection_dim=48, n_queries=12, n_bootstrap=40, verbose=False, device="cpu", attack_max_iter=5
+        clf, projection_dim=k, n_queries=12, n_bootstrap=40, verbose=False, device="cpu", attack_max_iter=5
     ).evaluate(x, y, xq, yq)
     if shard is None or shard.rank == 0:
         os.makedirs(out, exist_ok=True)
         np.save(os.path.join(out, "scores.npy"), scores)
+        np.save(os.path.join(out, "refitted.npy"), refitted)
         with open(os.path.join(out, "report.json"), "w") as handle:
             json.dump(report.to_dict(), handle)
 

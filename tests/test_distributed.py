@@ -33,18 +33,20 @@ def _close(a, b, tol=1e-8) -> bool:
     return float(np.abs(a - b).max() / np.abs(b).max()) < tol
 
 
-def test_two_gloo_processes_give_the_single_process_report(tmp_path):
+@pytest.mark.parametrize("mode", ["ok", "dual"])  # primal solve (n > k) and dual solve (n <= k)
+def test_two_gloo_processes_give_the_single_process_report(tmp_path, mode):
     sys.path.insert(0, str(WORKER.parent))
     try:
         from dist_worker import run
     finally:
         sys.path.pop(0)
-    run(str(tmp_path / "one"))
-    done = _torchrun(str(WORKER), str(tmp_path / "two"))
+    run(str(tmp_path / "one"), mode)
+    done = _torchrun(str(WORKER), str(tmp_path / "two"), mode)
     assert done.returncode == 0, done.stderr[-3000:]
     one, scores_one = _read(tmp_path / "one")
     two, scores_two = _read(tmp_path / "two")
     assert _close(scores_two, scores_one)
+    assert _close(np.load(tmp_path / "two" / "refitted.npy"), np.load(tmp_path / "one" / "refitted.npy"))
     assert two["top_indices"] == one["top_indices"]
     assert _close(two["scores_before"], one["scores_before"])
     for a, b in zip(two["results"], one["results"], strict=True):
@@ -70,6 +72,12 @@ def test_a_process_that_stops_answering_times_out(tmp_path):
     assert done.returncode != 0
     assert time.perf_counter() - start < 150
     assert "timed out" in done.stderr.lower() or "timeout" in done.stderr.lower()
+
+
+def test_an_influence_estimator_that_does_not_shard_is_refused(tmp_path):
+    done = _torchrun(str(WORKER), str(tmp_path), "userinf")
+    assert done.returncode != 0
+    assert "did not shard over the process group" in done.stderr
 
 
 def test_more_processes_than_training_examples_is_refused(tmp_path):

@@ -299,3 +299,57 @@ def test_projection_matrices_that_cannot_fit_are_refused_before_they_are_drawn()
         ProjectedNTK(wide.double(), 10**6, max_bytes=2**20).plan(x)  # 4000 x 3322 output side
     with pytest.raises(ValueError, match="lower projection_dim"):
         NTKInfluence(projection_dim=10**6, memory_limit_gb=0.002, device="cpu").fit(wide, x, np.arange(20) % 10)
+
+
+def test_refit_refuses_bad_inputs_and_transductive_models_and_keeps_its_state():
+    from art_malleability.models import MLPAttn
+
+    model = _mlp(d=4, m=8, c=3)
+    rng = np.random.default_rng(3)
+    x, y = rng.normal(size=(50, 4)).astype(np.float32), rng.integers(0, 3, 50)
+    xq, yq = rng.normal(size=(5, 4)).astype(np.float32), rng.integers(0, 3, 5)
+    for projection_dim in (None, 20, 500):
+        est = NTKInfluence(projection_dim=projection_dim, ridge=0.05, device="cpu").fit(model, x, y)
+        reference = est.scores(xq, yq)
+        bad = x[:2].copy()
+        bad[0, 1] = np.nan
+        with pytest.raises(ValueError, match="x_changed must hold finite"):
+            est.refit([0, 1], bad)
+        assert np.array_equal(est.scores(xq, yq), reference)
+    attn = MLPAttn(4, width=8, nb_classes=3, seed=0)
+    attn.set_context(x)
+    est = NTKInfluence(projection_dim=20, device="cpu").fit(attn, x, y)
+    with pytest.raises(ValueError, match="transductive"):
+        est.refit([0], x[:1])
+
+
+def test_exact_refit_without_kept_factors_equals_a_fresh_fit():
+    model = _cnn()
+    x, y = _images(30, seed=9)
+    xq, yq = _images(4, seed=10)
+    est = NTKInfluence(projection_dim=None, device="cpu").fit(model, x, y)
+    assert est._kept is not None
+    est._kept = None  # as when the training set's factors do not fit the memory
+    changed = np.array([4, 17])
+    x_new = x.copy()
+    x_new[changed] += 0.3
+    est.refit(changed, x_new[changed])
+    fresh = NTKInfluence(projection_dim=None, device="cpu").fit(model, x_new, y)
+    assert _rel(est.scores(xq, yq), fresh.scores(xq, yq)) < 1e-8
+
+
+def test_warm_start_keeps_the_projection_of_a_refitted_transductive_model():
+    from art_malleability.models import MLPAttnQKV
+
+    rng = np.random.default_rng(4)
+    x, y = rng.random((40, 6)).astype(np.float32), rng.integers(0, 3, 40)
+    model = MLPAttnQKV(6, width=16, nb_classes=3, seed=0)
+    model.set_context(x)
+    est = NTKInfluence(projection_dim=64, device="cpu").fit(model, x, y)
+    dims = [(g["dim_out"], g["dim_in"]) for g in est.projector_.describe()]
+    x_adv = np.clip(x + 0.3 * rng.standard_normal(x.shape).astype(np.float32), 0, 1)
+    model.set_context(x_adv)
+    refitted = est.fit(model, x_adv, y, warm_start=True)
+    assert [(g["dim_out"], g["dim_in"]) for g in refitted.projector_.describe()] == dims
+    fresh = NTKInfluence(projection_dim=64, device="cpu").fit(model, x_adv, y)
+    assert fresh.projector_.signature == est.projector_.signature  # same layers, seed and budget

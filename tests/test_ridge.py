@@ -119,3 +119,60 @@ def test_dual_update_of_every_row():
     k_q = torch.tensor(phi_q @ new.T)
     for a, b in zip(dual.loo_parts(k_q), fresh.loo_parts(k_q), strict=True):
         assert _rel(a.numpy(), b.numpy()) < 1e-9
+
+
+def test_exact_solve_holds_at_most_two_n_by_n_matrices():
+    """Peak memory of a dual fit and update, measured in a fresh process: the kernel plus one n x n factor."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import resource, numpy as np, torch
+        from art_malleability.influence.ridge import DualRidge
+        torch.set_num_threads(1)
+        n = 3000
+        phi = torch.randn(n, 60, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        kernel = phi @ phi.T
+        targets = torch.eye(3, dtype=torch.float64)[torch.arange(n) % 3]
+        rows = kernel[:300].clone()
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        solver = DualRidge(1e-2).fit(kernel, targets)
+        solver.loo_parts(kernel[:50])
+        fitted = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        solver.update(np.arange(300), rows)
+        updated = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        print((fitted - before) / (8 * n * n), (updated - before) / (8 * n * n))
+        """
+    )
+    # large temporaries through mmap, so that freed blocks leave the resident set (no allocator slack)
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    fit_extra, update_extra = (float(v) for v in done.stdout.split())
+    # beyond the kernel: one n x n factor, LAPACK's workspace and blocks of the m changed rows; a
+    # second n x n matrix would read >= 2
+    assert fit_extra < 1.6 and update_extra < 1.6, (fit_extra, update_extra)
+
+
+def test_failed_updates_leave_the_solvers_as_they_were():
+    n, k, ridge = 30, 8, 0.1
+    phi, phi_q, targets = _problem(n, k, seed=8)
+    q = torch.tensor(phi_q)
+    primal = PrimalRidge(ridge).fit(torch.tensor(phi.copy()), torch.tensor(targets))
+    before = [t.clone() for t in primal.loo_parts(q)]
+    bad = torch.full((2, k), float("nan"), dtype=torch.float64)
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        primal.update(np.array([3, 4]), bad)
+    for a, b in zip(primal.loo_parts(q), before, strict=True):
+        assert torch.equal(a, b)
+    dual = DualRidge(ridge).fit(torch.tensor(phi @ phi.T), torch.tensor(targets))
+    dual.update(np.array([1, 2]), torch.tensor(phi[[1, 2]] @ phi.T))  # a first, valid change
+    k_q = torch.tensor(phi_q @ phi.T)
+    before = [t.clone() for t in dual.loo_parts(k_q)]
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        dual.update(np.array([5, 6, 7]), torch.full((3, n), float("nan"), dtype=torch.float64))
+    for a, b in zip(dual.loo_parts(k_q), before, strict=True):
+        assert _rel(a.numpy(), b.numpy()) < 1e-12

@@ -167,7 +167,9 @@ class InfluenceEstimator(abc.ABC):
         """Whether :meth:`fit` has been called."""
         return self.model_ is not None
 
-    def fit(self, model: nn.Module, x_train: Any, y_train: np.ndarray | None = None) -> InfluenceEstimator:
+    def fit(
+        self, model: nn.Module, x_train: Any, y_train: np.ndarray | None = None, *, warm_start: bool = False
+    ) -> InfluenceEstimator:
         """
         Prepare the estimator for ``model`` trained on ``(x_train, y_train)``.
 
@@ -177,9 +179,13 @@ class InfluenceEstimator(abc.ABC):
             :mod:`art_malleability.streaming`; estimators that do not stream read it into an array).
         :param y_train: Training labels, class indices ``(n_train,)`` or one-hot ``(n_train, C)``;
             ``None`` for a dataset.
+        :param warm_start: Keep the random choices of the previous fit where they still apply (the
+            projection of the projected NTK influence), as when a transductive model is fitted
+            again on a perturbed training set; ``False`` makes the fit independent of earlier ones.
         :return: ``self``.
         """
         self._check_params()
+        self._warm_start = bool(warm_start)
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not trainable_parameters(model):
@@ -203,6 +209,8 @@ class InfluenceEstimator(abc.ABC):
                 "loss 'cross_entropy' needs a model with at least 2 outputs (logits); use loss='mse'"
             )
         source.nb_classes = max(self.n_outputs_, 2)
+        if source.is_array:  # before any expensive pass
+            self._check_labels(source.labels(), "y_train")
         self.n_train_ = source.n
         self.input_shape_ = source.input_shape
         self._x_base = None
@@ -237,7 +245,10 @@ class InfluenceEstimator(abc.ABC):
         :meth:`_refit`; the default fits from scratch on the patched array.
 
         Only valid for models whose features of one example do not depend on the others
-        (not for transductive models, whose context changes with the training set).
+        (transductive models, whose context changes with the training set, are refused). In a
+        sharded run every process calls it (it is collective) and may pass the whole change or
+        just the rows of its own block (:meth:`~art_malleability.distributed.Shard.bounds`); each
+        process uses the rows of its block.
 
         :param changed: Indices of the replaced training rows (distinct).
         :param x_changed: Their new inputs, ``(len(changed), *input_shape)``.
@@ -254,6 +265,13 @@ class InfluenceEstimator(abc.ABC):
             raise ValueError(
                 f"x_changed must have shape {(len(changed), *self.input_shape_)} (one row per changed index), "
                 f"got {x_changed.shape}"
+            )
+        if not np.issubdtype(x_changed.dtype, np.number) or not np.all(np.isfinite(x_changed)):
+            raise ValueError("x_changed must hold finite real numbers; it has NaN, infinite or non-numeric values")
+        if callable(getattr(self.model_, "set_context", None)):
+            raise ValueError(
+                "refit is not valid for a transductive model (one with set_context): its features depend on the "
+                "whole training set; set the new context on the model and call fit again"
             )
         self._refit(changed, x_changed)
         return self

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -69,16 +70,20 @@ MEMORY_SHARE = 0.8
 _GIB = 2**30
 
 
-def exact_bytes(n: int) -> int:
-    """Bytes of the exact mode's large buffers: two ``n × n`` float64 matrices and the kernel engine's chunks."""
-    return 16 * n * n + 3 * int(DEFAULT_CHUNK_MB * 2**20)
+def exact_bytes(n: int, device: torch.device | None = None) -> int:
+    """
+    Bytes of the exact mode's large buffers: two ``n × n`` float64 matrices on the CPU (five on
+    other devices, where the factorisation needs temporaries) and the kernel engine's chunks.
+    """
+    matrices = 2 if device is None or device.type == "cpu" else 5
+    return 8 * matrices * n * n + 3 * int(DEFAULT_CHUNK_MB * 2**20)
 
 
 def projected_bytes(n_local: int, n_total: int, k: int) -> int:
-    """Bytes of the projected mode's large buffers (primal: ``Φ``, three ``k × k``; dual: two ``Φ``, two ``n × n``)."""
+    """Bytes of the projected mode's large buffers (primal: ``Φ``, four ``k × k``; dual: two ``Φ``, two ``n × n``)."""
     if n_total <= k:
         return 16 * n_total * k + 16 * n_total * n_total + int(DEFAULT_CHUNK_MB * 2**20)
-    return 8 * n_local * k + 24 * k * k + 8 * 8192 * k + int(DEFAULT_CHUNK_MB * 2**20)
+    return 8 * n_local * k + 32 * k * k + 8 * 8192 * k + int(DEFAULT_CHUNK_MB * 2**20)
 
 
 class NTKInfluence(InfluenceEstimator):
@@ -101,7 +106,8 @@ class NTKInfluence(InfluenceEstimator):
     :param projection_seed: Seed of the projection matrices.
     :param max_exact_n: Largest training set of the exact mode under ``projection_dim="auto"``.
     :param memory_limit_gb: Memory (GiB) the large matrices may take; ``None``: 80 % of the memory
-        available on the device when :meth:`fit` starts.
+        available on the device when :meth:`fit` starts (read once per fit; in a sharded run shared by
+        the processes of a machine, the smallest budget of all processes applies).
     :param distributed: ``"auto"`` (shard the projected mode over an initialised
         ``torch.distributed`` group of several processes), ``True`` (require one) or ``False``.
     :param verbose: Show a progress bar over the feature computation.
@@ -185,28 +191,39 @@ class NTKInfluence(InfluenceEstimator):
             raise ValueError(f"distributed must be 'auto', True or False, got {self.distributed!r}")
 
     # ------------------------------------------------------------------ mode and memory
-    def _memory_budget(self) -> int:
+    def _memory_budget(self, shard: Shard | None = None) -> int:
+        """
+        Bytes the large matrices may take: ``memory_limit_gb``, or 80 % of the memory available on
+        the device when the fit starts. In a sharded run the processes of one machine share it
+        (``LOCAL_WORLD_SIZE``, set by ``torchrun``), and every process uses the smallest budget of all.
+        """
         if self.memory_limit_gb is not None:
-            return int(float(self.memory_limit_gb) * _GIB)
-        return int(MEMORY_SHARE * available_memory(self.device_))
+            budget = int(float(self.memory_limit_gb) * _GIB)
+        else:
+            budget = int(MEMORY_SHARE * available_memory(self.device_))
+        if shard is not None:
+            budget //= max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+            budget = -int(shard.all_reduce(torch.tensor([-budget], dtype=torch.int64), "max")[0])
+        return budget
 
     def _choose_mode(self, n: int, shard: Shard | None, model: nn.Module, probe: np.ndarray) -> str:
-        budget = self._memory_budget()
+        budget = self._budget
         if self.projection_dim is None:
             if shard is not None:
                 raise ValueError(
                     "projection_dim=None (exact NTK influence) runs in one process; "
                     "pass a projection_dim (or 'auto') to shard over torch.distributed"
                 )
-            need = exact_bytes(n)
+            need = exact_bytes(n, self.device_)
             if need > budget:
                 raise ValueError(
                     f"exact NTK influence on {n} training examples needs about {need / _GIB:.1f} GiB "
-                    f"(two {n} x {n} float64 matrices), more than the {budget / _GIB:.1f} GiB budget; "
-                    "use projection_dim='auto' or an integer projection dimension"
+                    f"({n} x {n} float64 matrices and the kernel engine's buffers), more than the "
+                    f"{budget / _GIB:.1f} GiB budget; use projection_dim='auto' or an integer projection dimension"
                 )
             return "exact"
-        if self.projection_dim == "auto" and shard is None and n <= self.max_exact_n and exact_bytes(n) <= budget:
+        fits = exact_bytes(n, self.device_) <= budget
+        if self.projection_dim == "auto" and shard is None and n <= self.max_exact_n and fits:
             factor = self._engine(model, n, budget).factor_elements(probe)
             flops = 2.0 * n * n * factor + n**3  # kernel entries, then the factorisation and inverse
             if flops <= EXACT_MAX_FLOPS:
@@ -226,7 +243,7 @@ class NTKInfluence(InfluenceEstimator):
         engine = getattr(self, "_jacobian_gram", None)
         if engine is not None and engine.model is model:
             return engine
-        spare = max(budget - 16 * n * n, 0)
+        spare = max(budget - exact_bytes(n, self.device_), 0)
         chunk_mb = max(DEFAULT_CHUNK_MB, min(spare / 3, 8 * _GIB) / 2**20)
         self._jacobian_gram = JacobianGram(model, method=self.method, batch_size=self.batch_size, chunk_mb=chunk_mb)
         return self._jacobian_gram
@@ -251,12 +268,12 @@ class NTKInfluence(InfluenceEstimator):
         self._jacobian_gram = None
         self._kept = None
         self._query_features = None
+        self._budget = self._memory_budget(shard)
         probe, _ = source.take(np.arange(min(n, 64)), self.batch_size)
         self.mode_ = self._choose_mode(n, shard, model, probe)
-        self.projector_ = None
-        self.projection_dim_ = None
         self._prev_local = np.zeros(0, dtype=np.int64)
         if self.mode_ == "exact":
+            self.projector_, self.projection_dim_ = None, None
             x, y = source.arrays(self.batch_size)
             self._check_labels(y, "y_train")
             self.x_train_, self.y_train_ = np.array(x, copy=True), y
@@ -268,30 +285,41 @@ class NTKInfluence(InfluenceEstimator):
             logger.debug("NTK influence (exact): kernel %s, ridge %g", tuple(kernel.shape), self.ridge)
             return
         k = DEFAULT_PROJECTION_DIM if self.projection_dim == "auto" else int(self.projection_dim)
-        projector = ProjectedNTK(
-            model, k, seed=int(self.projection_seed), batch_size=self.batch_size, max_bytes=self._memory_budget() // 2
-        )
-        projector.plan(probe)
-        dim = projector.dim
         start, stop = shard.bounds(n) if shard is not None else (0, n)
-        need = projected_bytes(stop - start, n, dim)
-        budget = self._memory_budget()
-        if need > budget:
-            raise ValueError(
-                f"projected NTK influence with projection_dim={dim} on {n} training examples needs about "
-                f"{need / _GIB:.1f} GiB, more than the {budget / _GIB:.1f} GiB budget; lower projection_dim"
-                + (" or shard over more processes" if n > dim else "")
+        previous = getattr(self, "projector_", None) if self._warm_start else None
+        self.projector_, self.projection_dim_, self.x_train_ = None, None, None
+        error: BaseException | None = None
+        try:  # every process plans, checks its memory and computes its features before any collective
+            projector = ProjectedNTK(
+                model, k, seed=int(self.projection_seed), batch_size=self.batch_size, max_bytes=self._budget // 2,
+                like=previous,
             )
+            projector.plan(probe)
+            dim = projector.dim
+            need = projected_bytes(stop - start, n, dim)
+            if need > self._budget:
+                raise ValueError(
+                    f"projected NTK influence with projection_dim={dim} on {n} training examples needs about "
+                    f"{need / _GIB:.1f} GiB, more than the {self._budget / _GIB:.1f} GiB budget; lower "
+                    "projection_dim" + (" or shard over more processes" if n > dim else "")
+                )
+            phi = torch.empty((stop - start, dim), dtype=torch.float64, device=self.device_)
+            y = np.empty(stop - start, dtype=np.int64)
+            with self._clock("features"), tqdm(
+                total=stop - start, desc="NTK features", unit="ex", disable=not self.verbose
+            ) as bar:
+                for off, xb, yb in source.batches(self.batch_size, start, stop):
+                    phi[off : off + len(xb)] = projector.features(xb)
+                    y[off : off + len(yb)] = yb
+                    bar.update(len(xb))
+            self._check_labels(y, "y_train")
+        except Exception as failure:  # noqa: BLE001 - handed to every process below
+            error = failure
+        if shard is not None:
+            shard.raise_if_any(error)
+        elif error is not None:
+            raise error
         self.projector_, self.projection_dim_ = projector, dim
-        phi = torch.empty((stop - start, dim), dtype=torch.float64, device=self.device_)
-        y = np.empty(stop - start, dtype=np.int64)
-        with self._clock("features"), tqdm(
-            total=stop - start, desc="NTK features", unit="ex", disable=not self.verbose
-        ) as bar:
-            for off, xb, yb in source.batches(self.batch_size, start, stop):
-                phi[off : off + len(xb)] = projector.features(xb)
-                y[off : off + len(yb)] = yb
-                bar.update(len(xb))
         self._check_labels(y, "y_train")
         self.y_train_ = y
         self._bounds = (start, stop)
@@ -319,16 +347,16 @@ class NTKInfluence(InfluenceEstimator):
         refits when they fit the memory left beside the two ``n × n`` matrices (otherwise every
         later call computes them again).
         """
-        engine = self._engine(model, len(x), self._memory_budget())
-        spare = self._memory_budget() - 16 * len(x) ** 2
-        if engine.factor_elements(x) * len(x) * 8 <= spare // 2:
+        engine = self._engine(model, len(x), self._budget)
+        spare = self._budget - exact_bytes(len(x), self.device_)
+        if engine.factor_elements(x, compressed=False) * len(x) * 8 <= spare // 2:
             self._kept = KeptFactors(engine, x)
             return self._kept.gram().to(torch.float64)
         logger.info("NTK influence: the training set's Jacobian factors do not fit the memory; not kept")
         return self._kernel(model, x).to(torch.float64)
 
     def _kernel(self, model: nn.Module, x1: np.ndarray, x2: np.ndarray | None = None) -> torch.Tensor:
-        return self._engine(model, self.n_train_, self._memory_budget()).gram(x1, x2)
+        return self._engine(model, self.n_train_, self._budget).gram(x1, x2)
 
     @property
     def kernel_(self) -> torch.Tensor:
@@ -353,31 +381,39 @@ class NTKInfluence(InfluenceEstimator):
         if self.mode_ == "exact":
             x = np.array(self._x_base, copy=True)
             x[changed] = x_changed
-            self.x_train_ = x
             with self._clock("features"):
                 if self._kept is not None:
+                    previous = (self._kept._changed, self._kept._x_changed)
                     self._kept.set_changed(changed, x_changed)
-                    rows = self._kept.rows(x_changed).to(torch.float64) if len(changed) else None
+                    rows = self._kept.changed_rows().to(torch.float64) if len(changed) else None
                 else:
                     rows = self._kernel(self.model_, x_changed, x).to(torch.float64) if len(changed) else None
-            with self._clock("solve"):
-                self.solver_.update(changed, rows if rows is not None else self.solver_.kernel_[:0])
+            try:
+                with self._clock("solve"):
+                    self.solver_.update(changed, rows if rows is not None else self.solver_.kernel_[:0])
+            except BaseException:
+                if self._kept is not None:
+                    self._kept.set_changed(*previous)
+                raise
+            self.x_train_ = x
             return
-        start, stop = self._local_bounds()
+        # every process may pass the whole change: each takes the rows of its own block
+        start, stop = self.shard_.bounds(self.n_train_) if self.shard_ is not None else (0, self.n_train_)
         here = (changed >= start) & (changed < stop)
-        local, x_local = changed[here] - start, x_changed[here]
-        feats = self._features(x_local)
-        if isinstance(self.solver_, DualRidge):
+        mine, x_mine = changed[here], x_changed[here]
+        feats = self._features(x_mine)
+        if isinstance(self.solver_, DualRidge):  # every process holds all of Φ
             if self.shard_ is not None:
-                local = self._comm(self.shard_.all_gather_rows, torch.as_tensor(local + start)).numpy()
+                mine = self._comm(self.shard_.all_gather_rows, torch.as_tensor(mine)).numpy()
                 feats = self._comm(self.shard_.all_gather_rows, feats)
             phi = self._phi_base.clone()
-            phi[torch.as_tensor(local, device=phi.device)] = feats
-            self._phi = phi
+            phi[torch.as_tensor(mine, device=phi.device)] = feats
             with self._clock("solve"):
-                self.solver_.update(local, feats @ phi.T)
+                self.solver_.update(mine, feats @ phi.T)
+            self._phi = phi
             return
         # primal: rows changed by the previous refit go back to their fitted values in the same update
+        local = mine - start
         prev, prev_base = self._prev_local, getattr(self, "_prev_base", None)
         restore = np.setdiff1d(prev, local)
         rows_restore = prev_base[torch.as_tensor(np.searchsorted(prev, restore))] if len(restore) else feats[:0]
@@ -390,11 +426,6 @@ class NTKInfluence(InfluenceEstimator):
         with self._clock("solve"):
             self.solver_.update(np.concatenate([restore, local]), torch.cat([rows_restore, feats]))
         self._prev_local, self._prev_base = local, base_new
-
-    def _local_bounds(self) -> tuple[int, int]:
-        if self.shard_ is not None and isinstance(self.solver_, PrimalRidge):
-            return self.shard_.bounds(self.n_train_)
-        return 0, self.n_train_
 
     @contextmanager
     def _clock(self, phase: str) -> Iterator[None]:

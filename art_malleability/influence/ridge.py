@@ -19,9 +19,14 @@ regression nearly interpolates (``n ≤ k``), so callers use the dual there (its
 then no larger than the primal's ``k × k`` one).
 
 **Memory.** On the CPU in float64 the dual holds at most two ``n × n`` matrices: the kernel and an
-inverse Cholesky factor computed in place (LAPACK ``potrf`` then ``trtri`` on one buffer). On other
-devices a factorisation briefly needs a third. The primal holds ``Φ`` and two ``k × k`` matrices,
-never an ``n × n`` one.
+inverse Cholesky factor computed in place (LAPACK ``potrf`` then ``trtri`` on one buffer); every
+other temporary is gathered in row blocks. On other devices a factorisation goes through
+:mod:`torch.linalg` and briefly needs three more ``n × n`` buffers (the factor, an identity and the
+triangular solve's result). The primal holds ``Φ`` and at most four ``k × k`` matrices (three in
+one process), never an ``n × n`` one.
+
+**Failures.** A matrix with non-finite entries is refused before it is factorised, and an update
+that fails leaves the solver as it was before the update.
 
 **Updates.** When only the rows ``P`` (``m`` examples) of the training set change:
 
@@ -52,6 +57,13 @@ logger = logging.getLogger(__name__)
 _CHUNK_ELEMENTS = 2**24
 # Rows of Φ multiplied at once when the hat diagonal is computed.
 _ROW_CHUNK = 8192
+# Elements of the temporaries of row-block loops over n × n matrices (8 MiB in float64).
+_BLOCK_ELEMENTS = 2**20
+
+
+def _row_block(n_cols: int) -> int:
+    """Rows per block of a loop over a matrix with ``n_cols`` columns, so that temporaries stay small."""
+    return max(1, _BLOCK_ELEMENTS // max(n_cols, 1))
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 
@@ -71,8 +83,12 @@ def inverse_cholesky_(a: torch.Tensor, ridge: float, what: str = "K + ridge*I") 
     :param ridge: The ridge that was added (for the error message).
     :param what: Name of the matrix (for the error message).
     :return: ``L⁻¹``, lower triangular (on the CPU a transposed view of ``a``'s memory).
-    :raises ValueError: If ``a`` is not positive definite.
+    :raises ValueError: If ``a`` has non-finite entries or is not positive definite.
     """
+    step = _row_block(a.shape[1])
+    for s in range(0, a.shape[0], step):  # in row blocks: no n × n temporary
+        if not bool(torch.isfinite(a[s : s + step]).all()):
+            raise ValueError(f"{what} contains NaN or infinite values; check the inputs and the model's outputs")
     scale = float(a.diagonal().abs().max()) if a.numel() else 0.0
 
     def fail() -> ValueError:
@@ -126,7 +142,13 @@ def loo_scores(
 
 
 def _sq_column_norms(m: torch.Tensor) -> torch.Tensor:
-    return (m * m).sum(dim=0) if m.numel() else torch.zeros(m.shape[1], dtype=m.dtype, device=m.device)
+    """Squared column norms, accumulated over row blocks (no temporary of ``m``'s size)."""
+    out = torch.zeros(m.shape[1], dtype=m.dtype, device=m.device)
+    step = _row_block(m.shape[1])
+    for s in range(0, m.shape[0], step):
+        block = m[s : s + step]
+        out += (block * block).sum(dim=0)
+    return out
 
 
 class DualRidge:
@@ -163,11 +185,22 @@ class DualRidge:
     def update(self, changed: np.ndarray, rows: torch.Tensor) -> DualRidge:
         """
         Solve again for a training set that differs from the base fit only in the rows ``changed``.
+        If it fails, the solver is left as it was (its factor is computed again when needed).
 
         :param changed: Indices of the changed examples (``m``, distinct).
         :param rows: Their new kernel rows against the whole new training set, ``(m, n)``.
         :return: ``self``.
         """
+        previous = getattr(self, "_p", None)
+        try:
+            return self._update(changed, rows)
+        except BaseException:
+            if previous is not None and self._q_key != previous.tobytes():
+                self._q_key, self._m = None, None  # the restored state recomputes its factor
+                self._update(previous, self._rows)
+            raise
+
+    def _update(self, changed: np.ndarray, rows: torch.Tensor) -> DualRidge:
         n = self.n
         p = np.asarray(changed, dtype=np.int64)
         mask = np.ones(n, dtype=bool)
@@ -197,7 +230,7 @@ class DualRidge:
             x = m.new_zeros((0, n))
             y_p = m.new_zeros((0, 0))
         self._p, self._q, self._pt, self._qt = p, q, pt, qt
-        self._x, self._yp = x, y_p
+        self._x, self._yp, self._rows = x, y_p, rows
         self.changed_ = p
         diag = torch.empty(n, dtype=m.dtype, device=dev)
         diag[qt] = _sq_column_norms(m) + _sq_column_norms(x)
@@ -211,8 +244,9 @@ class DualRidge:
         if len(idx) == self.n:
             return self.kernel_.clone()
         out = self.kernel_.new_empty((len(idx), len(idx)))
-        for s in range(0, len(idx), _ROW_CHUNK // 8):
-            out[s : s + _ROW_CHUNK // 8] = self.kernel_[idx[s : s + _ROW_CHUNK // 8]][:, idx]
+        step = _row_block(self.n)
+        for s in range(0, len(idx), step):
+            out[s : s + step] = self.kernel_[idx[s : s + step]][:, idx]
         return out
 
     def solve(self, v: torch.Tensor) -> torch.Tensor:
@@ -271,13 +305,15 @@ class PrimalRidge:
         self.targets_ = targets.to(features.dtype)
         self.gram_ = self.reduce(features.T @ features)
         self.cross_ = self.reduce(features.T @ self.targets_)
-        self._solve()
+        self._linv = None
+        self._solve(self.gram_, self.cross_)
         return self
 
     def update(self, changed: np.ndarray, rows: torch.Tensor) -> PrimalRidge:
         """
         Replace the local feature rows ``changed`` and solve again (a collective call in a
-        sharded run: every process calls it, possibly with no rows).
+        sharded run: every process calls it, possibly with no rows). If it fails, the solver is
+        left as it was.
 
         :param changed: Local indices of the changed examples.
         :param rows: Their new features ``(m, k)``.
@@ -287,24 +323,35 @@ class PrimalRidge:
         rows = rows.to(self.features_.dtype)
         old = self.features_[idx]
         y = self.targets_[idx]
-        self.gram_ += self.reduce(rows.T @ rows - old.T @ old)
-        self.cross_ += self.reduce(rows.T @ y - old.T @ y)
+        delta = rows.T @ rows
+        delta.addmm_(old.T, old, alpha=-1.0)
+        gram = self.reduce(delta)
+        del delta
+        gram += self.gram_
+        cross = self.cross_ + self.reduce(rows.T @ y - old.T @ y)
         self.features_[idx] = rows
-        self._solve()
+        self._linv = None  # released before the new factor is allocated
+        try:
+            self._solve(gram, cross)
+        except BaseException:
+            self.features_[idx] = old
+            self._solve(self.gram_, self.cross_)
+            raise
+        self.gram_, self.cross_ = gram, cross
         return self
 
-    def _solve(self) -> None:
-        a = self.gram_.clone()
+    def _solve(self, gram: torch.Tensor, cross: torch.Tensor) -> None:
+        a = gram.clone()
         a.diagonal().add_(self.ridge)
-        self._linv = inverse_cholesky_(a, self.ridge, "Phi^T Phi + ridge*I")
-        self.weights_ = self._linv.T @ (self._linv @ self.cross_)
+        linv = inverse_cholesky_(a, self.ridge, "Phi^T Phi + ridge*I")
+        weights = linv.T @ (linv @ cross)
         phi = self.features_
         hat = torch.empty(phi.shape[0], dtype=phi.dtype, device=phi.device)
         for s in range(0, phi.shape[0], _ROW_CHUNK):
-            z = phi[s : s + _ROW_CHUNK] @ self._linv.T
+            z = phi[s : s + _ROW_CHUNK] @ linv.T
             hat[s : s + _ROW_CHUNK] = (z * z).sum(dim=1)
-        residual = self.targets_ - phi @ self.weights_
-        self.hat_ = hat
+        residual = self.targets_ - phi @ weights
+        self._linv, self.weights_, self.hat_ = linv, weights, hat
         self.beta_ = residual / (1.0 - hat)[:, None]
 
     def loo_parts(self, phi_q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

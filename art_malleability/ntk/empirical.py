@@ -356,20 +356,27 @@ class JacobianGram:
             [n for n, _ in self._fallback],
         )
 
-    def factor_elements(self, x_probe: np.ndarray | torch.Tensor) -> int:
+    def factor_elements(self, x_probe: np.ndarray | torch.Tensor, compressed: bool = True) -> int:
         """
         Elements stored per example for the traced kernel (the size of its Jacobian factors): the
         cost of one kernel entry is about this many multiply-adds, and the memory of cached factors
         this many numbers per example.
 
         :param x_probe: A few inputs (to plan the layers).
-        :return: Elements per example (optimistic: assumes the rank-one class factorisation holds).
+        :param compressed: Count layers whose output gradients may factor over the classes at the
+            compressed size (the likely cost); ``False`` gives the largest size the factors can
+            take (for memory checks).
+        :return: Elements per example.
         """
         x = to_tensor(x_probe[:2], self.device, self.dtype)
         with eval_mode(self.model):
             self._plan(x, None)
         self._start(True)
-        return self._example_size(raw=False)
+        try:
+            return self._example_size(raw=not compressed)
+        finally:
+            self._directions, self._known, self._scratch = [], [], []
+            self._compress = False
 
     def _start(self, trace: bool) -> None:
         """Reset the per-computation state (class directions) before a kernel computation."""
@@ -805,6 +812,12 @@ class KeptFactors:
             return self._swap_columns(self._contract_all(f, self._blocks, self.n), f)
 
         return self._retrying(compute)
+
+    def changed_rows(self) -> torch.Tensor:
+        """:return: ``(m, n)`` kernel rows of the swapped-in examples against the kept set (their factors reused)."""
+        return self._retrying(
+            lambda: self._swap_columns(self._contract_all(self._changed_blocks, self._blocks, self.n))
+        )
 
     def set_changed(self, changed: np.ndarray, x_changed: np.ndarray | torch.Tensor) -> None:
         """

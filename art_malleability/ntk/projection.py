@@ -41,9 +41,10 @@ seed gives the same features on any machine and in every process of a sharded ru
 kernel's trace on a probe batch (the first ``probe_size`` examples given to :meth:`plan`), which
 minimises the summed variance of the projected inner products (``Σ_g T_g²/k_g`` for ``Σ_g k_g = k``);
 every group gets at least one dimension and none more than its own. A Kronecker group's ``k_g`` is
-split as ``d_out · d_in ≤ k_g`` with ``d_in ≈ sqrt(k_g)``. The realised total :attr:`dim` can be
-a little below ``k`` (rounding of the products); it equals the full Jacobian dimension when ``k``
-reaches it, and the features are then exact (``ΦΦᵀ = K`` to rounding).
+split as ``d_out · d_in ≤ k_g`` with ``d_in ≈ sqrt(k_g)``. The realised total :attr:`dim` is
+usually a little below ``k`` (rounding of the products), above it only when there are more groups
+than ``k``; it equals the full Jacobian dimension when ``k`` reaches it, and the features are then
+exact (``ΦΦᵀ = K`` to rounding).
 """
 
 from __future__ import annotations
@@ -221,6 +222,10 @@ class ProjectedNTK:
         with an unbounded ``projection_dim`` for the exact Jacobians of the layers it does not factorise.
     :param max_bytes: Memory the projection matrices may take; :meth:`plan` raises before drawing
         matrices that would exceed it (``None``: no limit).
+    :param like: An earlier projection of a model with the same layers (same seed and budget): its
+        per-layer dimensions are reused instead of being shared anew from a probe batch, so both
+        give the same random features (a transductive model refitted on perturbed data keeps its
+        projection).
     """
 
     def __init__(
@@ -234,6 +239,7 @@ class ProjectedNTK:
         probe_size: int = 64,
         parameters: list[nn.Parameter] | None = None,
         max_bytes: int | None = None,
+        like: ProjectedNTK | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -246,6 +252,7 @@ class ProjectedNTK:
         self.device, self.dtype = model_device_dtype(model)
         self._include = None if parameters is None else {id(p) for p in parameters}
         self.max_bytes = max_bytes
+        self.like = like
         if not trainable_parameters(model):
             raise ValueError("model has no trainable parameters (none with requires_grad=True)")
         self.groups: list[_Group] | None = None
@@ -294,8 +301,11 @@ class ProjectedNTK:
         x = to_tensor(x_probe[: self.probe_size], self.device, self.dtype)
         with eval_mode(self.model), no_tf32(self.device):
             groups = self._find_groups(x[:2])
+            earlier = self.like
             if self.projection_dim >= sum(g.full_dim for g in groups):
                 ks = [g.full_dim for g in groups]  # nothing to share: every group unprojected
+            elif earlier is not None and earlier.groups is not None and self._signature(groups) == earlier.signature:
+                ks = [g.k for g in earlier.groups]  # the same random features as the earlier projection
             else:
                 # pilot: small projections estimate each group's squared Jacobian norm
                 for g_idx, g in enumerate(groups):
@@ -317,6 +327,15 @@ class ProjectedNTK:
             [(g.name, g.k_out, g.k_in, g.k) for g in groups],
         )
         return self
+
+    @property
+    def signature(self) -> tuple:
+        """What makes two projections share their dimensions and matrices: seed, budget and the groups."""
+        self._check_planned()
+        return self._signature(self.groups)
+
+    def _signature(self, groups: list[_Group]) -> tuple:
+        return (self.seed, self.projection_dim, tuple((g.name, g.kind, g.d_out, g.d_in) for g in groups))
 
     def _check_matrix_memory(self, ks: list[int]) -> None:
         """Refuse, before drawing them, projection matrices that would not fit ``max_bytes``."""
