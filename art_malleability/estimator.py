@@ -349,6 +349,12 @@ class MalleabilityEstimator:
             )
             logger.info("%s: flip rate %.3f", label, metrics["flip_rate"])
         steps.close()
+        if getattr(influence, "mode_", None) == "projected" and not getattr(influence.projector_, "is_exact", False):
+            warnings.append(
+                f"influence from a {influence.projection_dim_}-dimensional random projection of the NTK features: "
+                "at small ridges its scores agree only loosely with the exact NTK influence, and two projection "
+                "seeds can disagree (measured in docs/scale.md); compare seeds before trusting these flip rates"
+            )
         return MalleabilityReport(
             model=self.model_name,
             config=self.get_params(),

@@ -328,8 +328,10 @@ def test_projected_mode_equals_a_by_hand_pipeline_and_is_recorded(relu_clf):
     assert run["mode"] == "projected" and run["projection_dim"] == 64 and run["projection_seed"] == 3
     assert run["world_size"] == 1 and run["backend"] is None and run["params"]["ridge"] == 1e-3
     assert {g["kind"] for g in run["projection_groups"]} == {"linear"}
+    assert any("random projection" in w for w in report.warnings)
     exact = MalleabilityEstimator(relu_clf, attacks=["fgsm"], **FAST).evaluate(x, y, xq, yq)
     assert exact.execution["mode"] == "exact" and "projection_dim" not in exact.execution
+    assert not any("random projection" in w for w in exact.warnings)
 
 
 def test_datasets_give_the_array_report(relu_clf):
