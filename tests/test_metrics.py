@@ -147,3 +147,31 @@ def test_interval_conditional_on_the_perturbed_set_contains_the_estimate(rng):
     for name in ("flip_rate", "top_k_jaccard"):
         low, high = result[name + "_ci"]
         assert low <= result[name] <= high, name
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_batched_resamples_equal_one_at_a_time(rng, ties):
+    """The batched bootstrap statistics give the values of the one-resample definitions."""
+    before = rng.normal(size=(9, 40))
+    after = before + rng.normal(size=before.shape)
+    if ties:
+        before, after = np.round(before), np.round(after)
+        before[1, 5] = after[3, 7] = np.nan
+        before[:, 11] = np.nan  # a column without any finite score
+    top = M.top_indices(M.aggregate_scores(before), 6)
+    aggregates = M._ResampledAggregates(before, after, top, 6, "abs")
+    spearman_fast = _ResampledSpearman(before, after)
+    rows = rng.integers(0, 9, (25, 9))
+    flips, jaccards, rhos = aggregates.flip_rate(rows), aggregates.top_k_jaccard(rows), spearman_fast.batch(rows)
+    for i, r in enumerate(rows):
+        w = np.bincount(r, minlength=9).astype(float)
+        agg_b, agg_a = M.aggregate_scores(before, w), M.aggregate_scores(after, w)
+        assert flips[i] == M._aggregate_flip_rate(agg_b, agg_a, top)
+        assert jaccards[i] == M._aggregate_jaccard(agg_a, top, 6, "abs")
+        assert rhos[i] == pytest.approx(M.spearman(before[r], after[r]), abs=1e-12)
+    for rank_by in ("abs", "signed"):
+        values = np.round(rng.normal(size=(7, 30)))
+        values[2, :5] = np.nan
+        masks = M._top_masks(values, 8, rank_by)
+        for i in range(7):
+            assert set(np.flatnonzero(masks[i])) == set(M.top_indices(values[i], 8, rank_by).tolist())
