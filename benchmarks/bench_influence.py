@@ -202,21 +202,65 @@ def verdict(ok: bool | None) -> str:
     return "–" if ok is None else ("PASS" if ok else "MISS")
 
 
-def cpu_seconds_of_others() -> dict[int, float]:
-    """CPU seconds (user + system) used so far by every process but this one (the benchmark's parent)."""
+def cpu_seconds_of_others(exclude: set[int] | None = None) -> dict[int, float]:
+    """CPU seconds (user + system) used so far by every process but this one and ``exclude``."""
     import psutil
 
+    skip = {os.getpid(), *(exclude or ())}
     out = {}
     for proc in psutil.process_iter(["pid", "cpu_times"]):
         times = proc.info["cpu_times"]
-        if proc.info["pid"] != os.getpid() and times is not None:
+        if proc.info["pid"] not in skip and times is not None:
             out[proc.info["pid"]] = times.user + times.system
     return out
 
 
 def background_cores(before: dict[int, float], after: dict[int, float], seconds: float) -> float:
-    """Average number of cores other processes kept busy between two snapshots (cases of this run excluded)."""
+    """Average number of cores other processes kept busy between two snapshots."""
     return sum(t - before.get(pid, 0.0) for pid, t in after.items()) / max(seconds, 1e-9)
+
+
+def library_state() -> dict[str, Any]:
+    """
+    Git commit of the checkout and a digest of the package's source as it is now (the library may be edited
+    while a long benchmark runs: each case records the source it ran).
+    """
+    import hashlib
+
+    digest = hashlib.sha1()
+    for path in sorted((REPO_ROOT / "art_malleability").rglob("*.py")):
+        digest.update(path.relative_to(REPO_ROOT).as_posix().encode())
+        digest.update(path.read_bytes())
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                              text=True, timeout=30).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        head = None
+    return {"git_head": head, "source_digest": digest.hexdigest()[:12]}
+
+
+class LoadTracker:
+    """
+    CPU time of the processes outside a case (not this process, not the case's process tree), sampled every
+    few seconds while the case runs, so that short-lived neighbours are counted too.
+    """
+
+    def __init__(self, root: int) -> None:
+        self.root = root
+        self.excluded: set[int] = {root}
+        self.last = cpu_seconds_of_others(self.excluded)
+        self.total = 0.0
+
+    def sample(self) -> None:
+        import psutil
+
+        try:
+            self.excluded.update(c.pid for c in psutil.Process(self.root).children(recursive=True))
+        except psutil.Error:
+            pass
+        now = cpu_seconds_of_others(self.excluded)
+        self.total += sum(max(t - self.last.get(pid, 0.0), 0.0) for pid, t in now.items())
+        self.last = now
 
 
 def wait_for_idle(max_wait: float, threshold: float = 0.15, window: float = 3.0) -> float:
@@ -328,6 +372,7 @@ def run_subprocess(
     result as ``background_cores`` (a timing taken beside a busy core is not representative).
     """
     idle_before = wait_for_idle(wait_idle) if wait_idle > 0 else None
+    library = library_state()
     name = spec["name"]
     spec_path = workdir / f"{name}.spec.json"
     log_path = workdir / f"{name}.log"
@@ -341,21 +386,28 @@ def run_subprocess(
                str(torchrun_nproc), str(Path(__file__).resolve()), "_case", str(spec_path)]
     else:
         cmd = [sys.executable, str(Path(__file__).resolve()), "_case", str(spec_path)]
-    others = cpu_seconds_of_others()
     start = time.perf_counter()
     error = None
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=thread_env(threads),
                                 cwd=REPO_ROOT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the group this call started (torchrun and its workers)
-            proc.wait()
-            rc, error = None, f"timed out after {timeout:.0f} s"
+        tracker = LoadTracker(proc.pid)
+        while True:
+            try:
+                rc = proc.wait(timeout=5.0)
+                break
+            except subprocess.TimeoutExpired:
+                tracker.sample()
+                if time.perf_counter() - start > timeout:
+                    os.killpg(proc.pid, signal.SIGKILL)  # the group this call started (torchrun and its workers)
+                    proc.wait()
+                    rc, error = None, f"timed out after {timeout:.0f} s"
+                    break
+        tracker.sample()
     wall = time.perf_counter() - start
-    load = background_cores(others, cpu_seconds_of_others(), wall)
-    extra = {"process_wall_s": wall, "background_cores": load, "background_cores_before": idle_before}
+    load = tracker.total / max(wall, 1e-9)
+    extra = {"process_wall_s": wall, "background_cores": load, "background_cores_before": idle_before,
+             "library": library}
     if load > 0.1:
         print(f"  !! other processes kept {load:.2f} cores busy during case {name}: its timings are disturbed",
               flush=True)
@@ -366,6 +418,8 @@ def run_subprocess(
     if rc != 0 or len(results) != len(outs):
         tail = log_path.read_text()[-3000:] if log_path.exists() else ""
         error = error or f"exit status {rc}"
+        if rc is not None and rc < 0:
+            error += f" (killed by signal {signal.Signals(-rc).name})"
         print(f"  !! case {name} failed ({error}); log {log_path}:\n{tail}", flush=True)
         return [{"ok": False, "error": error, "log": str(log_path), **extra}]
     return results
@@ -1044,8 +1098,11 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     bench.results["machine"] = {"cpus": os.cpu_count(), "threads": args.threads, "torch": torch.__version__,
                                 "python": platform.python_version(), "platform": platform.platform()}
+    bench.results["library_at_start"] = library_state()
+    lib = bench.results["library_at_start"]
     print(f"# influence benchmark ({', '.join(args.parts)}){' --quick' if args.quick else ''}: {os.cpu_count()} "
-          f"CPUs, torch {torch.__version__}, scratch {args.workdir}", flush=True)
+          f"CPUs, torch {torch.__version__}, library {lib['git_head']} (source {lib['source_digest']}), scratch "
+          f"{args.workdir}", flush=True)
     for part in args.parts:
         getattr(bench, part)()
         if args.output:
