@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -375,22 +375,17 @@ class _ResampledAggregates:
 
 class _ResampledSpearman:
     """
-    Spearman correlation of resamples of query rows, exact.
+    Spearman correlation of resamples of query rows, exact, in ``O(n_q³)`` per resample.
 
     A resample gives every query row ``q`` a multiplicity ``w_q``; the ranks are the tie-averaged
-    ranks of the multiset and the correlation is weighted by the multiplicities.
-
-    **Without ties** (the usual case for real-valued scores) the midrank of element ``i`` in a
-    resample is ``C_i · w`` (plus a constant), where ``C_i[r]`` counts the elements of row ``r``
-    below ``i`` (half of itself for its own row). Every sum the correlation needs is then a
-    quadratic or cubic form in ``w``: ``Σ_i w_{q(i)} (C^a_i·w)(C^b_i·w) = Σ_q w_q wᵀ T_q w`` with
-    ``T_q = Σ_{i∈q} C^a_i C^b_iᵀ``. The ``n_q × n_q × n_q`` tensors are computed once (``O(N n_q)``
-    counts from one global sort per side, and matrix products), after which a resample costs
-    ``O(n_q³)`` instead of ``O(N)`` (``N`` = finite score pairs: six million at 100 queries and 60,000
-    training examples).
-
-    **With ties** the midranks of a resample follow from one global sort by cumulative
-    multiplicities of the tie groups, ``O(N)`` per resample.
+    ranks of the multiset and the correlation is weighted by the multiplicities. The midrank of
+    element ``i`` in a resample is ``C_i · w`` plus ``1/2``, where ``C_i[r] = L_i[r] + E_i[r] / 2``
+    with ``L_i[r]`` the elements of row ``r`` below ``i``'s value and ``E_i[r]`` those equal to it
+    (``i`` itself included). Every sum the correlation needs is then a quadratic or cubic form in
+    ``w``: ``Σ_i w_{q(i)} (C^a_i·w)(C^b_i·w) = Σ_q w_q wᵀ T_q w`` with ``T_q = Σ_{i∈q} C^a_i C^b_iᵀ``.
+    The ``n_q × n_q × n_q`` tensors are computed once (``O(N n_q)`` counts from one global sort per
+    side, and matrix products; ``N`` = finite score pairs: six million at 100 queries and 60,000
+    training examples), after which a resample costs ``O(n_q³)`` instead of a sort of ``N`` values.
 
     Verified against :func:`spearman` on explicitly repeated rows in the tests, with and without ties.
     """
@@ -400,41 +395,54 @@ class _ResampledSpearman:
         self.n_query = before.shape[0]
         self.row = np.nonzero(keep)[0]
         self.size = int(self.row.size)
-        values = (before[keep], after[keep])
-        self.sorted = [self._sorted_groups(v) for v in values]
-        self.ties = any(n_groups != self.size for _, _, n_groups in self.sorted)
-        self.batch_rows = 1 if self.ties else 1024
-        if not self.ties and self.size:
-            self._forms()
+        self.batch_rows = 1024
+        if self.size:
+            self._forms(before[keep], after[keep])
 
-    @staticmethod
-    def _sorted_groups(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    def _counts(self, values: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """``C`` (``(m_q, n_query)``) and the element indices of each row ``q`` in turn, from one sort of ``values``."""
+        n, size = self.n_query, values.size
         order = np.argsort(values, kind="stable")
         ordered = values[order]
-        group = np.concatenate([[0], np.cumsum(ordered[1:] != ordered[:-1])]) if values.size else order
-        return order, group, int(group[-1]) + 1 if values.size else 0
+        new_group = np.concatenate([[True], ordered[1:] != ordered[:-1]])
+        group = np.cumsum(new_group) - 1
+        start = np.flatnonzero(new_group)[group]  # first sorted position of each element's group
+        labels = self.row[order]  # query row of each sorted element
+        ties = int(group[-1]) + 1 != size
+        if ties:  # E_i: elements of every row in i's group
+            from scipy.sparse import csr_matrix
 
-    def _counts(self, side: int, q: int) -> tuple[np.ndarray, np.ndarray]:
-        """``C`` of the elements of row ``q`` (``(m_q, n_query)``) and their element indices."""
-        order, labels = self.sorted[side][0], self.labels[side]
-        is_q = labels == q
-        seg = np.cumsum(is_q)  # elements of row q at or before each sorted position
-        m = int(seg[-1])
-        seg *= self.n_query
-        seg += labels
-        hist = np.bincount(seg, minlength=(m + 1) * self.n_query).reshape(m + 1, self.n_query)
-        counts = np.cumsum(hist, axis=0, dtype=np.float64)[:-1]
-        counts[:, q] += 0.5  # the element itself: half of its own (tie-free) group
-        return counts, order[is_q]
+            equal = csr_matrix((np.ones(size), (group, labels)), shape=(int(group[-1]) + 1, n))
+        by_row = np.argsort(labels, kind="stable")  # sorted positions of each row's elements, ascending
+        bounds = np.concatenate([[0], np.cumsum(np.bincount(labels, minlength=n))])
+        for q in range(n):
+            at = by_row[bounds[q] : bounds[q + 1]]
+            m = at.size
+            if m == 0:
+                yield np.zeros((0, n)), np.zeros(0, dtype=np.int64)
+                continue
+            # L at the group starts of row q's elements (markers): an element at sorted position p lies
+            # before marker j iff at most j markers sit at or before p
+            before_marker = np.cumsum(np.bincount(start[at], minlength=size))
+            before_marker *= n
+            before_marker += labels
+            counts = np.bincount(before_marker, minlength=(m + 1) * n).reshape(m + 1, n).astype(np.float64)
+            np.cumsum(counts, axis=0, out=counts)
+            counts = counts[:-1]
+            if ties:
+                counts += 0.5 * equal[group[at]].toarray()
+            else:
+                counts[:, q] += 0.5
+            yield counts, order[at]
 
-    def _forms(self) -> None:
+    def _forms(self, before: np.ndarray, after: np.ndarray) -> None:
         n = self.n_query
         self.m = np.bincount(self.row, minlength=n).astype(np.float64)
-        self.labels = [self.row[order] for order, _, _ in self.sorted]  # query row of each sorted element
         self.s = [np.zeros((n, n)), np.zeros((n, n))]
         self.t = {key: np.zeros((n, n, n)) for key in ("ab", "aa", "bb")}
-        for q in np.flatnonzero(self.m):
-            (ca, ia), (cb, ib) = self._counts(0, q), self._counts(1, q)
+        for q, ((ca, ia), (cb, ib)) in enumerate(zip(self._counts(before), self._counts(after), strict=True)):
+            if not len(ia):
+                continue
             ca, cb = ca[np.argsort(ia)], cb[np.argsort(ib)]  # the same element on the same line
             self.s[0][q], self.s[1][q] = ca.sum(axis=0), cb.sum(axis=0)
             self.t["ab"][q], self.t["aa"][q], self.t["bb"][q] = _mm(ca.T, cb), _mm(ca.T, ca), _mm(cb.T, cb)
@@ -446,8 +454,6 @@ class _ResampledSpearman:
         weights = _weights(rows, self.n_query)
         if self.size == 0:
             return np.full(len(weights), np.nan)
-        if self.ties:
-            return np.array([self._by_sorting(w) for w in weights])
         n = self.n_query
         pairs = (weights[:, :, None] * weights[:, None, :]).reshape(len(weights), n * n)
 
@@ -463,29 +469,6 @@ class _ResampledSpearman:
             var_b = cubic(self.t["bb"]) - sum_b**2 / total
             ok = (total >= 2) & (var_a > 0) & (var_b > 0)
             return np.where(ok, cov / np.sqrt(np.where(ok, var_a * var_b, 1.0)), np.nan)
-
-    def _by_sorting(self, w: np.ndarray) -> float:
-        weight = w[self.row]
-        ranks = []
-        for order, group, n_groups in self.sorted:
-            sorted_weight = weight[order]
-            if n_groups == weight.size:  # no ties: each value is its own group
-                midrank = np.cumsum(sorted_weight) - (sorted_weight - 1.0) / 2.0
-            else:
-                group_weight = np.bincount(group, weights=sorted_weight, minlength=n_groups)
-                midrank = (np.cumsum(group_weight) - (group_weight - 1.0) / 2.0)[group]
-            rank = np.empty_like(weight)
-            rank[order] = midrank
-            ranks.append(rank)
-        total = weight.sum()
-        if total < 2:
-            return float("nan")
-        centred = [r - (weight * r).sum() / total for r in ranks]
-        cov = (weight * centred[0] * centred[1]).sum()
-        var_a, var_b = (weight * centred[0] ** 2).sum(), (weight * centred[1] ** 2).sum()
-        if var_a <= 0 or var_b <= 0:
-            return float("nan")
-        return float(cov / np.sqrt(var_a * var_b))
 
 
 def _nanmean(values: np.ndarray) -> float:

@@ -71,7 +71,8 @@ resident set size (``ru_maxrss`` of that process, reported by the process itself
 
     GFLOP/s = flops / the phase's ``seconds_``; the target is ≥ 30 % of the fp32 GEMM rate. The float64 GEMM rate
     is reported as well: the features are computed in float64 (the estimator's default dtype) and the solve is
-    always float64.
+    always float64. The fit is repeated with ``dtype=torch.float32`` (float32 features, float64 solve) for the
+    feature phase's rate in float32.
 
 ``shard``
     Sharding efficiency of the projected NTK influence (2L-ReLU width 512, n = ``--shard-n`` = 16k, k = 4096,
@@ -711,9 +712,12 @@ def case_gemm(spec: dict[str, Any]) -> None:
     d, m = int(np.prod(INPUT_SHAPE)), spec["width"]
     feat = feature_flops_2l(len(x), d, m, NB_CLASSES, groups[0]["dim_out"], groups[0]["dim_in"])
     solve = solve_flops_primal(len(x), est.projection_dim_, NB_CLASSES)
+    # the same fit with float32 features (the solve stays float64): the feature phase's rate in fp32
+    est32 = NTKInfluence(projection_dim=spec["k"], device="cpu", dtype=torch.float32).fit(model, x, y)
     write_result(spec, {"gemm_gflops": rates, "fit_s": fit_s, "seconds_": dict(est.seconds_), "base_rss": base,
                         "k": est.projection_dim_, "groups": groups, "n": len(x),
-                        "feature_flops": feat, "solve_flops": solve})
+                        "feature_flops": feat, "solve_flops": solve,
+                        "seconds_float32_features": dict(est32.seconds_)})
 
 
 # ------------------------------------------------------------------------------------------------ shard
@@ -961,14 +965,19 @@ class Bench:
             return
         f32, f64 = res["gemm_gflops"]["float32"], res["gemm_gflops"]["float64"]
         rows = []
-        for phase, flops in (("features", res["feature_flops"]), ("solve", res["solve_flops"])):
+        for phase, label, flops, seconds in (
+            ("features", "features (float64, the default)", res["feature_flops"], res["seconds_"]),
+            ("features_float32", "features (dtype=torch.float32)", res["feature_flops"],
+             {"features_float32": res["seconds_float32_features"]["features"]}),
+            ("solve", "solve (float64)", res["solve_flops"], res["seconds_"]),
+        ):
             total = sum(flops.values())
-            secs = res["seconds_"][phase]
+            secs = seconds[phase]
             rate = total / secs / 1e9
             ok = rate / f32 >= TARGET_GEMM_SHARE
             res[f"{phase}_gflops"] = rate
             res[f"{phase}_share_f32"] = rate / f32
-            rows.append([phase, total / 1e9, secs, rate, 100 * rate / f32, 100 * rate / f64,
+            rows.append([label, total / 1e9, secs, rate, 100 * rate / f32, 100 * rate / f64,
                          f"{verdict(ok)} (≥ {100 * TARGET_GEMM_SHARE:.0f} % of fp32)"])
         print(f"torch.mm 4096²: float32 {f32:.1f} GFLOP/s, float64 {f64:.1f} GFLOP/s "
               f"(groups: {res['groups']}; other processes' load {res['background_cores']:.2f} cores)\n")
