@@ -88,14 +88,19 @@ def attack_label(attack: EvasionAttack) -> str:
 
 def attack_config(attack: EvasionAttack) -> dict:
     """
-    The attack's ``attack_params`` as plain JSON-ready values (estimator and callables left out).
+    The attack's ``attack_params`` as plain JSON-ready values (estimator and callables left out), as they
+    run: a parameter that ART keeps only on the framework-specific attack it delegates to (MIM's ``decay``
+    lives on the inner PGD attack) is read from there.
 
     :param attack: An ART evasion attack.
     :return: Dict of parameter names to values.
     """
     config = {}
+    inner = getattr(attack, "_attack", None)
     for key in getattr(attack, "attack_params", []):
         value = getattr(attack, key, None)
+        if value is None and inner is not None:
+            value = getattr(inner, key, None)
         if isinstance(value, np.generic):
             value = value.item()
         if isinstance(value, float) and value == np.inf:

@@ -56,7 +56,8 @@ class MalleabilityEstimator:
 
     A transductive model (one with ``set_context(x_train)``, such as MLP-Attn) gets its context set to
     the audited training set for the clean influence and to the perturbed set for the perturbed
-    influence, on a private copy; queries are mapped with that training-set context. Nothing the
+    influence, on a private copy in the influence estimator's dtype (a float64 kernel of a float32 model
+    uses a context computed and kept in float64); queries are mapped with that training-set context. Nothing the
     user passed is changed: weights, buffers, training mode, ``requires_grad`` flags, gradients, the
     loss's reduction, input arrays and global random states are restored on success and on failure.
     """
@@ -244,6 +245,11 @@ class MalleabilityEstimator:
         work = copy.deepcopy(clf.model)
         transductive = callable(getattr(work, "set_context", None))
         influence = self._influence
+        dtype = getattr(influence, "dtype", None)
+        if transductive and isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+            # the context is computed, and stored, in the influence's dtype (a float64 kernel of a float32
+            # model must not see a context rounded to float32)
+            work = work.to(dtype=dtype)
         if shard is not None and not (isinstance(influence, NTKInfluence) and influence.projection_dim is not None):
             raise ValueError(
                 "a sharded audit needs the projected NTK influence (influence='ntk' with projection_dim 'auto' or "

@@ -37,7 +37,7 @@ def test_fgsm_flip_rate_equals_explicit_recomputation(name, relu_clf, attn_clf):
     x, y, xq, yq = data.x_train, data.y_train, data.x_test[:15], data.y_test[:15]
     report = MalleabilityEstimator(clf, attacks=["fgsm"], **FAST).evaluate(x, y, xq, yq)
 
-    model = copy.deepcopy(clf.model)
+    model = copy.deepcopy(clf.model).double()  # a transductive model's context is computed in float64
     if name == "mlp-attn":
         model.set_context(x)
     before = NTKInfluence(ridge=1e-3, device="cpu").fit(model, x, y).scores(xq, yq)
@@ -72,6 +72,9 @@ def test_three_attacks_report_is_sane(attn_clf):
         assert r.max_perturbation <= 0.3 + 1e-6
         assert r.params["eps"] == 0.3
     assert report.result("pgd").params["max_iter"] == 20
+    # what ART ran: MIM's momentum decay lives on its inner attack; PGD has none
+    assert report.result("mim").params["decay"] == 1.0
+    assert report.result("pgd").params["decay"] is None
     assert "fgsm" in report.summary() and "flip rate" in report.summary()
 
 
@@ -92,13 +95,15 @@ class _Recorder(InfluenceEstimator):
 
     def __init__(self, fail_on_call: int | None = None):
         super().__init__(device="cpu")
-        self.contexts, self.calls, self.fail_on_call = [], 0, fail_on_call
+        self.contexts, self.context_dtypes, self.calls, self.fail_on_call = [], [], 0, fail_on_call
 
     def _fit(self, model, x_train, y_train):
         self.calls += 1
         if self.fail_on_call == self.calls:
             raise RuntimeError("planned failure")
         self.contexts.append(None if not hasattr(model, "attention") else model.attention.context.clone().float())
+        if hasattr(model, "attention"):
+            self.context_dtypes.append(model.attention.context.dtype)
         self.features = x_train.reshape(len(x_train), -1).astype(np.float64)
 
     def _scores(self, x_query, y_query):
@@ -114,6 +119,7 @@ def test_transductive_context_refreshed_on_a_copy_only(attn_clf):
     )
     clean, perturbed = recorder.contexts
     assert torch.equal(clean, context)  # the model was trained with this training set as context
+    assert recorder.context_dtypes == [torch.float64, torch.float64]  # computed in the influence's dtype
     assert not torch.allclose(clean, perturbed)
     assert torch.equal(attn_clf.model.attention.context, context)
     assert report.config["influence"] == "recorder"
