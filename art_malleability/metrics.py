@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
+from scipy.sparse import csr_matrix
 from scipy.stats import spearmanr
 
 logger = logging.getLogger(__name__)
@@ -410,8 +411,6 @@ class _ResampledSpearman:
         labels = self.row[order]  # query row of each sorted element
         ties = int(group[-1]) + 1 != size
         if ties:  # E_i: elements of every row in i's group
-            from scipy.sparse import csr_matrix
-
             equal = csr_matrix((np.ones(size), (group, labels)), shape=(int(group[-1]) + 1, n))
         by_row = np.argsort(labels, kind="stable")  # sorted positions of each row's elements, ascending
         bounds = np.concatenate([[0], np.cumsum(np.bincount(labels, minlength=n))])
