@@ -124,6 +124,20 @@ class Shard:
             raise ValueError(f"{what} differs between the processes; every rank must pass the same {what}")
 
 
+def raise_if_any(shard: Shard | None, error: BaseException | None) -> None:
+    """
+    Raise ``error`` here, and in a sharded run make every other process fail too
+    (:meth:`Shard.raise_if_any`); without a shard, raise ``error`` if there is one.
+
+    :param shard: The process group, or ``None`` in a single process.
+    :param error: This process's error, or ``None``.
+    """
+    if shard is not None:
+        shard.raise_if_any(error)
+    elif error is not None:
+        raise error
+
+
 def current_shard(distributed: bool | str = "auto") -> Shard | None:
     """
     The shard of this process, or ``None`` for a single-process run.

@@ -31,7 +31,7 @@ from art_malleability.attacks import (
     make_attack,
     perturb_training_set,
 )
-from art_malleability.distributed import Shard, current_shard
+from art_malleability.distributed import Shard, current_shard, raise_if_any
 from art_malleability.influence import INFLUENCE_NAMES, InfluenceEstimator, NTKInfluence, get_influence
 from art_malleability.metrics import RANK_BY, aggregate_scores, malleability_metrics, top_indices, top_k_count
 from art_malleability.ntk.projection import check_projection_dim
@@ -310,10 +310,7 @@ class MalleabilityEstimator:
                 x_adv, changed, linf = self._attack_rows(attack, source, local, nb_classes)
             except Exception as failure:  # noqa: BLE001 - handed to every process below
                 error = failure
-            if shard is not None:
-                shard.raise_if_any(error)  # nobody waits in a collective for a process that failed
-            elif error is not None:
-                raise error
+            raise_if_any(shard, error)  # nobody waits in a collective for a process that failed
             success, linf = self._combine_attack_stats(changed, linf, len(perturbed), shard)
             timing["attack"] = time.perf_counter() - start
             steps.update()

@@ -426,6 +426,17 @@ def run_subprocess(
     return results
 
 
+def timed_fit_scores(est: Any, model: Any, x: np.ndarray, y: np.ndarray, xq: np.ndarray,
+                     yq: np.ndarray) -> tuple[np.ndarray, float, float]:
+    """``est.fit(model, x, y)`` then ``est.scores(xq, yq)``: the scores and the seconds of each call."""
+    start = time.perf_counter()
+    est.fit(model, x, y)
+    fit_s = time.perf_counter() - start
+    start = time.perf_counter()
+    scores = est.scores(xq, yq)
+    return scores, fit_s, time.perf_counter() - start
+
+
 def write_result(spec: dict[str, Any], result: dict[str, Any], rank: int = 0) -> None:
     result = {"ok": True, **result, "peak_rss": peak_rss_bytes()}
     Path(spec["out_pattern"].format(rank=rank)).write_text(json.dumps(result, default=float))
@@ -504,12 +515,7 @@ def run_estimator(
             est = CaptumInfluence(device="cpu")
         else:
             est = GradientInfluence(device="cpu")
-        start = time.perf_counter()
-        est.fit(model, x, y)
-        fit_s = time.perf_counter() - start
-        start = time.perf_counter()
-        scores = est.scores(xq, yq)
-        scores_s = time.perf_counter() - start
+        scores, fit_s, scores_s = timed_fit_scores(est, model, x, y, xq, yq)
         if isinstance(est, NTKInfluence):
             details = {"mode": est.mode_, "k": est.projection_dim_, "solver": type(est.solver_).__name__,
                        "seconds_": dict(est.seconds_),
@@ -739,12 +745,7 @@ def case_shard(spec: dict[str, Any]) -> None:
         dist.barrier()
     base = rss_bytes()
     est = NTKInfluence(projection_dim=spec["k"], device="cpu")
-    start = time.perf_counter()
-    est.fit(model, x, y)
-    fit_s = time.perf_counter() - start
-    start = time.perf_counter()
-    scores = est.scores(xq, yq)
-    scores_s = time.perf_counter() - start
+    scores, fit_s, scores_s = timed_fit_scores(est, model, x, y, xq, yq)
     rank = 0 if shard is None else shard.rank
     bounds = [0, len(x)] if shard is None else list(shard.bounds(len(x)))
     write_result(spec, {"rank": rank, "world_size": 1 if shard is None else shard.world_size, "bounds": bounds,

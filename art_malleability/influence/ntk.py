@@ -48,7 +48,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from art_malleability._torch_utils import available_memory, tensor_digest
-from art_malleability.distributed import Shard, current_shard
+from art_malleability.distributed import Shard, current_shard, raise_if_any
 from art_malleability.influence.base import InfluenceEstimator, regression_targets
 from art_malleability.influence.ridge import DualRidge, PrimalRidge, loo_scores
 from art_malleability.ntk.empirical import DEFAULT_CHUNK_MB, NTK_METHODS, JacobianGram, KeptFactors
@@ -315,12 +315,8 @@ class NTKInfluence(InfluenceEstimator):
             self._check_labels(y, "y_train")
         except Exception as failure:  # noqa: BLE001 - handed to every process below
             error = failure
-        if shard is not None:
-            shard.raise_if_any(error)
-        elif error is not None:
-            raise error
+        raise_if_any(shard, error)
         self.projector_, self.projection_dim_ = projector, dim
-        self._check_labels(y, "y_train")
         self.y_train_ = y
         self._bounds = (start, stop)
         if n <= dim:  # dual on ΦΦᵀ: stable when the regression nearly interpolates, and no larger
