@@ -9,6 +9,11 @@ Named attacks are ℓ∞ and untargeted, built on the classifier's ``clip_values
   (``num_random_init=0``), so the attack is deterministic.
 * ``"mim"``: :class:`art.attacks.evasion.MomentumIterativeMethod`, same steps, momentum decay 1.0.
 
+The **random-perturbation control** of an ℓ∞ attack (:func:`random_sign_perturbation`) moves the same
+training examples by random signs at ``±eps``, clipped to the valid range: the non-adversarial counterpart
+of FGSM, with the same budget. Influence recomputed on it gives the flip rate that any perturbation of that
+size causes; an attack's *excess* flip rate is its flip rate minus the control's.
+
 Attacks are crafted against the true labels (one-hot), not the model's predictions. A
 transductive model (one with ``set_context``) is attacked as the fixed function it is while the
 attack runs: its context stays the clean training set, and gradients flow through the attacked
@@ -132,3 +137,56 @@ def perturb_training_set(
     np.random.seed(seed)
     x_adv[indices] = attack.generate(x=x_adv[indices], y=y_onehot[indices]).astype(np.float32)
     return x_adv
+
+
+#: Label of the random-perturbation control in reports.
+CONTROL_LABEL = "random-sign"
+
+
+def control_eps(attack: EvasionAttack) -> float | None:
+    """
+    The ℓ∞ budget of an attack's random-perturbation control: the attack's ``eps`` when it is an ℓ∞
+    attack with one scalar budget (every named attack), else ``None`` (no matching control exists).
+
+    :param attack: An ART evasion attack.
+    :return: The budget, or ``None``.
+    """
+    norm = getattr(attack, "norm", None)
+    eps = getattr(attack, "eps", None)
+    if norm not in (np.inf, "inf") or eps is None or np.ndim(eps) != 0:
+        return None
+    eps = float(eps)
+    return eps if np.isfinite(eps) and eps > 0 else None
+
+
+def random_sign_perturbation(
+    x: np.ndarray,
+    rows: np.ndarray,
+    eps: float,
+    clip_values: tuple[float, float] | None,
+    seed: int = 0,
+) -> np.ndarray:
+    """
+    The non-adversarial counterpart of FGSM: every input value moved by ``+eps`` or ``-eps`` with equal
+    probability, then clipped to the valid range. The signs of training row ``r`` come from a generator
+    seeded with ``(seed, r)``, so they do not depend on how the rows are batched or sharded.
+
+    :param x: Inputs ``(len(rows), ...)``; not modified.
+    :param rows: Their training indices.
+    :param eps: ℓ∞ budget (> 0).
+    :param clip_values: Valid input range, or ``None`` for no clipping.
+    :param seed: Seed of the signs.
+    :return: A new float32 array of the shape of ``x``.
+    """
+    x = np.asarray(x, dtype=np.float32)
+    rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+    if len(rows) != len(x):
+        raise ValueError(f"rows must hold one training index per input, got {len(rows)} for {len(x)} inputs")
+    width = int(np.prod(x.shape[1:], dtype=np.int64))
+    signs = np.empty((len(x), width), dtype=np.float32)
+    for i, row in enumerate(rows):
+        signs[i] = np.random.default_rng([int(seed), int(row)]).integers(0, 2, width) * 2.0 - 1.0
+    perturbed = x + np.float32(eps) * signs.reshape(x.shape)
+    if clip_values is not None:
+        perturbed = np.clip(perturbed, clip_values[0], clip_values[1])
+    return perturbed.astype(np.float32)

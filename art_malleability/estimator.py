@@ -25,15 +25,25 @@ from art_malleability._torch_utils import resolve_device
 from art_malleability._validation import check_features, check_labels, loss_name, one_hot
 from art_malleability.attacks import (
     ATTACK_NAMES,
+    CONTROL_LABEL,
     STRATEGIES,
     attack_config,
     attack_label,
+    control_eps,
     make_attack,
     perturb_training_set,
+    random_sign_perturbation,
 )
 from art_malleability.distributed import Shard, current_shard, raise_if_any
 from art_malleability.influence import INFLUENCE_NAMES, InfluenceEstimator, NTKInfluence, get_influence
-from art_malleability.metrics import RANK_BY, aggregate_scores, malleability_metrics, top_indices, top_k_count
+from art_malleability.metrics import (
+    RANK_BY,
+    aggregate_scores,
+    malleability_metrics,
+    top_indices,
+    top_k_count,
+    z_value,
+)
 from art_malleability.ntk.projection import check_projection_dim
 from art_malleability.report import AttackResult, MalleabilityReport
 from art_malleability.streaming import ExampleSource, is_torch_data
@@ -80,6 +90,7 @@ class MalleabilityEstimator:
         "verbose",
         "projection_dim",
         "distributed",
+        "controls",
     ]
 
     def __init__(
@@ -107,6 +118,7 @@ class MalleabilityEstimator:
         model_name: str | None = None,
         projection_dim: int | str | None = "auto",
         distributed: bool | str = "auto",
+        controls: bool = True,
     ) -> None:
         """
         :param classifier: An ART :class:`PyTorchClassifier`, or a raw :class:`torch.nn.Module` together
@@ -140,6 +152,10 @@ class MalleabilityEstimator:
                exact) or the projection dimension ``k``. The projection is seeded with ``seed``.
         :param distributed: ``"auto"`` (shard the audit over an initialised ``torch.distributed`` group of several
                processes, see :mod:`art_malleability.distributed`), ``True`` (require one) or ``False``.
+        :param controls: Beside every ℓ∞ attack, perturb the same training examples by random signs at the same
+               budget (:func:`~art_malleability.attacks.random_sign_perturbation`), recompute the influence and report
+               the control's metrics and the attack's *excess* flip rate (attack minus control, paired bootstrap
+               interval). One extra influence pass per distinct budget.
         """
         self.classifier = self._as_classifier(classifier, input_shape, nb_classes, loss, clip_values, device)
         self.attacks = (attacks,) if isinstance(attacks, (str, EvasionAttack)) else tuple(attacks)
@@ -159,6 +175,7 @@ class MalleabilityEstimator:
         self.verbose = verbose
         self.projection_dim = projection_dim
         self.distributed = distributed
+        self.controls = controls
         self.model_name = model_name or type(self.classifier.model).__name__
         self._check_params()
         self._attacks = [self._build_attack(a) for a in self.attacks]
@@ -206,7 +223,7 @@ class MalleabilityEstimator:
                 "every process needs at least one"
             )
         if shard is not None:
-            shard.agree((source.n, _weights_digest(clf.model)), "the classifier's weights and the size of x")
+            shard.agree((source.n, weights_digest(clf.model)), "the classifier's weights and the size of x")
         rng = np.random.default_rng(self.seed)
         if x_test is not None:
             test = self._source(x_test, y_test, "x_test", shape, nb_classes)
@@ -255,49 +272,114 @@ class MalleabilityEstimator:
                 "a sharded audit needs the projected NTK influence (influence='ntk' with projection_dim 'auto' or "
                 f"an integer); got {type(influence).__name__} with this configuration, which runs in one process"
             )
+        controls = {}
+        if self.controls:
+            controls = {a: eps for a in self._attacks if (eps := control_eps(a)) is not None}
+        n_controls = len(set(controls.values()))
         seconds: dict[str, float] = {}
-        steps = tqdm(total=1 + 2 * len(self._attacks), desc="malleability", disable=not self.verbose)
+        steps = tqdm(total=1 + 2 * len(self._attacks) + n_controls, desc="malleability", disable=not self.verbose)
         # transductive models need the whole training set as their context: read it into an array
         x_all = source.arrays(self.batch_size * 8)[0] if transductive else None
         y = source.labels(self.batch_size * 8)
         train_data = x_all if x_all is not None else source.given
 
-        def scores_now() -> np.ndarray:
-            scores = influence.scores(x_q, y_q)
+        def scores_now(estimator: InfluenceEstimator) -> np.ndarray:
+            scores = estimator.scores(x_q, y_q)
             if self_pairs is not None:
                 scores[np.arange(len(self_pairs)), self_pairs] = np.nan
             if shard is not None:  # rank 0's copy everywhere: every process then takes the same top set
                 scores = shard.broadcast_object(scores)
             return scores
 
-        def fit_on(x_train: Any, warm_start: bool = False) -> None:
+        def fit_on(estimator: InfluenceEstimator, x_train: Any, warm_start: bool = False) -> None:
             if transductive:
                 work.set_context(x_train)
             if is_torch_data(x_train):
-                influence.fit(work, x_train, warm_start=warm_start)
+                estimator.fit(work, x_train, warm_start=warm_start)
             else:
-                influence.fit(work, x_train, y, warm_start=warm_start)
-            if shard is not None and getattr(influence, "shard_", None) != shard:
+                estimator.fit(work, x_train, y, warm_start=warm_start)
+            if shard is not None and getattr(estimator, "shard_", None) != shard:
                 raise ValueError(
                     "the influence estimator did not shard over the process group (its distributed is "
-                    f"{getattr(influence, 'distributed', None)!r}); pass distributed='auto' or True to it"
+                    f"{getattr(estimator, 'distributed', None)!r}); pass distributed='auto' or True to it"
                 )
+
+        def perturbed_scores(rows: np.ndarray, x_new: np.ndarray) -> np.ndarray:
+            """Influence with this process's training rows ``rows`` replaced by ``x_new``."""
+            if transductive:
+                rows_all, new_all = rows, x_new
+                if shard is not None:
+                    rows_all = shard.all_gather_rows(torch.as_tensor(rows)).numpy()
+                    new_all = shard.all_gather_rows(torch.as_tensor(x_new)).numpy()
+                x_full = x_all.copy()
+                x_full[rows_all] = new_all
+                fit_on(influence, x_full, warm_start=True)  # the same random projection as the clean fit
+            else:
+                influence.refit(rows, x_new)
+            return scores_now(influence)
+
+        def second_seed_scores() -> np.ndarray | None:
+            """Clean aggregate scores of a twin estimator with the next projection seed (``None``: not projected)."""
+            twin = type(influence)(**{**influence.get_params(), "projection_seed": influence.projection_seed + 1})
+            fit_on(twin, train_data)
+            if getattr(twin, "mode_", None) != "projected" or twin.projector_.is_exact:
+                return None
+            return aggregate_scores(scores_now(twin))
 
         start = time.perf_counter()
         clean_accuracy, y_acc = self._accuracy(queries, shard)
         warnings = near_chance_warnings(clean_accuracy, y_acc, "test" if self_pairs is None else "train")
         seconds["accuracy"] = time.perf_counter() - start
+        twin_first = _projection_likely(influence, source.n, shard)
+        twin = None
+        if twin_first:  # large runs: before the clean fit, so that two fitted estimators never share the memory
+            steps.set_postfix_str("influence (second projection seed)")
+            start = time.perf_counter()
+            twin = second_seed_scores()
+            seconds["influence_second_seed"] = time.perf_counter() - start
         steps.set_postfix_str("influence (clean)")
         start = time.perf_counter()
-        fit_on(train_data)
-        before = scores_now()
+        fit_on(influence, train_data)
+        before = scores_now(influence)
         seconds["influence_clean"] = time.perf_counter() - start
         steps.update()
         agg_before = aggregate_scores(before)
+        projected = getattr(influence, "mode_", None) == "projected" and not influence.projector_.is_exact
+        noise = None
+        if projected:
+            if not twin_first:
+                start = time.perf_counter()
+                twin = second_seed_scores()
+                seconds["influence_second_seed"] = time.perf_counter() - start
+            noise = _seed_noise(agg_before, twin)
         top = top_indices(agg_before, k, self.rank_by)
         perturbed = top if self.strategy == "top" else np.arange(source.n)
         lo, hi = shard.bounds(source.n) if shard is not None else (0, source.n)
         local = np.sort(perturbed[(perturbed >= lo) & (perturbed < hi)])
+
+        def metrics_of(after: np.ndarray, control: dict | None = None) -> dict:
+            result = None
+            if shard is None or shard.rank == 0:
+                result = malleability_metrics(
+                    before, after, self.top_fraction, self.rank_by, self.n_bootstrap, self.confidence, self.seed,
+                    top, noise=noise or 0.0, control=control, keep_draws=True,
+                )
+            return shard.broadcast_object(result) if shard is not None else result
+
+        control_metrics: dict[float, dict] = {}
+        for eps in sorted(set(controls.values())):
+            steps.set_postfix_str(f"control eps={eps:g}")
+            start = time.perf_counter()
+            error, x_ctrl = None, None
+            try:
+                x_ctrl = self._control_rows(source, local, eps)
+            except Exception as failure:  # noqa: BLE001 - handed to every process below
+                error = failure
+            raise_if_any(shard, error)
+            after = perturbed_scores(local, x_ctrl)
+            control_metrics[eps] = metrics_of(after)
+            seconds[f"control_eps_{eps:g}"] = time.perf_counter() - start
+            steps.update()
 
         results = []
         for attack in self._attacks:
@@ -316,28 +398,14 @@ class MalleabilityEstimator:
             steps.update()
             steps.set_postfix_str(f"influence ({label})")
             start = time.perf_counter()
-            if transductive:
-                rows_all, adv_all = local, x_adv
-                if shard is not None:
-                    rows_all = shard.all_gather_rows(torch.as_tensor(local)).numpy()
-                    adv_all = shard.all_gather_rows(torch.as_tensor(x_adv)).numpy()
-                x_full = x_all.copy()
-                x_full[rows_all] = adv_all
-                fit_on(x_full, warm_start=True)  # the same random projection as the clean fit
-            else:
-                influence.refit(local, x_adv)
-            after = scores_now()
+            after = perturbed_scores(local, x_adv)
             timing["influence"] = time.perf_counter() - start
             start = time.perf_counter()
-            metrics = None
-            if shard is None or shard.rank == 0:
-                metrics = malleability_metrics(
-                    before, after, self.top_fraction, self.rank_by, self.n_bootstrap, self.confidence, self.seed, top
-                )
-            if shard is not None:
-                metrics = shard.broadcast_object(metrics)
+            control = control_metrics.get(controls.get(attack))
+            metrics = metrics_of(after, control)
             timing["metrics"] = time.perf_counter() - start
             steps.update()
+            draws = metrics.pop("draws")
             results.append(
                 AttackResult(
                     attack=label,
@@ -347,12 +415,19 @@ class MalleabilityEstimator:
                     max_perturbation=linf,
                     scores_after=aggregate_scores(after),
                     seconds=timing,
+                    control=_control_summary(control, controls.get(attack)),
+                    replicates=draws,
                     **metrics,
                 )
             )
             logger.info("%s: flip rate %.3f", label, metrics["flip_rate"])
         steps.close()
-        if getattr(influence, "mode_", None) == "projected" and not getattr(influence.projector_, "is_exact", False):
+        missing = [attack_label(a) for a in self._attacks if a not in controls]
+        if self.controls and missing:
+            warnings.append(
+                f"no random-perturbation control for {missing}: a control needs an l-inf attack with one scalar eps"
+            )
+        if projected:
             warnings.append(
                 f"influence from a {influence.projection_dim_}-dimensional random projection of the NTK features: "
                 "at small ridges its scores agree only loosely with the exact NTK influence, and two projection "
@@ -374,6 +449,7 @@ class MalleabilityEstimator:
             dataset=dataset,
             warnings=warnings,
             execution=self._execution(influence, shard),
+            noise_floor=self._noise_floor_record(noise),
         )
 
     def _attack_rows(
@@ -401,6 +477,24 @@ class MalleabilityEstimator:
             bar.update(len(xb))
         bar.close()
         return x_adv, changed, linf
+
+    def _control_rows(self, source: ExampleSource, rows: np.ndarray, eps: float) -> np.ndarray:
+        """The random-sign control of some training rows, read from the source in chunks."""
+        x_ctrl = np.empty((len(rows), *source.input_shape), dtype=np.float32)
+        clip = self.classifier.clip_values
+        for s, xb, _ in source.batches(max(self.batch_size * 8, 1), indices=rows):
+            x_ctrl[s : s + len(xb)] = random_sign_perturbation(xb, rows[s : s + len(xb)], eps, clip, seed=self.seed)
+        return x_ctrl
+
+    def _noise_floor_record(self, noise: float | None) -> dict[str, Any]:
+        """How the noise floor of the ``flip_rate_above_floor`` metrics was set."""
+        return {
+            "rule": "a flip counts when the clean and the perturbed aggregate score both exceed "
+            "z * sqrt(SE^2 + projection_sd^2) in magnitude (SE: standard error of the mean over queries)",
+            "z": z_value(self.confidence),
+            "projection_sd": 0.0 if noise is None else noise,
+            "projection_seeds": None if noise is None else [int(self.seed), int(self.seed) + 1],
+        }
 
     @staticmethod
     def _combine_attack_stats(changed: int, linf: float, total: int, shard: Shard | None) -> tuple[float, float]:
@@ -475,6 +569,8 @@ class MalleabilityEstimator:
             check_projection_dim(self.projection_dim)
         if self.distributed not in ("auto", True, False):
             raise ValueError(f"distributed must be 'auto', True or False, got {self.distributed!r}")
+        if not isinstance(self.controls, bool):
+            raise TypeError(f"controls must be True or False, got {self.controls!r}")
 
     def _build_attack(self, attack: str | EvasionAttack) -> EvasionAttack:
         if isinstance(attack, EvasionAttack):
@@ -543,6 +639,36 @@ def influence_flip_rate(
     return float("nan") if rate is None else rate
 
 
+def _projection_likely(influence: InfluenceEstimator, n: int, shard: Shard | None) -> bool:
+    """Whether an NTK influence will surely run projected (then its second seed is fitted before the clean fit)."""
+    if not isinstance(influence, NTKInfluence) or influence.projection_dim is None:
+        return False
+    return influence.projection_dim != "auto" or shard is not None or n > influence.max_exact_n
+
+
+def _seed_noise(first: np.ndarray, second: np.ndarray | None) -> float:
+    """
+    Standard deviation of one aggregate score due to the projection: the root mean square difference between
+    two projection seeds over ``sqrt(2)`` (two independent draws differ by twice the variance).
+    """
+    if second is None:
+        return 0.0
+    gap = first - second
+    gap = gap[np.isfinite(gap)]
+    return float(np.sqrt(np.mean(gap**2) / 2.0)) if gap.size else 0.0
+
+
+def _control_summary(control: dict | None, eps: float | None) -> dict[str, Any] | None:
+    """The control's metrics as reported beside an attack."""
+    if control is None:
+        return None
+    names = ("flip_rate", "flip_rate_above_floor", "spearman", "top_k_jaccard")
+    summary: dict[str, Any] = {"perturbation": CONTROL_LABEL, "eps": eps}
+    for name in names:
+        summary[name], summary[name + "_ci"] = control[name], control[name + "_ci"]
+    return summary
+
+
 def near_chance_warnings(accuracy: float, y: np.ndarray, source: str) -> list[str]:
     """
     Flag a model close to chance: one that closes less than a quarter of the gap between the
@@ -560,7 +686,7 @@ def near_chance_warnings(accuracy: float, y: np.ndarray, source: str) -> list[st
     return [message]
 
 
-def _weights_digest(model: torch.nn.Module) -> str:
+def weights_digest(model: torch.nn.Module) -> str:
     """SHA-256 of a model's parameters and buffers (to check that every process audits the same model)."""
     digest = hashlib.sha256()
     for name, tensor in model.state_dict().items():

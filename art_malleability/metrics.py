@@ -18,12 +18,19 @@ Definitions (the paper leaves them open; these are this package's choices):
 * **Per-query ranking**: the same computed within each query row, averaged over queries.
 * **Spearman**: rank correlation of all finite (query, train) scores before and after.
 * **Top-k overlap**: Jaccard index of the clean and perturbed aggregate top sets.
-* **Intervals**: percentile bootstrap over queries (rows resampled with replacement, every
-  statistic recomputed) *conditional on the influential set*: the top set is chosen once from all
-  clean scores (it is the set an audit perturbs) and held fixed in every resample; only the
-  aggregate scores, and the perturbed top set of the overlap, are recomputed. Re-selecting the set
-  per resample would mix in examples that were never perturbed and bias the interval low. With a
-  single query the interval is undefined (``NaN``).
+* **Flip rate above the noise floor**: the flip rate counting only sign changes between aggregate
+  scores distinguishable from zero: both the clean and the perturbed score exceed
+  ``z · sqrt(SE² + noise²)`` (``SE``: standard error of the mean over queries; ``noise``: the
+  estimator's own randomness, a projection's; ``z``: the normal quantile of the confidence). See
+  :func:`noise_thresholds`.
+* **Intervals**: bootstrap over queries (rows resampled with replacement, every statistic
+  recomputed by the same function that gives its point estimate, all statistics on the same
+  resamples) *conditional on the influential set*: the top set is chosen once from all clean scores
+  (it is the set an audit perturbs) and held fixed in every resample; only the aggregate scores, and
+  the perturbed top set of the overlap, are recomputed. Re-selecting the set per resample would mix
+  in examples that were never perturbed. The interval is the percentile interval moved so that the
+  replicates' median sits on the estimate (:func:`shifted_percentile_interval`: it always contains
+  the estimate). With a single query the interval is undefined (``NaN``).
 """
 
 from __future__ import annotations
@@ -31,11 +38,12 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 from scipy.sparse import csr_matrix
-from scipy.stats import spearmanr
+from scipy.stats import norm, spearmanr
 
 logger = logging.getLogger(__name__)
 
@@ -204,45 +212,246 @@ def _aggregate_jaccard(agg_after: np.ndarray, top: np.ndarray, k: int, rank_by: 
     return float(len(set_a & set_b) / len(union)) if union else float("nan")
 
 
+def z_value(confidence: float) -> float:
+    """:return: The two-sided normal quantile of a coverage, ``Φ⁻¹(1/2 + confidence/2)`` (1.96 at 0.95)."""
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must lie in (0, 1), got {confidence!r}")
+    return float(norm.ppf(0.5 + confidence / 2.0))
+
+
+def noise_thresholds(scores: np.ndarray, noise: float = 0.0, confidence: float = 0.95) -> np.ndarray:
+    """
+    The noise floor of each aggregate score: ``z · sqrt(SE² + noise²)``, with ``SE`` the standard error
+    of the column's mean over the queries (sample standard deviation of its finite entries over the
+    square root of their number), ``noise`` the standard deviation of the estimator's own randomness
+    (a projection's; 0 for a deterministic estimator) and ``z`` the two-sided normal quantile of
+    ``confidence``. A score whose magnitude does not exceed its threshold is indistinguishable from
+    zero: its sign is not determined by these queries and this estimator. A column with fewer than two
+    finite entries has an infinite threshold.
+
+    :param scores: Influence matrix (n_query, n_train), positive = helpful.
+    :param noise: Standard deviation of the estimator's randomness in one aggregate score (>= 0).
+    :param confidence: Coverage defining ``z``.
+    :return: Thresholds (n_train,).
+    """
+    scores = _as_matrix(scores, "scores")
+    if not np.isfinite(noise) or noise < 0:
+        raise ValueError(f"noise must be a finite number >= 0, got {noise!r}")
+    finite = np.isfinite(scores)
+    filled = np.where(finite, scores, 0.0)
+    _, se = _mean_and_error(finite.sum(axis=0), filled.sum(axis=0), (filled**2).sum(axis=0))
+    return z_value(confidence) * np.sqrt(se**2 + float(noise) ** 2)
+
+
+def flip_rate_above_floor(
+    before: np.ndarray,
+    after: np.ndarray,
+    top_fraction: float = 0.1,
+    rank_by: str = "abs",
+    top: np.ndarray | None = None,
+    noise: float = 0.0,
+    confidence: float = 0.95,
+) -> float:
+    """
+    Flip rate counting only sign changes between scores distinguishable from zero: an example of the
+    clean top set counts when its aggregate score changes sign and both the clean and the perturbed
+    score exceed their :func:`noise_thresholds`. The denominator stays the whole top set, so this rate
+    never exceeds :func:`flip_rate`.
+
+    :param before: Clean influence matrix (n_query, n_train), positive = helpful.
+    :param after: Influence matrix after perturbation, same shape.
+    :param top_fraction: Share of training examples in the influential set.
+    :param rank_by: ``"abs"`` or ``"signed"``.
+    :param top: Optional fixed influential set; default: chosen from ``before``.
+    :param noise: Standard deviation of the estimator's randomness in one aggregate score.
+    :param confidence: Coverage defining the thresholds' ``z``.
+    :return: Share of the top set; ``NaN`` when the set is empty.
+    """
+    before, after = _pair(before, after)
+    if top is None:
+        top = top_indices(aggregate_scores(before), top_k_count(before.shape[1], top_fraction), rank_by)
+    top = np.asarray(top, dtype=int)
+    if top.size == 0:
+        return float("nan")
+    counted = counted_flips(before, after, top, noise, confidence)
+    return float(len(counted) / top.size)
+
+
+def counted_flips(
+    before: np.ndarray, after: np.ndarray, top: np.ndarray, noise: float = 0.0, confidence: float = 0.95
+) -> np.ndarray:
+    """
+    :param before: Clean influence matrix (n_query, n_train).
+    :param after: Influence matrix after perturbation.
+    :param top: The influential set (training indices).
+    :param noise: Standard deviation of the estimator's randomness in one aggregate score.
+    :param confidence: Coverage defining the thresholds' ``z``.
+    :return: The members of ``top`` whose aggregate score flips sign above the noise floor (see
+             :func:`flip_rate_above_floor`).
+    """
+    top = np.asarray(top, dtype=int)
+    agg_b, agg_a = aggregate_scores(before)[top], aggregate_scores(after)[top]
+    thr_b = noise_thresholds(before[:, top], noise, confidence)
+    thr_a = noise_thresholds(after[:, top], noise, confidence)
+    return top[flip_mask(agg_b, agg_a) & (np.abs(agg_b) > thr_b) & (np.abs(agg_a) > thr_a)]
+
+
+# ------------------------------------------------------------------------------------------ intervals
+
+
+def resample_rows(n_query: int, n_bootstrap: int = 1000, seed: int = 0) -> np.ndarray:
+    """
+    Bootstrap resamples of query rows: ``(n_bootstrap, n_query)`` indices drawn with replacement from a
+    generator seeded with ``seed``. Every statistic of one audit is evaluated on the same resamples, so
+    differences between statistics (an attack's flip rate minus its control's) are paired.
+
+    :param n_query: Number of queries.
+    :param n_bootstrap: Number of resamples (>= 1).
+    :param seed: Seed of the generator.
+    :return: Integer array.
+    """
+    if isinstance(n_bootstrap, bool) or int(n_bootstrap) != n_bootstrap or n_bootstrap < 1:
+        raise ValueError(f"n_bootstrap must be a positive integer, got {n_bootstrap!r}")
+    return np.random.default_rng(seed).integers(0, n_query, (int(n_bootstrap), n_query))
+
+
+def evaluate_resamples(statistic: Callable[[np.ndarray], float], rows: np.ndarray) -> np.ndarray:
+    """
+    Values of a statistic on resamples of query rows.
+
+    :param statistic: Function of an index array of query rows returning a float; when it also has a
+        ``batch`` method (``(B, n_query)`` index arrays to ``B`` values) and a ``batch_rows`` attribute,
+        resamples are evaluated in batches of that many.
+    :param rows: Resamples, ``(n_bootstrap, n_query)``.
+    :return: ``(n_bootstrap,)`` values (``NaN`` where undefined).
+    """
+    batch = getattr(statistic, "batch", None)
+    if batch is None:
+        return np.array([statistic(r) for r in rows], dtype=np.float64)
+    step = max(1, int(getattr(statistic, "batch_rows", len(rows))))
+    return np.concatenate([np.asarray(batch(rows[s : s + step]), dtype=np.float64) for s in range(0, len(rows), step)])
+
+
+def shifted_percentile_interval(
+    point: float,
+    draws: np.ndarray,
+    confidence: float = 0.95,
+    bounds: tuple[float, float] = (-np.inf, np.inf),
+) -> tuple[float, float]:
+    """
+    Percentile interval of bootstrap replicates, moved so that their median sits on the point estimate:
+    ``[point + q_lo − m, point + q_hi − m]`` with ``q_lo, q_hi`` the replicates' ``(1 ∓ confidence)/2``
+    quantiles and ``m`` their median, then clipped to the statistic's range ``bounds``.
+
+    Why not the plain percentile interval: the audit's statistics are discontinuous functions of means
+    over queries (signs of aggregate scores, membership of a top set). A resample with repeated queries
+    has noisier means, so its replicates are biased (flip rates up, overlaps down) and a percentile
+    interval can exclude the estimate it is meant to bound. BCa corrects that bias only while the
+    estimate lies inside the central ``confidence`` share of the replicates, which is exactly when the
+    problem does not arise. The shift keeps the percentile interval's width and shape, removes the
+    replicates' median bias, contains the estimate by construction (``q_lo ≤ m ≤ q_hi``) and equals the
+    percentile interval whenever the replicates are median-unbiased. It describes the query-sampling
+    variability of the reported statistic; it does not correct the statistic's own small-sample bias.
+
+    :param point: The statistic on all queries.
+    :param draws: Its bootstrap replicates (non-finite ones are ignored).
+    :param confidence: Coverage, in (0, 1).
+    :param bounds: Range of the statistic (e.g. ``(0, 1)`` for a rate).
+    :return: ``(low, high)``; ``(NaN, NaN)`` when the point or every replicate is undefined.
+    """
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must lie in (0, 1), got {confidence!r}")
+    draws = np.asarray(draws, dtype=np.float64)
+    draws = draws[np.isfinite(draws)]
+    if draws.size == 0 or not np.isfinite(point):
+        return float("nan"), float("nan")
+    tail = 100.0 * (1.0 - confidence) / 2.0
+    low, median, high = np.percentile(draws, [tail, 50.0, 100.0 - tail])
+    low, high = point + (low - median), point + (high - median)
+    # min/max keep the point inside when rounding moves an endpoint across it
+    return float(max(min(low, point), bounds[0])), float(min(max(high, point), bounds[1]))
+
+
 def bootstrap_interval(
     statistic: Callable[[np.ndarray], float],
     n_query: int,
     n_bootstrap: int = 1000,
     confidence: float = 0.95,
     seed: int = 0,
+    bounds: tuple[float, float] = (-np.inf, np.inf),
 ) -> tuple[float, float]:
     """
-    Percentile bootstrap interval of a statistic of the query rows.
+    Bootstrap interval over queries of a statistic of the query rows (see
+    :func:`shifted_percentile_interval` for the method; it always contains ``statistic(all rows)``).
 
-    :param statistic: Function of an index array of query rows (drawn with replacement) returning a float;
-        when it also has a ``batch`` method (``(B, n_query)`` index arrays to ``B`` values) and a
-        ``batch_rows`` attribute, resamples are evaluated in batches of that many.
+    :param statistic: Function of an index array of query rows (see :func:`evaluate_resamples`).
     :param n_query: Number of queries.
     :param n_bootstrap: Number of resamples.
     :param confidence: Coverage of the interval, in (0, 1).
     :param seed: Seed of the resampling generator.
+    :param bounds: Range of the statistic.
     :return: (low, high); (NaN, NaN) with fewer than two queries or no finite resample.
     """
     if not 0.0 < confidence < 1.0:
         raise ValueError(f"confidence must lie in (0, 1), got {confidence!r}")
-    if n_bootstrap < 1:
-        raise ValueError(f"n_bootstrap must be a positive integer, got {n_bootstrap!r}")
+    rows = resample_rows(n_query, n_bootstrap, seed)
     if n_query < 2:
         return float("nan"), float("nan")
+    point = float(statistic(np.arange(n_query)))
+    return shifted_percentile_interval(point, evaluate_resamples(statistic, rows), confidence, bounds)
+
+
+def hierarchical_interval(
+    points: np.ndarray,
+    draws: list[np.ndarray] | np.ndarray,
+    n_bootstrap: int = 1000,
+    confidence: float = 0.95,
+    seed: int = 0,
+    bounds: tuple[float, float] = (-np.inf, np.inf),
+) -> tuple[float, tuple[float, float]]:
+    """
+    Mean of a statistic over independent runs (training seeds) with a two-level bootstrap interval:
+    each replicate draws the runs with replacement and, for every drawn run, one of that run's own
+    bootstrap replicates over queries (independently each time a run is drawn twice), and averages
+    them. The interval so includes both the run-to-run spread and each run's query-sampling noise;
+    it is a :func:`shifted_percentile_interval` around the mean of the runs' point estimates.
+
+    :param points: The statistic of each run (R,).
+    :param draws: Each run's bootstrap replicates over queries, ``(R, B)`` (``NaN`` allowed).
+    :param n_bootstrap: Number of two-level replicates.
+    :param confidence: Coverage.
+    :param seed: Seed of the resampling.
+    :param bounds: Range of the statistic.
+    :return: ``(mean, (low, high))``; with one run only the query level remains.
+    """
+    points = np.asarray(points, dtype=np.float64)
+    draws = np.asarray(draws, dtype=np.float64)
+    if draws.ndim != 2 or draws.shape[0] != points.size or points.size == 0:
+        raise ValueError(
+            f"draws must have one row of replicates per run ({points.size}), got shape {draws.shape}"
+        )
+    keep = np.isfinite(points)
+    points, draws = points[keep], draws[keep]
+    if points.size == 0:
+        return float("nan"), (float("nan"), float("nan"))
     rng = np.random.default_rng(seed)
-    rows = rng.integers(0, n_query, (n_bootstrap, n_query))  # the same draws as one resample at a time
-    batch = getattr(statistic, "batch", None)
-    if batch is None:
-        draws = np.array([statistic(r) for r in rows])
-    else:  # statistics that evaluate many resamples at once (same values, far faster at scale)
-        step = max(1, int(getattr(statistic, "batch_rows", n_bootstrap)))
-        draws = np.concatenate([batch(rows[s : s + step]) for s in range(0, n_bootstrap, step)])
-    draws = draws[np.isfinite(draws)]
-    if draws.size == 0:
-        return float("nan"), float("nan")
-    tail = 100.0 * (1.0 - confidence) / 2.0
-    low, high = np.percentile(draws, [tail, 100.0 - tail])
-    return float(low), float(high)
+    runs = rng.integers(0, len(points), (int(n_bootstrap), len(points)))
+    picks = rng.integers(0, draws.shape[1], runs.shape)
+    with np.errstate(invalid="ignore"):
+        pooled = np.nanmean(np.where(np.isfinite(draws[runs, picks]), draws[runs, picks], np.nan), axis=1)
+    mean = float(points.mean())
+    return mean, shifted_percentile_interval(mean, pooled, confidence, bounds)
+
+
+#: Range of each reported statistic (intervals are clipped to it).
+BOUNDS = {
+    "flip_rate": (0.0, 1.0),
+    "flip_rate_above_floor": (0.0, 1.0),
+    "per_query_flip_rate": (0.0, 1.0),
+    "spearman": (-1.0, 1.0),
+    "top_k_jaccard": (0.0, 1.0),
+    "excess_flip_rate": (-1.0, 1.0),
+}
 
 
 def malleability_metrics(
@@ -254,10 +463,15 @@ def malleability_metrics(
     confidence: float = 0.95,
     seed: int = 0,
     top: np.ndarray | None = None,
-) -> dict[str, float | tuple[float, float]]:
+    noise: float = 0.0,
+    control: dict[str, Any] | None = None,
+    keep_draws: bool = False,
+) -> dict[str, Any]:
     """
     All malleability metrics of one clean/perturbed pair of influence matrices, with bootstrap intervals
-    conditional on the influential set.
+    over queries conditional on the influential set. Every statistic is evaluated on the same resamples
+    (:func:`resample_rows` with ``seed``), each interval is a :func:`shifted_percentile_interval` and
+    contains its point estimate.
 
     :param before: Clean influence matrix (n_query, n_train), positive = helpful.
     :param after: Influence matrix after perturbation, same shape.
@@ -267,33 +481,72 @@ def malleability_metrics(
     :param confidence: Interval coverage.
     :param seed: Seed of the resampling.
     :param top: Optional fixed influential set (the perturbed one); default: chosen from all of ``before``.
-    :return: Dict with ``flip_rate``, ``per_query_flip_rate``, ``spearman``, ``top_k_jaccard`` and each
-             one's ``*_ci`` interval.
+    :param noise: Standard deviation of the estimator's randomness in one aggregate score (see
+                  :func:`noise_thresholds`).
+    :param control: The metrics of a control perturbation of the same set, computed by this function with
+                    the same ``before``, ``seed`` and ``n_bootstrap`` and ``keep_draws=True``; adds the
+                    ``excess_flip_rate`` (this flip rate minus the control's) with a paired interval.
+    :param keep_draws: Also return the replicates of every statistic under ``"draws"`` (for pooling runs
+                       with :func:`hierarchical_interval`, or as a ``control``).
+    :return: Dict with ``flip_rate``, ``flip_rate_above_floor``, ``per_query_flip_rate``, ``spearman``,
+             ``top_k_jaccard`` (and ``excess_flip_rate`` with a control), each one's ``*_ci`` interval, and
+             ``counted_flips`` (members of the top set that flip above the noise floor).
     """
     before, after = _pair(before, after)
-    per_query = per_query_flip_rates(before, after, top_fraction, rank_by)
     k = top_k_count(before.shape[1], top_fraction)
     top = top_indices(aggregate_scores(before), k, rank_by) if top is None else np.asarray(top, dtype=int)
-    aggregates = _ResampledAggregates(before, after, top, k, rank_by)
+    per_query = per_query_flip_rates(before, after, top_fraction, rank_by)
+    aggregates = _ResampledAggregates(before, after, top, k, rank_by, z_value(confidence), noise)
     statistics: dict[str, Callable[[np.ndarray], float]] = {
         "flip_rate": aggregates.statistic("flip_rate"),
-        "per_query_flip_rate": lambda rows: _nanmean(per_query[rows]),
+        "flip_rate_above_floor": aggregates.statistic("flip_rate_above_floor"),
+        "per_query_flip_rate": _batched(lambda rows: _nanmean_rows(per_query[np.atleast_2d(rows)])),
         "spearman": _ResampledSpearman(before, after),
         "top_k_jaccard": aggregates.statistic("top_k_jaccard"),
     }
-    everything = np.arange(before.shape[0])
-    result: dict[str, float | tuple[float, float]] = {}
-    for offset, (name, statistic) in enumerate(statistics.items()):
-        result[name] = statistic(everything)
-        result[name + "_ci"] = bootstrap_interval(
-            statistic, before.shape[0], n_bootstrap, confidence, seed + offset
-        )
+    n_query = before.shape[0]
+    everything = np.arange(n_query)
+    rows = resample_rows(n_query, n_bootstrap, seed) if n_query >= 2 else None
+    result: dict[str, Any] = {}
+    draws: dict[str, np.ndarray] = {}
+    for name, statistic in statistics.items():
+        result[name] = float(statistic(everything))
+        draws[name] = evaluate_resamples(statistic, rows) if rows is not None else np.full(0, np.nan)
+    if control is not None:
+        if len(control.get("draws", {}).get("flip_rate", ())) != len(draws["flip_rate"]):
+            raise ValueError(
+                "control must come from malleability_metrics with keep_draws=True and the same n_bootstrap"
+            )
+        result["excess_flip_rate"] = result["flip_rate"] - control["flip_rate"]
+        draws["excess_flip_rate"] = draws["flip_rate"] - control["draws"]["flip_rate"]
+    for name, values in draws.items():
+        result[name + "_ci"] = shifted_percentile_interval(result[name], values, confidence, BOUNDS[name])
+    result["counted_flips"] = aggregates.counted_flips()
+    if keep_draws:
+        result["draws"] = draws
     return result
+
+
+def _batched(batch: Callable[[np.ndarray], np.ndarray]) -> Callable[[np.ndarray], float]:
+    """A statistic of one resample from its batched form (kept as ``batch``)."""
+
+    def single(rows: np.ndarray) -> float:
+        return float(batch(np.asarray(rows)[None, :])[0])
+
+    single.batch = batch  # type: ignore[attr-defined]
+    return single
+
+
+def _nanmean_rows(values: np.ndarray) -> np.ndarray:
+    finite = np.isfinite(values)
+    counts = finite.sum(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(counts > 0, np.where(finite, values, 0.0).sum(axis=1) / np.maximum(counts, 1), np.nan)
 
 
 def _mm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Matrix product through torch (numpy's BLAS competes with torch's threads for the same cores)."""
-    return (torch.from_numpy(np.asarray(a)) @ torch.from_numpy(np.asarray(b))).numpy()
+    return (torch.from_numpy(np.ascontiguousarray(a)) @ torch.from_numpy(np.ascontiguousarray(b))).numpy()
 
 
 def _weights(rows: np.ndarray, n_query: int) -> np.ndarray:
@@ -302,6 +555,19 @@ def _weights(rows: np.ndarray, n_query: int) -> np.ndarray:
     counts = np.zeros((rows.shape[0], n_query))
     np.add.at(counts, (np.arange(rows.shape[0])[:, None], rows), 1.0)
     return counts
+
+
+def _mean_and_error(counts: np.ndarray, sums: np.ndarray, squares: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """
+    Means and standard errors of columns from their (weighted) counts, sums and sums of squares: ``NaN``
+    mean without data, infinite error with fewer than two values.
+    """
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = np.where(counts > 0, sums / np.where(counts > 0, counts, 1.0), np.nan)
+        spread = np.maximum(squares - counts * np.nan_to_num(mean) ** 2, 0.0)
+        variance = spread / np.where(counts > 1, counts - 1.0, 1.0)
+        error = np.where(counts > 1, np.sqrt(variance / np.where(counts > 0, counts, 1.0)), np.inf)
+    return mean, error
 
 
 def _top_masks(values: np.ndarray, k: int, rank_by: str) -> np.ndarray:
@@ -326,36 +592,63 @@ def _top_masks(values: np.ndarray, k: int, rank_by: str) -> np.ndarray:
 
 class _ResampledAggregates:
     """
-    The aggregate flip rate and top-k Jaccard of resamples of query rows, many resamples at once:
+    The aggregate flip rates and top-k Jaccard of resamples of query rows, many resamples at once:
     a resample's aggregate scores are ``(W @ S) / (W @ F)`` with ``W`` its query multiplicities, ``S``
-    the scores with ``NaN`` set to 0 and ``F`` the finite mask (two matrix products per batch).
+    the scores with ``NaN`` set to 0 and ``F`` the finite mask; their standard errors add ``W @ S²``.
+    The flip rates need the top set's columns only; the overlap needs every perturbed column.
     """
 
-    def __init__(self, before: np.ndarray, after: np.ndarray, top: np.ndarray, k: int, rank_by: str) -> None:
+    def __init__(
+        self, before: np.ndarray, after: np.ndarray, top: np.ndarray, k: int, rank_by: str, z: float, noise: float
+    ) -> None:
         self.n_query = before.shape[0]
         self.top, self.k, self.rank_by = np.asarray(top, dtype=int), k, rank_by
-        self.sides = []
-        for scores in (before, after):
-            finite = np.isfinite(scores)
-            self.sides.append((np.where(finite, scores, 0.0), finite.astype(np.float64)))
+        self.z, self.noise = float(z), float(noise)
+        self.top_sides = [self._side(scores[:, self.top]) for scores in (before, after)]
+        self.after = self._side(after, squares=False)
         self.batch_rows = max(1, 2**24 // max(before.shape[1], 1))
 
-    def _aggregates(self, weights: np.ndarray, side: int) -> np.ndarray:
-        filled, finite = self.sides[side]
-        counts, sums = _mm(weights, finite), _mm(weights, filled)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return np.where(counts > 0, sums / np.where(counts > 0, counts, 1.0), np.nan)
+    @staticmethod
+    def _side(scores: np.ndarray, squares: bool = True) -> tuple[np.ndarray, ...]:
+        finite = np.isfinite(scores)
+        filled = np.where(finite, scores, 0.0)
+        return (finite.astype(np.float64), filled) + ((filled**2,) if squares else ())
+
+    def _top_scores(self, weights: np.ndarray, side: int) -> tuple[np.ndarray, np.ndarray]:
+        finite, filled, squares = self.top_sides[side]
+        return _mean_and_error(_mm(weights, finite), _mm(weights, filled), _mm(weights, squares))
+
+    def _flips(self, weights: np.ndarray, floor: bool) -> np.ndarray:
+        (before, se_b), (after, se_a) = self._top_scores(weights, 0), self._top_scores(weights, 1)
+        flips = flip_mask(before, after)
+        if floor:
+            with np.errstate(invalid="ignore"):
+                flips &= np.abs(before) > self.z * np.sqrt(se_b**2 + self.noise**2)
+                flips &= np.abs(after) > self.z * np.sqrt(se_a**2 + self.noise**2)
+        return flips
 
     def flip_rate(self, rows: np.ndarray) -> np.ndarray:
         weights = _weights(rows, self.n_query)
         if self.top.size == 0:
             return np.full(len(weights), np.nan)
-        before = self._aggregates(weights, 0)[:, self.top]
-        after = self._aggregates(weights, 1)[:, self.top]
-        return flip_mask(before, after).mean(axis=1)
+        return self._flips(weights, False).mean(axis=1)
+
+    def flip_rate_above_floor(self, rows: np.ndarray) -> np.ndarray:
+        weights = _weights(rows, self.n_query)
+        if self.top.size == 0:
+            return np.full(len(weights), np.nan)
+        return self._flips(weights, True).mean(axis=1)
+
+    def counted_flips(self) -> list[int]:
+        """:return: Members of the top set whose aggregate score flips above the noise floor (all queries)."""
+        if self.top.size == 0:
+            return []
+        return self.top[self._flips(np.ones((1, self.n_query)), True)[0]].tolist()
 
     def top_k_jaccard(self, rows: np.ndarray) -> np.ndarray:
-        after = self._aggregates(_weights(rows, self.n_query), 1)
+        weights = _weights(rows, self.n_query)
+        finite, filled = self.after
+        after, _ = _mean_and_error(_mm(weights, finite), _mm(weights, filled), np.zeros(1))
         mask = _top_masks(after, self.k, self.rank_by)
         both = mask[:, self.top].sum(axis=1)
         union = self.top.size + mask.sum(axis=1) - both
@@ -364,12 +657,7 @@ class _ResampledAggregates:
 
     def statistic(self, name: str) -> Callable[[np.ndarray], float]:
         """A bootstrap statistic (a function of one resample, with the batched form as ``batch``)."""
-        batch = getattr(self, name)
-
-        def single(rows: np.ndarray) -> float:
-            return float(batch(np.asarray(rows)[None, :])[0])
-
-        single.batch = batch  # type: ignore[attr-defined]
+        single = _batched(getattr(self, name))
         single.batch_rows = self.batch_rows  # type: ignore[attr-defined]
         return single
 
@@ -468,11 +756,6 @@ class _ResampledSpearman:
             var_b = cubic(self.t["bb"]) - sum_b**2 / total
             ok = (total >= 2) & (var_a > 0) & (var_b > 0)
             return np.where(ok, cov / np.sqrt(np.where(ok, var_a * var_b, 1.0)), np.nan)
-
-
-def _nanmean(values: np.ndarray) -> float:
-    values = values[np.isfinite(values)]
-    return float(values.mean()) if values.size else float("nan")
 
 
 def _as_matrix(scores: np.ndarray, name: str) -> np.ndarray:

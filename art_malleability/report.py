@@ -47,6 +47,17 @@ class AttackResult:
     :param top_k_jaccard_ci: Bootstrap interval over queries.
     :param scores_after: Aggregate influence of each training example after the perturbation.
     :param seconds: Time of each step.
+    :param flip_rate_above_floor: Flip rate counting only sign changes between scores distinguishable from zero
+        (both scores above the report's ``noise_floor``); never above ``flip_rate``.
+    :param flip_rate_above_floor_ci: Bootstrap interval over queries.
+    :param counted_flips: Members of the top set whose flip counts above the noise floor.
+    :param control: The random-perturbation control of the same examples at the same ℓ∞ budget (random signs at
+        ``±eps``, clipped): its ``eps``, ``flip_rate``, ``flip_rate_above_floor``, ``spearman``, ``top_k_jaccard``
+        with intervals; ``None`` without a control.
+    :param excess_flip_rate: ``flip_rate`` minus the control's flip rate.
+    :param excess_flip_rate_ci: Paired bootstrap interval over queries (the same resamples for both).
+    :param replicates: Bootstrap replicates of every statistic (kept in memory for pooling runs with
+        :func:`~art_malleability.metrics.hierarchical_interval`; not saved).
     """
 
     attack: str
@@ -64,10 +75,18 @@ class AttackResult:
     top_k_jaccard_ci: list[float | None]
     scores_after: list[float | None]
     seconds: dict[str, float] = field(default_factory=dict)
+    flip_rate_above_floor: float | None = None
+    flip_rate_above_floor_ci: list[float | None] = field(default_factory=lambda: [None, None])
+    counted_flips: list[int] = field(default_factory=list)
+    control: dict[str, Any] | None = None
+    excess_flip_rate: float | None = None
+    excess_flip_rate_ci: list[float | None] = field(default_factory=lambda: [None, None])
+    replicates: dict[str, np.ndarray] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            setattr(self, f.name, json_ready(getattr(self, f.name)))
+            if f.name != "replicates":
+                setattr(self, f.name, json_ready(getattr(self, f.name)))
 
 
 @dataclass
@@ -93,6 +112,8 @@ class MalleabilityReport:
     :param execution: What ran: the influence estimator's parameters and mode (``"exact"`` or
                       ``"projected"``, with the projection dimension, seed and per-layer dimensions), and
                       the process group (``world_size``, ``backend``).
+    :param noise_floor: The rule of the ``flip_rate_above_floor`` metrics: ``z`` and the projection's standard
+                        deviation per aggregate score (0 for a deterministic estimator) with the two seeds compared.
     """
 
     model: str
@@ -110,6 +131,7 @@ class MalleabilityReport:
     dataset: str | None = None
     warnings: list[str] = field(default_factory=list)
     execution: dict[str, Any] = field(default_factory=dict)
+    noise_floor: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.results = [r if isinstance(r, AttackResult) else AttackResult(**r) for r in self.results]
@@ -130,8 +152,11 @@ class MalleabilityReport:
         raise KeyError(f"attack {attack!r} not in this report; it holds {[r.attack for r in self.results]}")
 
     def to_dict(self) -> dict[str, Any]:
-        """:return: A JSON-ready dict of the whole report."""
-        return asdict(self)
+        """:return: A JSON-ready dict of the whole report (bootstrap replicates left out)."""
+        data = asdict(self)
+        for result in data["results"]:
+            result.pop("replicates", None)
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> MalleabilityReport:
@@ -142,11 +167,12 @@ class MalleabilityReport:
         return cls(**data)
 
     def summary(self) -> str:
-        """:return: A plain-text table: attack, flip rate [95 % CI], Spearman, top-k overlap, attack success."""
-        conf = int(round(100 * self.config.get("confidence", 0.95)))
-        header = ["attack", f"flip rate [{conf}% CI]", "per-query flip", "Spearman", "top-k Jaccard", "success"]
-        rows = [header] + [_row(r) for r in self.results]
-        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+        """
+        :return: A plain-text table: attack, flip rate [CI], flip rate above the noise floor, the random control's
+                 flip rate, the excess flip rate [CI], Spearman, top-k overlap, attack success.
+        """
+        rows = [self._header()] + [_row(r) for r in self.results]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         lines = [self._title()]
         for i, row in enumerate(rows):
             lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
@@ -156,9 +182,8 @@ class MalleabilityReport:
         return "\n".join(lines)
 
     def to_markdown(self) -> str:
-        """:return: The report as Markdown: settings, the table, timings and versions."""
-        conf = int(round(100 * self.config.get("confidence", 0.95)))
-        header = ["attack", f"flip rate [{conf}% CI]", "per-query flip", "Spearman", "top-k Jaccard", "success"]
+        """:return: The report as Markdown: settings, the tables, the noise floor, timings and versions."""
+        header = self._header()
         lines = [
             f"# Influence malleability: {self.model}",
             "",
@@ -167,12 +192,32 @@ class MalleabilityReport:
             *[f"> **Warning:** {w}\n" for w in self.warnings],
             "Influence scores have shape (n_query, n_train); positive = helpful (removing the training "
             "example would raise the query's loss). The flip rate is the share of the clean top set whose "
-            "aggregate influence changes sign after the attack.",
+            "aggregate influence changes sign after the attack; *above floor* counts only sign changes between "
+            "scores distinguishable from zero; *control* perturbs the same examples by random signs at the same "
+            "budget, and *excess* is the attack's flip rate minus the control's (paired bootstrap over queries). "
+            "Intervals: bootstrap over queries, percentile interval moved onto the estimate (it always contains it).",
             "",
             "| " + " | ".join(header) + " |",
             "|" + "---|" * len(header),
         ]
         lines += ["| " + " | ".join(_row(r)) + " |" for r in self.results]
+        controls = [r for r in self.results if r.control is not None]
+        if controls:
+            lines += ["", "## Random-perturbation controls", ""]
+            lines += ["| beside | eps | flip rate | above floor | Spearman | top-k Jaccard |", "|---" * 6 + "|"]
+            for r in controls:
+                c = r.control
+                lines.append(
+                    f"| {r.attack} | {c['eps']:g} | {_percent_ci(c['flip_rate'], c['flip_rate_ci'])} | "
+                    f"{_percent_ci(c['flip_rate_above_floor'], c['flip_rate_above_floor_ci'])} | "
+                    f"{_number_ci(c['spearman'], c['spearman_ci'])} | "
+                    f"{_number_ci(c['top_k_jaccard'], c['top_k_jaccard_ci'])} |"
+                )
+        lines += ["", "Per-query flip rates (each query's own top set): "
+                  + ", ".join(f"{r.attack} {_percent(r.per_query_flip_rate)}" for r in self.results)]
+        if self.noise_floor:
+            lines += ["", "## Noise floor", "", f"{self.noise_floor.get('rule')}; z = {self.noise_floor.get('z'):.3f}, "
+                      f"projection sd = {self.noise_floor.get('projection_sd'):.3g}."]
         lines += ["", "## Settings", ""]
         lines += [f"- `{k}`: `{v}`" for k, v in self.config.items()]
         lines += ["", "## Time (seconds)", ""]
@@ -184,6 +229,11 @@ class MalleabilityReport:
         lines += ["", "![flip rates](flip_rates.png)", ""]
         lines += [f"![{r.attack}](scatter_{slugify(r.attack)}.png)" for r in self.results]
         return "\n".join(lines) + "\n"
+
+    def _header(self) -> list[str]:
+        conf = int(round(100 * self.config.get("confidence", 0.95)))
+        return ["attack", f"flip rate [{conf}% CI]", "above floor", "control", "excess [CI]", "Spearman",
+                "top-k Jaccard", "success"]
 
     def save(self, directory: str | os.PathLike) -> Path:
         """
@@ -231,30 +281,46 @@ class MalleabilityReport:
 
     def plot_flip_rates(self, ax: Any = None) -> Any:
         """
-        Bar chart of the flip rate per attack with its interval.
+        Bar chart per attack: the flip rate, the flip rate above the noise floor and the random-sign control's
+        flip rate, each with its interval.
 
         :param ax: Optional matplotlib axes.
         :return: The matplotlib figure.
         """
-        ax = _axes(ax, (1.2 + 1.1 * len(self.results), 3.2))
+        ax = _axes(ax, (1.4 + 1.6 * len(self.results), 3.4))
         labels = [r.attack for r in self.results]
-        values = np.array([_nan(r.flip_rate) for r in self.results]) * 100
-        low = np.array([_nan(r.flip_rate_ci[0]) for r in self.results]) * 100
-        high = np.array([_nan(r.flip_rate_ci[1]) for r in self.results]) * 100
+        series = [
+            ("flip rate", "tab:red", [(r.flip_rate, r.flip_rate_ci) for r in self.results]),
+            ("above noise floor", "tab:orange", [(r.flip_rate_above_floor, r.flip_rate_above_floor_ci)
+                                                 for r in self.results]),
+            ("random-sign control", "0.55", [
+                (None, [None, None]) if r.control is None else (r.control["flip_rate"], r.control["flip_rate_ci"])
+                for r in self.results
+            ]),
+        ]
         positions = np.arange(len(labels))
-        ax.bar(positions, np.nan_to_num(values), color="tab:red", alpha=0.8, tick_label=labels)
-        # percentile intervals need not contain the estimate, so draw them as segments, not +- errors
-        ax.vlines(positions, low, high, color="k", lw=1.2)
-        ax.scatter(np.r_[positions, positions], np.r_[low, high], marker="_", s=80, color="k")
+        width = 0.27
+        top = 5.0
+        for j, (name, color, values) in enumerate(series):
+            x = positions + (j - 1) * width
+            point = np.array([_nan(v) for v, _ in values]) * 100
+            low = np.array([_nan(ci[0]) for _, ci in values]) * 100
+            high = np.array([_nan(ci[1]) for _, ci in values]) * 100
+            ax.bar(x, np.nan_to_num(point), width, color=color, alpha=0.85, label=name)
+            ax.vlines(x, low, high, color="k", lw=1.0)
+            finite = np.append(high[np.isfinite(high)], point[np.isfinite(point)])
+            top = max(top, float(finite.max()) * 1.15 if finite.size else top)
+        ax.set_xticks(positions, labels)
         ax.set_ylabel("influence flip rate (%)")
         ax.set_title(f"{self.model}: top {self.top_k} examples")
-        ax.set_ylim(0, max(5.0, float(np.nanmax(np.append(high, values))) * 1.15 if values.size else 5.0))
+        ax.set_ylim(0, top)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
         return ax.figure
 
     def plot_influence_scatter(self, attack: str, ax: Any = None) -> Any:
         """
         Aggregate influence of each training example before vs after one attack; the clean top set is
-        highlighted and sign flips are marked.
+        highlighted and sign flips are marked: crosses count above the noise floor, open circles do not.
 
         :param attack: Attack label.
         :param ax: Optional matplotlib axes.
@@ -266,9 +332,14 @@ class MalleabilityReport:
         after = np.array([_nan(v) for v in r.scores_after])
         top = np.array(self.top_indices, dtype=int)
         flipped = top[np.sign(before[top]) * np.sign(after[top]) < 0]
+        counted = np.intersect1d(flipped, np.array(r.counted_flips, dtype=int))
+        within = np.setdiff1d(flipped, counted)
         ax.scatter(before, after, s=6, color="0.65", label="all training examples")
         ax.scatter(before[top], after[top], s=14, color="tab:blue", label=f"top {len(top)}")
-        ax.scatter(before[flipped], after[flipped], s=22, color="tab:red", marker="x", label="sign flipped")
+        ax.scatter(before[counted], after[counted], s=22, color="tab:red", marker="x",
+                   label=f"flipped above noise floor ({len(counted)})")
+        ax.scatter(before[within], after[within], s=30, facecolors="none", edgecolors="tab:orange",
+                   label=f"flipped within noise floor ({len(within)})")
         ax.axhline(0, color="k", lw=0.6)
         ax.axvline(0, color="k", lw=0.6)
         ax.ticklabel_format(style="sci", scilimits=(-2, 3))
@@ -291,7 +362,8 @@ class MalleabilityReport:
 
 def comparison_table(reports: list[MalleabilityReport]) -> str:
     """
-    Flip rates of several audited models side by side, one row per model, one column per attack.
+    Flip rates of several audited models side by side, one row per model, one column per attack (with the excess
+    over the random-sign control where one ran).
 
     :param reports: Reports of the same attacks on different models.
     :return: Markdown table.
@@ -301,7 +373,7 @@ def comparison_table(reports: list[MalleabilityReport]) -> str:
     lines.append("|---|---|" + "---|" * len(attacks))
     for rep in reports:
         acc = "n/a" if rep.clean_accuracy is None else f"{100 * rep.clean_accuracy:.1f}%"
-        cells = [_percent_ci(rep.result(a).flip_rate, rep.result(a).flip_rate_ci) for a in attacks]
+        cells = [_flip_and_excess(rep.result(a)) for a in attacks]
         lines.append(f"| {rep.model} | {acc} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -310,11 +382,29 @@ def _row(r: AttackResult) -> list[str]:
     return [
         r.attack,
         _percent_ci(r.flip_rate, r.flip_rate_ci),
-        _percent(r.per_query_flip_rate),
+        _percent(r.flip_rate_above_floor),
+        "n/a" if r.control is None else _percent(r.control["flip_rate"]),
+        _points_ci(r.excess_flip_rate, r.excess_flip_rate_ci),
         _number_ci(r.spearman, r.spearman_ci),
         _number_ci(r.top_k_jaccard, r.top_k_jaccard_ci),
         _percent(r.attack_success),
     ]
+
+
+def _flip_and_excess(r: AttackResult) -> str:
+    text = _percent_ci(r.flip_rate, r.flip_rate_ci)
+    if r.excess_flip_rate is None:
+        return text
+    return f"{text}; excess {_points_ci(r.excess_flip_rate, r.excess_flip_rate_ci)}"
+
+
+def _points_ci(v: float | None, ci: list[float | None]) -> str:
+    """A difference of rates in percentage points, signed, with its interval."""
+    if v is None:
+        return "n/a"
+    if ci[0] is None or ci[1] is None:
+        return f"{100 * v:+.1f} pts"
+    return f"{100 * v:+.1f} pts [{100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]"
 
 
 def _percent(v: float | None) -> str:

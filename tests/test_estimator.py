@@ -13,8 +13,16 @@ from art.estimators.classification import PyTorchClassifier
 from helpers import digits, trained_classifier
 
 from art_malleability import MalleabilityEstimator, influence_flip_rate
+from art_malleability.attacks import random_sign_perturbation
 from art_malleability.influence import InfluenceEstimator, NTKInfluence
-from art_malleability.metrics import aggregate_scores, flip_rate, spearman, top_indices
+from art_malleability.metrics import (
+    aggregate_scores,
+    counted_flips,
+    flip_rate,
+    flip_rate_above_floor,
+    spearman,
+    top_indices,
+)
 
 FAST = {"n_queries": 15, "n_bootstrap": 50, "verbose": False, "device": "cpu"}
 
@@ -56,6 +64,55 @@ def test_fgsm_flip_rate_equals_explicit_recomputation(name, relu_clf, attn_clf):
     assert result.n_perturbed == 20
     assert result.max_perturbation <= 0.3 + 1e-6
     np.testing.assert_allclose(report.scores_before, aggregate_scores(before), rtol=1e-10)
+    # the noise floor of an exact estimator: the queries' standard errors alone
+    assert report.noise_floor["projection_sd"] == 0.0
+    assert result.flip_rate_above_floor == flip_rate_above_floor(before, after, top=top)
+    assert result.counted_flips == counted_flips(before, after, top).tolist()
+
+    # the control: the same rows moved by seeded random signs at the same budget, influence recomputed
+    x_ctrl = x.copy()
+    x_ctrl[top] = random_sign_perturbation(x[top], top, 0.3, (0.0, 1.0), seed=0)
+    if name == "mlp-attn":
+        model.set_context(x_ctrl)
+    control = NTKInfluence(ridge=1e-3, device="cpu").fit(model, x_ctrl, y).scores(xq, yq)
+    assert result.control["eps"] == 0.3 and result.control["perturbation"] == "random-sign"
+    assert result.control["flip_rate"] == pytest.approx(flip_rate(before, control, 0.1))
+    assert result.control["spearman"] == pytest.approx(spearman(before, control))
+    assert result.excess_flip_rate == pytest.approx(flip_rate(before, after, 0.1) - flip_rate(before, control, 0.1))
+    for r in (result.__dict__, result.control):  # every interval contains its estimate
+        for key in [k for k in r if k.endswith("_ci")]:
+            if r[key[:-3]] is not None:
+                assert r[key][0] <= r[key[:-3]] <= r[key][1], key
+
+
+def test_random_sign_control_perturbation():
+    x = np.random.default_rng(0).random((6, 1, 3, 3)).astype(np.float32)
+    rows = np.array([4, 9, 11, 20, 21, 30])
+    out = random_sign_perturbation(x, rows, 0.3, (0.0, 1.0), seed=5)
+    moved = np.clip(np.stack([x - 0.3, x + 0.3]), 0, 1)
+    assert np.all(np.isclose(out, moved[0]) | np.isclose(out, moved[1]))
+    assert out.dtype == np.float32 and np.abs(out - x).max() <= 0.3 + 1e-6
+    # a row's signs depend on its training index and the seed only, not on its batch
+    np.testing.assert_array_equal(random_sign_perturbation(x[2:4], rows[2:4], 0.3, (0.0, 1.0), seed=5), out[2:4])
+    assert not np.array_equal(random_sign_perturbation(x, rows, 0.3, (0.0, 1.0), seed=6), out)
+    unclipped = random_sign_perturbation(x, rows, 0.3, None, seed=5)
+    np.testing.assert_allclose(np.abs(unclipped - x), 0.3, rtol=1e-5)
+    with pytest.raises(ValueError, match="rows"):
+        random_sign_perturbation(x, rows[:2], 0.3, None)
+
+
+def test_controls_switch_off_and_non_linf_attacks_get_none(relu_clf):
+    data = digits()
+    x, y, xq, yq = data.x_train, data.y_train, data.x_test[:15], data.y_test[:15]
+    off = MalleabilityEstimator(relu_clf, attacks=["fgsm"], controls=False, **FAST).evaluate(x, y, xq, yq)
+    assert off.result("fgsm").control is None and off.result("fgsm").excess_flip_rate is None
+    assert off.config["controls"] is False and not any("control" in k for k in off.seconds)
+    l2 = FastGradientMethod(relu_clf, norm=2, eps=1.0)
+    report = MalleabilityEstimator(relu_clf, attacks=[l2, "pgd"], **FAST).evaluate(x, y, xq, yq)
+    assert report.result("fgsm").control is None and report.result("pgd").control is not None
+    assert any("no random-perturbation control for ['fgsm']" in w for w in report.warnings)
+    with pytest.raises(TypeError, match="controls"):
+        MalleabilityEstimator(relu_clf, controls="yes")
 
 
 def test_three_attacks_report_is_sane(attn_clf):
@@ -117,10 +174,11 @@ def test_transductive_context_refreshed_on_a_copy_only(attn_clf):
     report = MalleabilityEstimator(attn_clf, attacks=["fgsm"], influence=recorder, **FAST).evaluate(
         data.x_train, data.y_train
     )
-    clean, perturbed = recorder.contexts
+    clean, control, perturbed = recorder.contexts  # clean, random-sign control, attack
     assert torch.equal(clean, context)  # the model was trained with this training set as context
-    assert recorder.context_dtypes == [torch.float64, torch.float64]  # computed in the influence's dtype
-    assert not torch.allclose(clean, perturbed)
+    assert recorder.context_dtypes == [torch.float64] * 3  # computed in the influence's dtype
+    assert not torch.allclose(clean, perturbed) and not torch.allclose(clean, control)
+    assert not torch.allclose(control, perturbed)
     assert torch.equal(attn_clf.model.attention.context, context)
     assert report.config["influence"] == "recorder"
 
@@ -335,6 +393,13 @@ def test_projected_mode_equals_a_by_hand_pipeline_and_is_recorded(relu_clf):
     assert run["world_size"] == 1 and run["backend"] is None and run["params"]["ridge"] == 1e-3
     assert {g["kind"] for g in run["projection_groups"]} == {"linear"}
     assert any("random projection" in w for w in report.warnings)
+    # the noise floor: the spread of the clean aggregate scores between projection seeds 3 and 4
+    twin = NTKInfluence(projection_dim=64, projection_seed=4, device="cpu").fit(model, x, y).scores(xq, yq)
+    gap = aggregate_scores(before) - aggregate_scores(twin)
+    assert report.noise_floor["projection_sd"] == pytest.approx(np.sqrt(np.mean(gap**2) / 2), rel=1e-8)
+    assert report.noise_floor["projection_seeds"] == [3, 4]
+    noise = report.noise_floor["projection_sd"]
+    assert result.flip_rate_above_floor == flip_rate_above_floor(before, after, top=top, noise=noise)
     exact = MalleabilityEstimator(relu_clf, attacks=["fgsm"], **FAST).evaluate(x, y, xq, yq)
     assert exact.execution["mode"] == "exact" and "projection_dim" not in exact.execution
     assert not any("random projection" in w for w in exact.warnings)

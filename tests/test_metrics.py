@@ -2,6 +2,8 @@
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from scipy.stats import spearmanr
 
 from art_malleability import metrics as M
@@ -159,14 +161,17 @@ def test_batched_resamples_equal_one_at_a_time(rng, ties):
         before[1, 5] = after[3, 7] = np.nan
         before[:, 11] = np.nan  # a column without any finite score
     top = M.top_indices(M.aggregate_scores(before), 6)
-    aggregates = M._ResampledAggregates(before, after, top, 6, "abs")
+    noise = 0.05
+    aggregates = M._ResampledAggregates(before, after, top, 6, "abs", M.z_value(0.9), noise)
     spearman_fast = _ResampledSpearman(before, after)
     rows = rng.integers(0, 9, (25, 9))
     flips, jaccards, rhos = aggregates.flip_rate(rows), aggregates.top_k_jaccard(rows), spearman_fast.batch(rows)
+    floor = aggregates.flip_rate_above_floor(rows)
     for i, r in enumerate(rows):
         w = np.bincount(r, minlength=9).astype(float)
         agg_b, agg_a = M.aggregate_scores(before, w), M.aggregate_scores(after, w)
         assert flips[i] == M._aggregate_flip_rate(agg_b, agg_a, top)
+        assert floor[i] == M.flip_rate_above_floor(before[r], after[r], top=top, noise=noise, confidence=0.9)
         assert jaccards[i] == M._aggregate_jaccard(agg_a, top, 6, "abs")
         assert rhos[i] == pytest.approx(M.spearman(before[r], after[r]), abs=1e-12)
     for rank_by in ("abs", "signed"):
@@ -175,3 +180,111 @@ def test_batched_resamples_equal_one_at_a_time(rng, ties):
         masks = M._top_masks(values, 8, rank_by)
         for i in range(7):
             assert set(np.flatnonzero(masks[i])) == set(M.top_indices(values[i], 8, rank_by).tolist())
+
+
+def test_noise_thresholds_are_standard_errors_of_the_column_means(rng):
+    from scipy.stats import sem
+
+    scores = rng.normal(size=(12, 7))
+    scores[3, 2] = np.nan
+    scores[:, 5] = np.nan
+    scores[1:, 6] = np.nan  # a single finite value: the sign is never determined
+    expected = np.array([sem(col[np.isfinite(col)]) if np.isfinite(col).sum() > 1 else np.inf for col in scores.T])
+    z = M.z_value(0.95)
+    assert z == pytest.approx(1.959964, abs=1e-6)
+    np.testing.assert_allclose(M.noise_thresholds(scores), z * expected, rtol=1e-12)
+    np.testing.assert_allclose(M.noise_thresholds(scores, noise=0.3), z * np.sqrt(expected**2 + 0.09), rtol=1e-12)
+    with pytest.raises(ValueError, match="noise"):
+        M.noise_thresholds(scores, noise=-1.0)
+
+
+def test_flip_rate_above_floor_counts_only_distinguishable_flips():
+    # 20 queries; example 0 flips far from zero, example 1 flips from a score buried in query noise
+    q = np.linspace(-1, 1, 20)
+    before = np.stack([np.full(20, 5.0) + q, 0.05 + 3 * q, np.full(20, 4.0) + q, np.full(20, 3.0) + q], axis=1)
+    after = before.copy()
+    after[:, 0] = -5.0 + q
+    after[:, 1] = -0.05 + 3 * q
+    assert M.flip_rate(before, after, 0.5) == 0.5  # top 2: examples 0 and 2 by |mean|
+    top = np.array([0, 1])
+    assert M.flip_rate(before, after, top=top) == 1.0
+    assert M.flip_rate_above_floor(before, after, top=top) == 0.5
+    assert M.counted_flips(before, after, top).tolist() == [0]
+    assert M.flip_rate_above_floor(before, after, top=top, noise=10.0) == 0.0  # a very noisy estimator
+
+
+def test_excess_flip_rate_is_paired_with_its_control(rng):
+    before = rng.normal(size=(30, 60)) + rng.normal(size=60)
+    after = before + rng.normal(size=before.shape)
+    control = M.malleability_metrics(before, after, n_bootstrap=100, seed=4, keep_draws=True)
+    same = M.malleability_metrics(before, after, n_bootstrap=100, seed=4, control=control)
+    assert same["excess_flip_rate"] == 0.0 and same["excess_flip_rate_ci"] == (0.0, 0.0)  # paired: no noise
+    other = M.malleability_metrics(before, before + 3 * rng.normal(size=before.shape), n_bootstrap=100, seed=4,
+                                   control=control)
+    assert other["excess_flip_rate"] == pytest.approx(other["flip_rate"] - control["flip_rate"])
+    low, high = other["excess_flip_rate_ci"]
+    assert low <= other["excess_flip_rate"] <= high
+    with pytest.raises(ValueError, match="keep_draws"):
+        M.malleability_metrics(before, after, n_bootstrap=50, control=control)
+
+
+def test_shifted_percentile_interval():
+    draws = np.array([0.2, 0.3, 0.3, 0.4, 0.5, np.nan])
+    low, high = M.shifted_percentile_interval(0.1, draws, 0.5)  # quartiles 0.3, 0.4 around median 0.3
+    assert (low, high) == pytest.approx((0.1, 0.2))
+    assert M.shifted_percentile_interval(0.3, draws, 0.5) == pytest.approx(tuple(np.nanpercentile(draws, [25, 75])))
+    assert M.shifted_percentile_interval(0.0, draws, 0.5, bounds=(0.0, 1.0))[0] == 0.0
+    assert all(np.isnan(M.shifted_percentile_interval(0.1, np.array([np.nan]))))
+
+
+def test_hierarchical_interval_adds_the_spread_between_runs(rng):
+    points = np.array([0.1, 0.5, 0.3])
+    tight = points[:, None] + 1e-3 * rng.normal(size=(3, 200))
+    mean, (low, high) = M.hierarchical_interval(points, tight, n_bootstrap=2000, seed=1)
+    assert mean == pytest.approx(0.3)
+    # nearly no query noise: the interval is the bootstrap of the mean of three runs
+    run_means = points[rng.integers(0, 3, (4000, 3))].mean(axis=1)
+    assert low == pytest.approx(np.percentile(run_means, 2.5), abs=0.02)
+    assert high == pytest.approx(np.percentile(run_means, 97.5), abs=0.02)
+    one_mean, one = M.hierarchical_interval(points[:1], tight[:1], seed=1)
+    assert one_mean == 0.1 and one[1] - one[0] < 0.01
+    with pytest.raises(ValueError, match="one row of replicates per run"):
+        M.hierarchical_interval(points, tight[:2])
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    shape=st.tuples(st.integers(2, 7), st.integers(4, 25)),
+    seed=st.integers(0, 2**31 - 1),
+    ties=st.booleans(),
+    nan_share=st.sampled_from([0.0, 0.1, 0.4]),
+    top_fraction=st.sampled_from([0.1, 0.25, 0.5, 1.0]),
+    rank_by=st.sampled_from(["abs", "signed"]),
+    confidence=st.sampled_from([0.5, 0.9, 0.95]),
+    noise=st.sampled_from([0.0, 0.3]),
+)
+def test_every_interval_contains_its_point_estimate(shape, seed, ties, nan_share, top_fraction, rank_by, confidence,
+                                                    noise):
+    """Property: whatever the scores (ties, excluded pairs, tiny sets), each reported interval holds its estimate."""
+    rng = np.random.default_rng(seed)
+    before = rng.normal(size=shape) + rng.normal(size=shape[1])
+    after, control_after = (before + s * rng.normal(size=shape) for s in (1.0, 0.5))
+    if ties:
+        before, after, control_after = np.round(before), np.round(after), np.round(control_after)
+    for m in (before, after, control_after):
+        m[rng.random(shape) < nan_share] = np.nan
+    kwargs = dict(top_fraction=top_fraction, rank_by=rank_by, n_bootstrap=40, confidence=confidence, seed=seed,
+                  noise=noise)
+    control = M.malleability_metrics(before, control_after, keep_draws=True, **kwargs)
+    result = M.malleability_metrics(before, after, control=control, **kwargs)
+    for name, (low, high) in M.BOUNDS.items():
+        point = result[name]
+        if np.isnan(point):
+            continue
+        assert not np.isnan(low) and low <= point <= high, (name, point, low, high)
+        assert M.BOUNDS[name][0] <= low and high <= M.BOUNDS[name][1]
+    pooled_mean, (low, high) = M.hierarchical_interval(
+        [result["flip_rate"], control["flip_rate"]], [control["draws"]["flip_rate"]] * 2, 50, confidence, seed
+    )
+    if np.isfinite(pooled_mean):
+        assert low <= pooled_mean <= high

@@ -30,6 +30,15 @@ def _report(n_queries: int = 10) -> MalleabilityReport:
                 top_k_jaccard_ci=(0.3, 0.7),
                 scores_after=before + rng.normal(size=50),
                 seconds={"attack": 0.1},
+                flip_rate_above_floor=0.1,
+                flip_rate_above_floor_ci=(0.0, 0.4),
+                counted_flips=[int(np.argmax(np.abs(before)))],
+                control={"perturbation": "random-sign", "eps": 0.3, "flip_rate": 0.05, "flip_rate_ci": (0.0, 0.2),
+                         "flip_rate_above_floor": 0.0, "flip_rate_above_floor_ci": (0.0, 0.1), "spearman": 0.9,
+                         "spearman_ci": (0.85, 0.95), "top_k_jaccard": 0.8, "top_k_jaccard_ci": (0.6, 0.9)},
+                excess_flip_rate=0.15,
+                excess_flip_rate_ci=(-0.05, 0.45),
+                replicates={"flip_rate": rng.random(10)},
             )
         )
     return MalleabilityReport(
@@ -65,17 +74,26 @@ def test_undefined_values_become_none_and_json_is_strict(tmp_path):
     text = (report.save(tmp_path) / "report.json").read_text()
     json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
     assert MalleabilityReport.load(tmp_path) == report
-    assert "25.0%" in report.summary()
+    assert "25.0%" in report.to_markdown()
 
 
 def test_summary_markdown_and_comparison():
     report = _report()
     summary = report.summary()
     assert "flip rate [95% CI]" in summary and "20.0% [0.0, 60.0]" in summary
+    assert "+15.0 pts [-5.0, +45.0]" in summary and "5.0%" in summary  # excess over the control, control
     markdown = report.to_markdown()
-    assert "| fgsm | 20.0% [0.0, 60.0]" in markdown and "positive = helpful" in markdown
+    assert "| fgsm | 20.0% [0.0, 60.0] | 10.0% | 5.0% | +15.0 pts" in markdown and "positive = helpful" in markdown
+    assert "| fgsm | 0.3 | 5.0% [0.0, 20.0]" in markdown  # the controls' table
     table = comparison_table([report, report])
-    assert table.count("| 2l-relu |") == 2 and "pgd flip rate" in table
+    assert table.count("| 2l-relu |") == 2 and "pgd flip rate" in table and "excess +15.0 pts" in table
+
+
+def test_replicates_stay_in_memory_only(tmp_path):
+    report = _report()
+    assert "replicates" not in report.to_dict()["results"][0]
+    loaded = MalleabilityReport.load(report.save(tmp_path))
+    assert loaded.results[0].replicates is None and loaded == report
 
 
 def test_lookup_and_missing_file(tmp_path):
