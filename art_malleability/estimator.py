@@ -406,6 +406,8 @@ class MalleabilityEstimator:
             timing["metrics"] = time.perf_counter() - start
             steps.update()
             draws = metrics.pop("draws")
+            if control is not None:
+                draws["control_flip_rate"] = control["draws"]["flip_rate"]
             results.append(
                 AttackResult(
                     attack=label,

@@ -401,6 +401,28 @@ def bootstrap_interval(
     return shifted_percentile_interval(point, evaluate_resamples(statistic, rows), confidence, bounds)
 
 
+def hierarchical_replicates(draws: np.ndarray, n_bootstrap: int = 1000, seed: int = 0) -> np.ndarray:
+    """
+    Two-level bootstrap replicates of the mean of a statistic over independent runs (training seeds): each
+    replicate draws the runs with replacement and, for every drawn run, one of that run's own bootstrap
+    replicates over queries (independently each time a run is drawn twice), and averages them.
+
+    :param draws: Each run's bootstrap replicates over queries, ``(R, B)`` (``NaN`` allowed).
+    :param n_bootstrap: Number of two-level replicates.
+    :param seed: Seed of the resampling.
+    :return: ``(n_bootstrap,)`` replicates of the mean over runs.
+    """
+    draws = np.asarray(draws, dtype=np.float64)
+    if draws.ndim != 2 or draws.shape[0] == 0 or draws.shape[1] == 0:
+        raise ValueError(f"draws must hold one row of replicates per run, got shape {draws.shape}")
+    rng = np.random.default_rng(seed)
+    runs = rng.integers(0, draws.shape[0], (int(n_bootstrap), draws.shape[0]))
+    picked = draws[runs, rng.integers(0, draws.shape[1], runs.shape)]
+    finite = np.isfinite(picked)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(finite, picked, 0.0).sum(axis=1) / np.where(finite.any(axis=1), finite.sum(axis=1), np.nan)
+
+
 def hierarchical_interval(
     points: np.ndarray,
     draws: list[np.ndarray] | np.ndarray,
@@ -410,11 +432,9 @@ def hierarchical_interval(
     bounds: tuple[float, float] = (-np.inf, np.inf),
 ) -> tuple[float, tuple[float, float]]:
     """
-    Mean of a statistic over independent runs (training seeds) with a two-level bootstrap interval:
-    each replicate draws the runs with replacement and, for every drawn run, one of that run's own
-    bootstrap replicates over queries (independently each time a run is drawn twice), and averages
-    them. The interval so includes both the run-to-run spread and each run's query-sampling noise;
-    it is a :func:`shifted_percentile_interval` around the mean of the runs' point estimates.
+    Mean of a statistic over independent runs (training seeds) with a two-level bootstrap interval
+    (:func:`hierarchical_replicates`): it includes both the run-to-run spread and each run's query-sampling
+    noise, and is a :func:`shifted_percentile_interval` around the mean of the runs' point estimates.
 
     :param points: The statistic of each run (R,).
     :param draws: Each run's bootstrap replicates over queries, ``(R, B)`` (``NaN`` allowed).
@@ -431,15 +451,10 @@ def hierarchical_interval(
             f"draws must have one row of replicates per run ({points.size}), got shape {draws.shape}"
         )
     keep = np.isfinite(points)
-    points, draws = points[keep], draws[keep]
-    if points.size == 0:
+    if not keep.any():
         return float("nan"), (float("nan"), float("nan"))
-    rng = np.random.default_rng(seed)
-    runs = rng.integers(0, len(points), (int(n_bootstrap), len(points)))
-    picks = rng.integers(0, draws.shape[1], runs.shape)
-    with np.errstate(invalid="ignore"):
-        pooled = np.nanmean(np.where(np.isfinite(draws[runs, picks]), draws[runs, picks], np.nan), axis=1)
-    mean = float(points.mean())
+    mean = float(points[keep].mean())
+    pooled = hierarchical_replicates(draws[keep], n_bootstrap, seed)
     return mean, shifted_percentile_interval(mean, pooled, confidence, bounds)
 
 

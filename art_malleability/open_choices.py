@@ -45,12 +45,13 @@ from art_malleability.influence import NTKInfluence
 from art_malleability.reproduce import (
     ATTACKS,
     PAPER,
+    REPLICATES,
     Reproduction,
     ReproductionConfig,
     _audit,
     _flip_rows,
     _fmt_ci,
-    _mean_ci,
+    _pooled,
     _progress,
     _train,
 )
@@ -165,6 +166,7 @@ def run_open_choices(config: ReproductionConfig, output: str | Path) -> Reproduc
                     for row in _flip_rows("open_choices", model, seed, acc, report, data, {}):
                         row.update(choice=choice, alternative=alternative, default=is_default,
                                    flip_rate=row[metric], metric=metric)
+                        row[REPLICATES] = {"flip_rate": row[REPLICATES].get(metric)}
                         rows.append(row)
             # written after every alternative, so a long study leaves its finished part behind
             result.rows = rows
@@ -179,7 +181,8 @@ def _table(rows: list[dict], paper: dict, family: str, data: Dataset, config: Re
     paper_ratio = {a: paper["mlp-attn"][a] / paper["2l-relu"][a] for a in ATTACKS}
     lines = [
         f"## Open choices: flip rates (%) on {data.name}, ε = {config.eps}, seeds {list(config.seeds)}", "",
-        "Mean over seeds [95% t-interval]. **default** = the reading most faithful to the paper's text; "
+        "Mean over seeds [95% two-level bootstrap interval: seeds, then queries]. **default** = the reading "
+        "most faithful to the paper's text; "
         "*closest* = the alternative whose mean MLP-Attn / 2L-ReLU ratio is nearest the paper's "
         f"({family}: " + ", ".join(f"{a} {paper_ratio[a]:.1f}" for a in ATTACKS) + ") on a log scale.", "",
         "| choice | alternative | 2L-ReLU fgsm / pgd / mim | MLP-Attn fgsm / pgd / mim | ratio fgsm / pgd / mim |"
@@ -197,9 +200,8 @@ def _table(rows: list[dict], paper: dict, family: str, data: Dataset, config: Re
             for model in MODELS:
                 parts = []
                 for attack in ATTACKS:
-                    mean, low, high = _mean_ci([100 * r["flip_rate"] for r in sel
-                                                if r["model"] == model and r["attack"] == attack
-                                                and r["flip_rate"] is not None])
+                    mean, low, high, _ = _pooled([r for r in sel if r["model"] == model and r["attack"] == attack],
+                                                 "flip_rate")
                     means[(model, attack)] = mean
                     parts.append(_fmt_ci(mean, low, high, 1))
                 cells.append(" / ".join(parts))

@@ -56,7 +56,8 @@ class AttackResult:
         with intervals; ``None`` without a control.
     :param excess_flip_rate: ``flip_rate`` minus the control's flip rate.
     :param excess_flip_rate_ci: Paired bootstrap interval over queries (the same resamples for both).
-    :param replicates: Bootstrap replicates of every statistic (kept in memory for pooling runs with
+    :param replicates: Bootstrap replicates of every statistic, on the same resamples of queries (with a control:
+        also ``control_flip_rate``), kept in memory for pooling runs with
         :func:`~art_malleability.metrics.hierarchical_interval`; not saved).
     """
 

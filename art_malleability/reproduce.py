@@ -16,10 +16,15 @@ Reproduction of the paper's comparisons (Miñoza, Medina & Ibañez, 2026), side 
   counterpart), against standard training.
 * **ε ablation** (0.1, 0.2, 0.3, 0.5) on the Table 2 models, and the **spectral numbers**.
 
-Every measured value is the mean over seeds with a 95 % Student-t interval, next to the paper's
-value and the ratio MLP-Attn / 2L-ReLU. The clean test accuracy of every trained model is reported,
-and a model that closes less than a quarter of the gap between chance and perfect accuracy is
-flagged (its flip rates are kept, marked, and left out of no table).
+Every flip rate is the mean over training seeds with a two-level bootstrap interval (seeds drawn
+with replacement, then each drawn seed's own bootstrap replicate over queries:
+:func:`~art_malleability.metrics.hierarchical_interval`), so it includes the seed-to-seed spread; Tables
+2–3 add the random-sign control, the excess flip rate (attack minus control) and the difference between
+MLP-Attn's and 2L-ReLU's excess flip rates with the same kind of interval, next to the paper's value and the
+ratio MLP-Attn / 2L-ReLU. Table 1's NTK distances keep a Student-t interval over seeds. The clean test
+accuracy of every trained model is reported, and a model that closes less than a quarter of the gap
+between chance and perfect accuracy is flagged (its flip rates are kept, marked, and left out of no
+table).
 
 Training follows the paper's protocol by default (Adam, lr 1e-3, batch 128, L2 1e-3, 500 epochs);
 the paper's numbers come from summaries of the paper, not its tables, and are targets to test.
@@ -44,6 +49,7 @@ from art_malleability._state import preserved_rng
 from art_malleability._validation import one_hot
 from art_malleability.datasets import Dataset, _subsample, load_dataset
 from art_malleability.estimator import MalleabilityEstimator, near_chance_warnings
+from art_malleability.metrics import hierarchical_interval, hierarchical_replicates, shifted_percentile_interval
 from art_malleability.models import build_reference_model
 from art_malleability.training import make_classifier, train_model
 
@@ -79,6 +85,8 @@ PAPER: dict[str, Any] = {
     "spectral": {"mnist": {"kappa": 1.2e3, "log10_width": 24.0}, "cifar10": {"kappa": 8.7e3, "log10_width": 29.0}},
 }
 BINARY_CLASSES = {"mnist": [3, 8], "cifar10": [1, 0]}
+#: Key of a row's in-memory bootstrap replicates (pooled over seeds in the tables, never saved).
+REPLICATES = "_replicates"
 BINARY_NAMES = {"mnist": "digits 3 vs 8", "cifar10": "automobile (1) vs airplane (0)"}
 
 
@@ -86,7 +94,7 @@ BINARY_NAMES = {"mnist": "digits 3 vs 8", "cifar10": "automobile (1) vs airplane
 class ReproductionConfig:
     """
     Settings of a reproduction run. Defaults: the paper's training protocol on the embedded digits,
-    three seeds, sizes that finish on two CPU cores in under 15 minutes.
+    five seeds, sizes that finish on two CPU cores in under 15 minutes.
 
     :param dataset: Data set name or ``.npz`` path (see :func:`~art_malleability.datasets.load_dataset`).
     :param data_root: Local torchvision root.
@@ -123,7 +131,7 @@ class ReproductionConfig:
     n_test: int = 300
     models: tuple[str, ...] = ("2l-relu", "mlp-attn", "mlp-attn-qkv")
     width: int = 512
-    seeds: tuple[int, ...] = (0, 1, 2)
+    seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
     epochs: int = 500
     lr: float = 1e-3
     weight_decay: float = 1e-3
@@ -192,7 +200,9 @@ class Reproduction:
         """
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
-        atomic_write(out / "reproduction.json", json.dumps(json_ready(asdict(self)), indent=1, allow_nan=False))
+        data = asdict(self)
+        data["rows"] = [{k: v for k, v in row.items() if k != REPLICATES} for row in data["rows"]]
+        atomic_write(out / "reproduction.json", json.dumps(json_ready(data), indent=1, allow_nan=False))
         atomic_write(out / "reproduction.md", self.to_markdown())
         return out
 
@@ -366,7 +376,7 @@ def _table4(config, data: Dataset, family: str, result: Reproduction, trained: d
         cells = []
         for training in ("standard", "pgd-adversarial"):
             sel = [r for r in rows if r["model"] == model and r["training"] == training]
-            cells += [_fmt_ci(*_mean_ci([100 * r["flip_rate"] for r in sel]), 1), _acc_cell(sel)]
+            cells += [_fmt_ci(*_pooled(sel, "flip_rate")[:3], 1), _acc_cell(sel)]
         paper = PAPER["table4"][family].get(model)
         lines.append(f"| {model} | " + " | ".join(cells) + f" | {paper[0]} → {paper[1]} |")
     result.tables["table4"] = "\n".join(lines)
@@ -387,8 +397,8 @@ def _ablation(config, data: Dataset, result: Reproduction, trained: dict, out: P
              "|---|---|" + "---|" * len(config.eps_grid)]
     for model in models:
         for attack in ATTACKS:
-            cells = [_fmt_ci(*_mean_ci([100 * r["flip_rate"] for r in rows if r["model"] == model
-                                        and r["attack"] == attack and r["eps"] == e]), 1) for e in config.eps_grid]
+            cells = [_fmt_ci(*_pooled([r for r in rows if r["model"] == model and r["attack"] == attack
+                                       and r["eps"] == e], "flip_rate")[:3], 1) for e in config.eps_grid]
             lines.append(f"| {model} | {attack} | " + " | ".join(cells) + " |")
     lines += ["", "![ε ablation](ablation.png)"]
     result.tables["ablation"] = "\n".join(lines)
@@ -462,37 +472,79 @@ def _audit(config, clf, data: Dataset, attacks, eps: float, seed: int, **overrid
 
 def _flip_rows(table: str, model: str, seed: int, accuracy: float, report, data: Dataset, extra: dict) -> list[dict]:
     flagged = bool(near_chance_warnings(accuracy, data.y_test, "test"))
-    return [
-        {"table": table, "model": model, "seed": seed, "attack": r.attack, "flip_rate": r.flip_rate,
-         "per_query_flip_rate": r.per_query_flip_rate, "spearman": r.spearman, "top_k_jaccard": r.top_k_jaccard,
-         "attack_success": r.attack_success, "clean_accuracy": accuracy, "near_chance": flagged, **extra}
-        for r in report.results
-    ]
+    rows = []
+    for r in report.results:
+        replicates = dict(r.replicates or {})
+        rows.append({
+            "table": table, "model": model, "seed": seed, "attack": r.attack, "flip_rate": r.flip_rate,
+            "flip_rate_above_floor": r.flip_rate_above_floor,
+            "control_flip_rate": None if r.control is None else r.control["flip_rate"],
+            "excess_flip_rate": r.excess_flip_rate, "per_query_flip_rate": r.per_query_flip_rate,
+            "spearman": r.spearman, "top_k_jaccard": r.top_k_jaccard, "attack_success": r.attack_success,
+            "clean_accuracy": accuracy, "near_chance": flagged, **extra, REPLICATES: replicates,
+        })
+    return rows
+
+
+def _pooled(rows: list[dict], stat: str, seed: int = 0) -> tuple[float, float, float, np.ndarray | None]:
+    """
+    Mean over the rows' seeds of a statistic with its two-level bootstrap interval (in percent), and the pooled
+    replicates (for differences between models); rows without replicates give a mean without interval.
+    """
+    rows = [r for r in rows if r.get(stat) is not None]
+    if not rows:
+        return float("nan"), float("nan"), float("nan"), None
+    points = np.array([r[stat] for r in rows], dtype=np.float64)
+    draws = [r.get(REPLICATES, {}).get(stat) for r in rows]
+    if any(d is None or len(d) == 0 for d in draws) or len({len(d) for d in draws}) != 1:
+        return 100 * float(points.mean()), float("nan"), float("nan"), None
+    low_bound = -1.0 if stat == "excess_flip_rate" else 0.0
+    mean, (low, high) = hierarchical_interval(points, np.stack(draws), 2000, 0.95, seed, (low_bound, 1.0))
+    return 100 * mean, 100 * low, 100 * high, 100 * hierarchical_replicates(np.stack(draws), 2000, seed)
 
 
 def _flip_table(title: str, rows: list[dict], models, paper: dict, family: str) -> str:
-    lines = [title, "", "Mean over seeds [95% t-interval]; paper values from its " + family + " runs.", "",
-             "| model | clean acc. | " + " | ".join(f"{a} measured | {a} paper" for a in ATTACKS) + " |",
-             "|---|---|" + "---|---|" * len(ATTACKS)]
+    seeds = sorted({r["seed"] for r in rows})
+    lines = [title, "", f"Mean over {len(seeds)} training seeds [95% two-level bootstrap interval: seeds, then "
+             "queries]; "
+             "*above floor*: flips between scores distinguishable from zero; *control*: the same examples moved by "
+             "random signs at ±ε; *excess*: attack minus control, in percentage points. Paper values from its "
+             f"{family} runs.", "",
+             "| model | attack | clean acc. | flip rate | above floor | control | excess (pts) | paper |",
+             "|---|---|---|---|---|---|---|---|"]
     means: dict[str, dict[str, float]] = {}
+    excess: dict[tuple[str, str], tuple[float, np.ndarray | None]] = {}
     for model in models:
-        cells = []
+        model_rows = [r for r in rows if r["model"] == model]
         for attack in ATTACKS:
-            values = [100 * r["flip_rate"] for r in rows if r["model"] == model and r["attack"] == attack
-                      and r["flip_rate"] is not None]
-            mean, low, high = _mean_ci(values)
-            means.setdefault(model, {})[attack] = mean
+            sel = [r for r in model_rows if r["attack"] == attack]
+            flip = _pooled(sel, "flip_rate")
+            means.setdefault(model, {})[attack] = flip[0]
+            floor, control, extra = (_pooled(sel, s) for s in ("flip_rate_above_floor", "control_flip_rate",
+                                                                 "excess_flip_rate"))
+            excess[(model, attack)] = (extra[0], extra[3])
             target = paper.get(model, {}).get(attack)
-            cells += [_fmt_ci(mean, low, high, 1), "—" if target is None else f"{target}"]
-        lines.append(f"| {model} | {_acc_cell([r for r in rows if r['model'] == model])} | " + " | ".join(cells) + " |")
+            lines.append(
+                f"| {model} | {attack} | {_acc_cell(model_rows)} | {_fmt_ci(*flip[:3], 1)} | "
+                f"{_fmt_ci(*floor[:3], 1)} | {_fmt_ci(*control[:3], 1)} | {_fmt_ci(*extra[:3], 1, (-100.0, 100.0))} | "
+                f"{'—' if target is None else target} |"
+            )
     if "2l-relu" in means and "mlp-attn" in means:
-        ratios = []
+        ratios, gaps = [], []
         for attack in ATTACKS:
             base, attn = means["2l-relu"][attack], means["mlp-attn"][attack]
             p_base, p_attn = paper["2l-relu"][attack], paper["mlp-attn"][attack]
             measured = "n/a" if not base else f"{attn / base:.2f}"
             ratios.append(f"{attack}: {measured} (paper {p_attn / p_base:.2f})")
-        lines += ["", "Ratio MLP-Attn / 2L-ReLU: " + "; ".join(ratios)]
+            (a_mean, a_draws), (b_mean, b_draws) = excess[("mlp-attn", attack)], excess[("2l-relu", attack)]
+            if a_draws is not None and b_draws is not None:
+                gap = a_mean - b_mean
+                low, high = shifted_percentile_interval(gap, a_draws - b_draws, 0.95, (-200.0, 200.0))
+                gaps.append(f"{attack}: {gap:+.1f} pts [{low:+.1f}, {high:+.1f}]")
+        lines += ["", "Ratio MLP-Attn / 2L-ReLU of the flip rates: " + "; ".join(ratios)]
+        if gaps:
+            lines += ["", "MLP-Attn minus 2L-ReLU, excess flip rates (beyond the control; interval over seeds and "
+                      "queries of both models): " + "; ".join(gaps)]
     return "\n".join(lines)
 
 
@@ -550,8 +602,8 @@ def _plot_ablation(rows: list[dict], models, eps_grid, path: Path) -> None:
     figure, axes = plt.subplots(1, len(ATTACKS), figsize=(10, 3), sharey=True)
     for ax, attack in zip(axes, ATTACKS, strict=True):
         for model in models:
-            stats_ = [_mean_ci([100 * r["flip_rate"] for r in rows if r["model"] == model and r["attack"] == attack
-                                and r["eps"] == e]) for e in eps_grid]
+            stats_ = [_pooled([r for r in rows if r["model"] == model and r["attack"] == attack and r["eps"] == e],
+                              "flip_rate")[:3] for e in eps_grid]
             means = [s[0] for s in stats_]
             lows = np.clip([s[1] if np.isfinite(s[1]) else s[0] for s in stats_], 0.0, 100.0)
             highs = np.clip([s[2] if np.isfinite(s[2]) else s[0] for s in stats_], 0.0, 100.0)

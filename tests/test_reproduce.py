@@ -32,6 +32,22 @@ def test_every_table_runs_on_tiny_sizes(tmp_path):
     assert len(adversarial) == 2 * 2 and all(r["attack"] == "pgd" for r in adversarial)
     assert all("clean_accuracy" in r and "near_chance" in r for r in data["rows"] if r["table"] == "table2")
     assert (tmp_path / "ablation.png").exists() and (tmp_path / "table1_ntk" / "convergence.json").exists()
+    table2 = [r for r in data["rows"] if r["table"] == "table2"]
+    assert all("_replicates" not in r and "excess_flip_rate" in r and "control_flip_rate" in r for r in table2)
+    assert "MLP-Attn minus 2L-ReLU, excess flip rates" in result.tables["table2"]
+    assert "two-level bootstrap" in result.tables["table2"] and "| 2l-relu | fgsm |" in result.tables["table2"]
+
+
+def test_pooled_interval_covers_seeds_and_queries():
+    from art_malleability.reproduce import REPLICATES, _pooled
+
+    rng = np.random.default_rng(0)
+    rows = [{"flip_rate": p, REPLICATES: {"flip_rate": p + 0.01 * rng.normal(size=200)}} for p in (0.1, 0.3, 0.5)]
+    mean, low, high, draws = _pooled(rows, "flip_rate")
+    assert mean == pytest.approx(30.0) and low < 20 < 40 < high and draws.shape == (2000,)
+    assert low <= mean <= high
+    bare = _pooled([{"flip_rate": 0.2}, {"flip_rate": 0.4}], "flip_rate")  # no replicates: mean only
+    assert bare[0] == pytest.approx(30.0) and np.isnan(bare[1]) and bare[3] is None
 
 
 def test_mean_ci_and_paper_numbers():
