@@ -191,6 +191,7 @@ class MalleabilityEstimator:
         x_test: np.ndarray | Dataset | DataLoader | None = None,
         y_test: np.ndarray | None = None,
         dataset: str | None = None,
+        validation: Any = None,
     ) -> MalleabilityReport:
         """
         Audit the influence malleability of the classifier on its training data.
@@ -203,6 +204,10 @@ class MalleabilityEstimator:
                examples is used and each query's score on itself is excluded.
         :param y_test: Labels of ``x_test``; ``None`` for a dataset.
         :param dataset: Optional name of the data set for the report.
+        :param validation: A :class:`~art_malleability.validation.ValidationReport` (or the path of its folder or
+               ``validation.json``) of this classifier's model: the report then states the fidelity against
+               retraining (LDS, leave-one-out sign agreement) of the estimator that ran, under ``fidelity``. A
+               validation of other weights (by their digest) or without this estimator is reported as a warning.
         :return: A :class:`MalleabilityReport`. In a sharded run every process returns the same report.
         """
         clf = self.classifier
@@ -237,8 +242,35 @@ class MalleabilityEstimator:
             rows = np.sort(rng.choice(source.n, min(self.n_queries, source.n), replace=False))
             (x_q, y_q), self_pairs, queries = source.take(rows, self.batch_size), rows, source
 
+        if validation is not None and not hasattr(validation, "fidelity"):
+            from art_malleability.validation import ValidationReport
+
+            validation = ValidationReport.load(validation)
         with preserved(clf.model, getattr(clf, "_loss", None)):
-            return self._audit(source, queries, x_q, y_q, self_pairs, k, dataset, shard)
+            report = self._audit(source, queries, x_q, y_q, self_pairs, k, dataset, shard)
+        if validation is not None:
+            self._state_fidelity(report, validation)
+        return report
+
+    def _state_fidelity(self, report: MalleabilityReport, validation: Any) -> None:
+        """Put the validated fidelity of the estimator that ran into the report (or a warning why not)."""
+        from art_malleability.validation import estimator_label
+
+        label = estimator_label(self._influence)
+        if validation.model_digest != weights_digest(self.classifier.model):
+            report.warnings.append(
+                f"the validation given is for other weights ({validation.model}, digest "
+                f"{validation.model_digest[:12]}) than the audited classifier's; its fidelity is not stated"
+            )
+            return
+        fidelity = validation.fidelity(label)
+        if fidelity is None:
+            report.warnings.append(
+                f"the validation given has no result for the estimator that ran ({label}); it holds "
+                f"{sorted(validation.results)}"
+            )
+            return
+        report.fidelity = fidelity
 
     @staticmethod
     def _source(x: Any, y: Any, name: str, shape: tuple[int, ...], nb_classes: int) -> ExampleSource:

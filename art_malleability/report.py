@@ -115,6 +115,9 @@ class MalleabilityReport:
                       the process group (``world_size``, ``backend``).
     :param noise_floor: The rule of the ``flip_rate_above_floor`` metrics: ``z`` and the projection's standard
                         deviation per aggregate score (0 for a deterministic estimator) with the two seeds compared.
+    :param fidelity: When a validation of this model was given: the estimator's linear datamodeling score
+                     against retraining (``lds``, ``lds_ci``), its leave-one-out sign agreement and the validation's
+                     settings (see :mod:`art_malleability.validation`); ``None`` otherwise.
     """
 
     model: str
@@ -133,6 +136,7 @@ class MalleabilityReport:
     warnings: list[str] = field(default_factory=list)
     execution: dict[str, Any] = field(default_factory=dict)
     noise_floor: dict[str, Any] = field(default_factory=dict)
+    fidelity: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.results = [r if isinstance(r, AttackResult) else AttackResult(**r) for r in self.results]
@@ -179,8 +183,19 @@ class MalleabilityReport:
             lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
             if i == 0:
                 lines.append("  ".join("-" * w for w in widths))
+        if self.fidelity is not None:
+            lines.append(self._fidelity_line())
         lines += [f"WARNING: {w}" for w in self.warnings]
         return "\n".join(lines)
+
+    def _fidelity_line(self) -> str:
+        f = self.fidelity or {}
+        loo = f.get("loo_sign_agreement")
+        return (
+            f"influence fidelity ({f.get('estimator')}): LDS {_number_ci(f.get('lds'), f.get('lds_ci', [None, None]))} "
+            f"against {f.get('n_models')} models retrained on {f.get('alpha')} of the data ({f.get('outcome')})"
+            + ("" if loo is None else f"; leave-one-out sign agreement {_percent(loo)}")
+        )
 
     def to_markdown(self) -> str:
         """:return: The report as Markdown: settings, the tables, the noise floor, timings and versions."""
@@ -216,6 +231,8 @@ class MalleabilityReport:
                 )
         lines += ["", "Per-query flip rates (each query's own top set): "
                   + ", ".join(f"{r.attack} {_percent(r.per_query_flip_rate)}" for r in self.results)]
+        if self.fidelity is not None:
+            lines += ["", "## Influence fidelity", "", self._fidelity_line() + "."]
         if self.noise_floor:
             lines += ["", "## Noise floor", "", f"{self.noise_floor.get('rule')}; z = {self.noise_floor.get('z'):.3f}, "
                       f"projection sd = {self.noise_floor.get('projection_sd'):.3g}."]

@@ -427,3 +427,44 @@ def test_datasets_give_the_array_report(relu_clf):
         MalleabilityEstimator(relu_clf, **kwargs).evaluate(TensorDataset(torch.zeros(30, 32), torch.zeros(30)))
     with pytest.raises(ValueError, match="y must be None"):
         MalleabilityEstimator(relu_clf, **kwargs).evaluate(train, y)
+
+
+def _validation(digest: str, names=("ntk-exact", "gradient")):
+    from art_malleability.validation import EstimatorFidelity, ValidationReport
+
+    results = {
+        name: EstimatorFidelity(
+            estimator=name, params={}, lds=0.4 + i / 10, lds_ci=[0.3, 0.6], lds_per_query=[0.4], n_queries_defined=1,
+            loo_sign_agreement=0.75, loo_sign_agreement_ci=[0.5, 0.9], n_loo_pairs=4, n_loo_agree=3, loo_pairs=[],
+            example_predicted=[0.0, 1.0],
+        )
+        for i, name in enumerate(names)
+    }
+    return ValidationReport(
+        model="2l-relu", dataset="digits", model_digest=digest,
+        config={"n_models": 50, "alpha": 0.5, "outcome": "loss", "loo_queries": 1, "loo_top": 1, "loo_seeds": 1},
+        results=results, n_train=200, n_queries=1, accuracy={"train": 1.0}, subsets=[[0, 1], [2, 3]],
+        subset_seeds=[1, 2], outcomes=[[0.1], [0.2]], loo_queries=[0], loo_removed=[1], loo_seeds=[0], example_query=0,
+    )
+
+
+def test_audit_states_the_validated_fidelity_of_its_estimator(relu_clf, tmp_path):
+    from art_malleability.estimator import weights_digest
+    from art_malleability.report import MalleabilityReport
+
+    data = digits()
+    x, y, xq, yq = data.x_train, data.y_train, data.x_test[:15], data.y_test[:15]
+    validation = _validation(weights_digest(relu_clf.model))
+    estimator = MalleabilityEstimator(relu_clf, attacks=["fgsm"], controls=False, **FAST)
+    report = estimator.evaluate(x, y, xq, yq, validation=validation.save(tmp_path / "validation"))
+    assert report.fidelity["estimator"] == "ntk-exact" and report.fidelity["lds"] == 0.4
+    assert "LDS 0.400 [0.300, 0.600] against 50 models" in report.summary()
+    assert "## Influence fidelity" in report.to_markdown()
+    assert MalleabilityReport.load(report.save(tmp_path / "audit")).fidelity == report.fidelity
+    gradient = MalleabilityEstimator(relu_clf, attacks=["fgsm"], influence="gradient", controls=False, **FAST)
+    assert gradient.evaluate(x, y, xq, yq, validation=validation).fidelity["lds"] == 0.5
+    other = estimator.evaluate(x, y, xq, yq, validation=_validation("0" * 64))
+    assert other.fidelity is None and any("other weights" in w for w in other.warnings)
+    missing = estimator.evaluate(x, y, xq, yq, validation=_validation(weights_digest(relu_clf.model), ["captum"]))
+    assert missing.fidelity is None and any("no result for the estimator that ran (ntk-exact)" in w
+                                            for w in missing.warnings)
