@@ -114,6 +114,9 @@ class ReproductionConfig:
     :param attack_max_iter: Steps of PGD and MIM in the audits.
     :param n_queries: Query points per audit.
     :param n_bootstrap: Bootstrap resamples inside each audit.
+    :param lds_models: Models retrained on random halves of the training set to measure the linear datamodeling
+                       score of Table 2's influence estimator (first seed, each model; see
+                       :func:`art_malleability.validation.validate`); 0 skips it.
     :param top_fraction: Share of training data in the influential set.
     :param widths: Width sweep of Table 1.
     :param ntk_n_train: Training points of Table 1's kernels.
@@ -143,6 +146,7 @@ class ReproductionConfig:
     attack_max_iter: int = 20
     n_queries: int = 100
     n_bootstrap: int = 200
+    lds_models: int = 20
     top_fraction: float = 0.1
     widths: tuple[int, ...] = (16, 64, 256, 1024, 4096)
     ntk_n_train: int = 300
@@ -305,6 +309,38 @@ def _table2(config, data: Dataset, family: str, result: Reproduction, trained: d
         f"## Table 2: flip rates (%), {data.nb_classes} classes, ε = {config.eps}", rows, config.models,
         PAPER["table2"][family], family,
     )
+    if config.lds_models > 0:
+        result.tables["table2"] += "\n\n" + _lds(config, data, result)
+
+
+def _lds(config, data: Dataset, result: Reproduction) -> str:
+    """The linear datamodeling score of the audits' influence estimator on each model of the first seed."""
+    from art_malleability.validation import validate
+
+    seed = config.seeds[0]
+    rows = np.sort(np.random.default_rng(seed).choice(len(data.x_test), min(config.n_queries, len(data.x_test)),
+                                                      replace=False))  # the audit's queries
+    cells = []
+    for model in config.models:
+        def train_fn(x, y, s, model=model):
+            return _train_module(config, model, x, y, s, "cross_entropy", data.input_shape, data.nb_classes)
+
+        try:
+            report = validate(train_fn, data.x_train, data.y_train, data.x_test[rows], data.y_test[rows],
+                              estimators=("ntk",), n_models=config.lds_models, loo_queries=0, seed=seed,
+                              device=config.device, model_name=model, dataset=data.name, verbose=False)
+        except ValueError as err:  # e.g. a model at chance: no fidelity to measure
+            logger.warning("LDS of %s not measured: %s", model, err)
+            cells.append(f"{model} n/a ({err})")
+            continue
+        ((name, fidelity),) = report.results.items()
+        result.rows.append({"table": "lds", "model": model, "seed": seed, "estimator": name, "lds": fidelity.lds,
+                            "lds_ci": fidelity.lds_ci, "n_models": config.lds_models, "alpha": 0.5})
+        low, high = fidelity.lds_ci
+        cells.append(f"{model} {_fmt_ci(fidelity.lds, low, high, 2, (-1.0, 1.0))} ({name})")
+    return (f"Fidelity of the influence estimator against retraining (LDS, seed {seed}, {config.lds_models} models "
+            "retrained on random halves of the training set, query loss; 1 = perfect rank agreement, 0 = none): "
+            + "; ".join(cells))
 
 
 def _table3(config, family: str, result: Reproduction) -> None:
@@ -425,13 +461,18 @@ def _spectral(config, family: str, result: Reproduction) -> None:
 # ------------------------------------------------------------------------------------------------ helpers
 
 
-def _train(config, model: str, data: Dataset, seed: int, loss: str, transform=None):
-    module = build_reference_model(model, data.input_shape, data.nb_classes, width=config.width, seed=seed)
+def _train_module(config, model: str, x: np.ndarray, y: np.ndarray, seed: int, loss: str, input_shape, nb_classes,
+                  transform=None) -> torch.nn.Module:
+    module = build_reference_model(model, input_shape, nb_classes, width=config.width, seed=seed)
     if transform is not None:
         module = transform(module)
-    module = train_model(module, data.x_train, data.y_train, loss=loss, epochs=config.epochs,
-                         batch_size=config.batch_size, lr=config.lr, weight_decay=config.weight_decay, seed=seed,
-                         device=config.device, verbose=False)
+    return train_model(module, x, y, loss=loss, epochs=config.epochs, batch_size=config.batch_size, lr=config.lr,
+                       weight_decay=config.weight_decay, seed=seed, device=config.device, verbose=False)
+
+
+def _train(config, model: str, data: Dataset, seed: int, loss: str, transform=None):
+    module = _train_module(config, model, data.x_train, data.y_train, seed, loss, data.input_shape, data.nb_classes,
+                           transform)
     clf = make_classifier(module, data.input_shape, data.nb_classes, loss=loss, clip_values=data.clip_values,
                           device=config.device)
     return clf, _accuracy(clf, data)
