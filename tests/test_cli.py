@@ -80,3 +80,22 @@ def test_help_runs_as_console_module():
     assert done.returncode == 0
     for option in ("--dataset", "--model", "--weights", "--attacks", "--eps", "--influence", "--seed", "--device"):
         assert option in done.stdout
+
+
+def test_audit_states_the_fidelity_of_a_validate_run_and_skips_controls(tmp_path, capsys):
+    """validate, then audit the same model (same data and training settings): the audit quotes its estimator's LDS."""
+    same = ["--n-train", "100", "--n-test", "30", "--epochs", "40", "--width", "32", "--model", "2l-relu", "--quiet"]
+    validated = tmp_path / "val"
+    assert main(["validate", *same, "--estimators", "ntk", "--projection-dim", "none", "--n-models", "3",
+                 "--n-queries", "8", "--loo-queries", "0", "--n-bootstrap", "20", "--output", str(validated)]) == 0
+    out = tmp_path / "audit"
+    assert main(["audit", *same, "--attacks", "fgsm", "--n-queries", "10", "--n-bootstrap", "20", "--no-controls",
+                 "--validation", str(validated), "--output", str(out)]) == 0
+    report = json.loads((out / "2l-relu" / "report.json").read_text())
+    lds = json.loads((validated / "2l-relu" / "validation.json").read_text())["results"]["ntk-exact"]["lds"]
+    assert report["fidelity"]["estimator"] == "ntk-exact" and report["fidelity"]["lds"] == lds
+    assert report["results"][0]["control"] is None and report["config"]["controls"] is False
+    assert "influence fidelity (ntk-exact): LDS" in capsys.readouterr().out
+    # a folder without the model's validation fails before any training
+    assert main(["audit", *same, "--validation", str(tmp_path / "nothing"), "--output", str(out)]) == 2
+    assert "holds no validation.json" in capsys.readouterr().err
