@@ -115,7 +115,8 @@ class ReproductionConfig:
     :param n_queries: Query points per audit.
     :param n_bootstrap: Bootstrap resamples inside each audit.
     :param lds_models: Models retrained on random halves of the training set to measure the linear datamodeling
-                       score of Table 2's influence estimator (first seed, each model; see
+                       score of the influence estimator of Tables 2 and 3 (first seed, each model, the
+                       table's loss; see
                        :func:`art_malleability.validation.validate`); 0 skips it.
     :param top_fraction: Share of training data in the influential set.
     :param widths: Width sweep of Table 1.
@@ -310,10 +311,10 @@ def _table2(config, data: Dataset, family: str, result: Reproduction, trained: d
         PAPER["table2"][family], family,
     )
     if config.lds_models > 0:
-        result.tables["table2"] += "\n\n" + _lds(config, data, result)
+        result.tables["table2"] += "\n\n" + _lds(config, data, result, "table2", "cross_entropy")
 
 
-def _lds(config, data: Dataset, result: Reproduction) -> str:
+def _lds(config, data: Dataset, result: Reproduction, table: str, loss: str) -> str:
     """The linear datamodeling score of the audits' influence estimator on each paper model of the first seed."""
     from art_malleability.validation import validate
 
@@ -323,23 +324,25 @@ def _lds(config, data: Dataset, result: Reproduction) -> str:
     cells = []
     for model in _paper_models(config):  # the trained-attention variant costs five times as much to retrain
         def train_fn(x, y, s, model=model):
-            return _train_module(config, model, x, y, s, "cross_entropy", data.input_shape, data.nb_classes)
+            return _train_module(config, model, x, y, s, loss, data.input_shape, data.nb_classes)
 
         try:
             report = validate(train_fn, data.x_train, data.y_train, data.x_test[rows], data.y_test[rows],
-                              estimators=("ntk",), n_models=config.lds_models, loo_queries=0, seed=seed,
+                              estimators=("ntk",), n_models=config.lds_models, loo_queries=0, seed=seed, loss=loss,
                               device=config.device, model_name=model, dataset=data.name, verbose=False)
         except ValueError as err:  # e.g. a model at chance: no fidelity to measure
             logger.warning("LDS of %s not measured: %s", model, err)
             cells.append(f"{model} n/a ({err})")
             continue
         ((name, fidelity),) = report.results.items()
-        result.rows.append({"table": "lds", "model": model, "seed": seed, "estimator": name, "lds": fidelity.lds,
+        result.rows.append({"table": "lds", "of_table": table, "loss": loss, "model": model, "seed": seed,
+                            "estimator": name, "lds": fidelity.lds,
                             "lds_ci": fidelity.lds_ci, "n_models": config.lds_models, "alpha": 0.5})
         low, high = fidelity.lds_ci
         cells.append(f"{model} {_fmt_ci(fidelity.lds, low, high, 2, (-1.0, 1.0))} ({name})")
     return (f"Fidelity of the influence estimator against retraining (LDS, seed {seed}, {config.lds_models} models "
-            "retrained on random halves of the training set, query loss; 1 = perfect rank agreement, 0 = none): "
+            f"retrained on random halves of the training set, query {loss} loss; 1 = perfect rank agreement, "
+            "0 = none): "
             + "; ".join(cells))
 
 
@@ -360,6 +363,8 @@ def _table3(config, family: str, result: Reproduction) -> None:
         f"## Table 3: binary task, {BINARY_NAMES[family]} (MSE loss), flip rates (%), ε = {config.eps}"
     )
     result.tables["table3"] = _flip_table(title, rows, models, PAPER["table3"][family], family)
+    if config.lds_models > 0:
+        result.tables["table3"] += "\n\n" + _lds(config, data, result, "table3", "mse")
 
 
 def _binary_sizes(config, classes: list[int]) -> tuple[int, int]:

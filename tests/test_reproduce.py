@@ -36,6 +36,9 @@ def test_every_table_runs_on_tiny_sizes(tmp_path):
     assert all("_replicates" not in r and "excess_flip_rate" in r and "control_flip_rate" in r for r in table2)
     assert "MLP-Attn minus 2L-ReLU, excess flip rates" in result.tables["table2"]
     assert "two-level bootstrap" in result.tables["table2"] and "| 2l-relu | fgsm |" in result.tables["table2"]
+    for table, loss in (("table2", "cross_entropy"), ("table3", "mse")):  # LDS line, n/a for untrained models
+        assert "Fidelity of the influence estimator against retraining (LDS, seed 0, 20 models" in result.tables[
+            table] and f"query {loss} loss" in result.tables[table]
 
 
 def test_pooled_interval_covers_seeds_and_queries():
