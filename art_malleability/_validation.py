@@ -64,7 +64,7 @@ def loss_name(classifier: PyTorchClassifier) -> str:
     :param classifier: An ART PyTorch classifier.
     :return: ``"cross_entropy"`` or ``"mse"``.
     """
-    loss = getattr(classifier, "_loss", None)
+    loss = classifier.loss
     if isinstance(loss, torch.nn.MSELoss):
         return "mse"
     if not isinstance(loss, torch.nn.CrossEntropyLoss):

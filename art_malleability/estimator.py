@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from art.attacks import EvasionAttack
 from art.estimators.classification import PyTorchClassifier
+from art.exceptions import EstimatorError
 from art.utils import compute_success_array
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
@@ -36,6 +37,7 @@ from art_malleability.attacks import (
 )
 from art_malleability.distributed import Shard, current_shard, raise_if_any
 from art_malleability.influence import INFLUENCE_NAMES, InfluenceEstimator, NTKInfluence, get_influence
+from art_malleability.input_pipeline import pipeline_operations, with_input_pipeline
 from art_malleability.metrics import (
     RANK_BY,
     aggregate_scores,
@@ -71,6 +73,9 @@ class MalleabilityEstimator:
     user passed is changed: weights, buffers, training mode, ``requires_grad`` flags, gradients, the
     loss's reduction, input arrays and global random states are restored on success and on failure.
     """
+
+    #: ART's estimator check (``EstimatorError`` otherwise); a raw ``torch.nn.Module`` is wrapped into one.
+    _estimator_requirements = ((PyTorchClassifier, torch.nn.Module),)
 
     estimator_params = [
         "attacks",
@@ -158,7 +163,7 @@ class MalleabilityEstimator:
                interval). One extra influence pass per distinct budget.
         """
         self.classifier = self._as_classifier(classifier, input_shape, nb_classes, loss, clip_values, device)
-        self.attacks = (attacks,) if isinstance(attacks, (str, EvasionAttack)) else tuple(attacks)
+        self.attacks = attacks
         self.eps = eps
         self.influence = influence
         self.top_fraction = top_fraction
@@ -177,12 +182,47 @@ class MalleabilityEstimator:
         self.distributed = distributed
         self.controls = controls
         self.model_name = model_name or type(self.classifier.model).__name__
+        self._configure()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # after construction, assigning a parameter is set_params: validated, and what depends on it rebuilt
+        if name in self.estimator_params and self.__dict__.get("_configured", False):
+            self.set_params(**{name: value})
+        else:
+            object.__setattr__(self, name, value)
+
+    def set_params(self, **kwargs: Any) -> None:
+        """
+        Set parameters, ART's way: the values are validated and the attacks and the influence estimator rebuilt
+        from them, so that :meth:`evaluate` runs what :meth:`get_params` describes. Assigning an attribute
+        (``estimator.eps = 0.1``) does the same. On an invalid value nothing changes.
+
+        :param kwargs: Parameters named in :attr:`estimator_params`.
+        :raises ValueError: On an unknown name or an invalid value (``TypeError`` for a value of the wrong type).
+        """
+        unknown = sorted(set(kwargs) - set(self.estimator_params))
+        if unknown:
+            raise ValueError(f"unknown parameter(s) {unknown}; MalleabilityEstimator takes {self.estimator_params}")
+        saved = dict(self.__dict__)
+        try:
+            for name, value in kwargs.items():
+                object.__setattr__(self, name, value)
+            self._configure()
+        except Exception:
+            self.__dict__.clear()
+            self.__dict__.update(saved)
+            raise
+
+    def _configure(self) -> None:
+        """Validate the parameters, then build the attacks and the influence estimator from them."""
+        object.__setattr__(self, "_configured", False)
         self._check_params()
         self._attacks = [self._build_attack(a) for a in self.attacks]
         labels = [attack_label(a) for a in self._attacks]
         if len(set(labels)) != len(labels):
             raise ValueError(f"attacks must be distinct (one result per attack), got {labels}")
         self._influence = self._build_influence()
+        object.__setattr__(self, "_configured", True)
 
     def evaluate(
         self,
@@ -212,6 +252,7 @@ class MalleabilityEstimator:
         """
         clf = self.classifier
         shape, nb_classes = tuple(clf.input_shape), int(clf.nb_classes)
+        pipeline_operations(clf)  # an input pipeline the influence cannot follow fails before any work
         source = self._source(x, y, "x", shape, nb_classes)
         k = top_k_count(source.n, self.top_fraction)
         if k < 1:
@@ -246,7 +287,7 @@ class MalleabilityEstimator:
             from art_malleability.validation import ValidationReport
 
             validation = ValidationReport.load(validation)
-        with preserved(clf.model, getattr(clf, "_loss", None)):
+        with preserved(clf.model, clf.loss):
             report = self._audit(source, queries, x_q, y_q, self_pairs, k, dataset, shard)
         if validation is not None:
             self._state_fidelity(report, validation)
@@ -299,6 +340,7 @@ class MalleabilityEstimator:
             # the context is computed, and stored, in the influence's dtype (a float64 kernel of a float32
             # model must not see a context rounded to float32)
             work = work.to(dtype=dtype)
+        work = with_input_pipeline(work, clf)  # the influence sees what classifier.predict feeds the model
         if shard is not None and not (isinstance(influence, NTKInfluence) and influence.projection_dim is not None):
             raise ValueError(
                 "a sharded audit needs the projected NTK influence (influence='ntk' with projection_dim 'auto' or "
@@ -564,6 +606,14 @@ class MalleabilityEstimator:
         return params
 
     def _check_params(self) -> None:
+        if isinstance(self.attacks, (str, EvasionAttack)):
+            self.attacks = (self.attacks,)
+        if not isinstance(self.attacks, (list, tuple)):
+            raise TypeError(
+                f"attacks must be an attack name, an ART EvasionAttack or a sequence of them, got "
+                f"{type(self.attacks).__name__}"
+            )
+        self.attacks = tuple(self.attacks)
         if not self.attacks:
             raise ValueError("attacks must name at least one attack")
         for a in self.attacks:
@@ -586,8 +636,10 @@ class MalleabilityEstimator:
             raise ValueError(f"top_fraction must lie in (0, 1], got {self.top_fraction!r}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
-        if not float(self.ridge) > 0:
-            raise ValueError(f"ridge must be > 0, got {self.ridge!r}")
+        if isinstance(self.ridge, bool) or not isinstance(self.ridge, (int, float, np.number)):
+            raise TypeError(f"ridge must be a positive number, got {type(self.ridge).__name__} {self.ridge!r}")
+        if not (np.isfinite(self.ridge) and self.ridge > 0):
+            raise ValueError(f"ridge must be a positive finite number, got {self.ridge!r}")
         if self.rank_by not in RANK_BY:
             raise ValueError(f"rank_by must be one of {RANK_BY}, got {self.rank_by!r}")
         for name in ("n_queries", "n_bootstrap", "attack_max_iter", "batch_size"):
@@ -638,10 +690,7 @@ class MalleabilityEstimator:
             return make_classifier(
                 classifier, tuple(input_shape), int(nb_classes), loss=loss, clip_values=clip_values, device=device
             )
-        raise TypeError(
-            "classifier must be an art.estimators.classification.PyTorchClassifier or a torch.nn.Module, "
-            f"got {type(classifier).__name__}"
-        )
+        raise EstimatorError(MalleabilityEstimator, list(MalleabilityEstimator._estimator_requirements), classifier)
 
 
 def influence_flip_rate(

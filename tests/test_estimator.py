@@ -10,6 +10,7 @@ import pytest
 import torch
 from art.attacks.evasion import FastGradientMethod
 from art.estimators.classification import PyTorchClassifier
+from art.exceptions import EstimatorError
 from helpers import digits, trained_classifier
 
 from art_malleability import MalleabilityEstimator, influence_flip_rate
@@ -270,7 +271,7 @@ def test_gradient_influence_through_the_estimator(relu_clf):
 
 
 def test_bad_classifier_and_parameters(relu_clf):
-    with pytest.raises(TypeError, match="classifier must be"):
+    with pytest.raises(EstimatorError, match="MalleabilityEstimator requires an estimator derived from"):
         MalleabilityEstimator(object())
     with pytest.raises(ValueError, match="input_shape and nb_classes"):
         MalleabilityEstimator(torch.nn.Linear(3, 2))
@@ -468,3 +469,64 @@ def test_audit_states_the_validated_fidelity_of_its_estimator(relu_clf, tmp_path
     missing = estimator.evaluate(x, y, xq, yq, validation=_validation(weights_digest(relu_clf.model), ["captum"]))
     assert missing.fidelity is None and any("no result for the estimator that ran (ntk-exact)" in w
                                             for w in missing.warnings)
+
+
+# ------------------------------------------------------------------------------------ parameter contract
+
+CHANGES = [  # (parameter, new value, what the report must show)
+    ("eps", 0.1, lambda r: r.result("fgsm").params["eps"] == 0.1 and r.result("fgsm").max_perturbation <= 0.1 + 1e-6),
+    ("attacks", ["pgd"], lambda r: [a.attack for a in r.results] == ["pgd"]),
+    ("batch_size", 7, lambda r: r.result("fgsm").params["batch_size"] == 7),
+    ("ridge", 0.5, lambda r: r.execution["params"]["ridge"] == 0.5),
+    ("influence", "gradient", lambda r: r.execution["influence"] == "GradientInfluence"),
+    ("projection_dim", 16, lambda r: r.execution["mode"] == "projected" and r.execution["projection_dim"] == 16),
+    ("verbose", True, lambda r: "verbose" not in r.execution["params"]),  # the NTK influence's bar: checked below
+    ("top_fraction", 0.05, lambda r: r.top_k == 5),
+    ("n_queries", 9, lambda r: r.n_queries == 9),
+    ("controls", False, lambda r: r.result("fgsm").control is None),
+    ("seed", 3, lambda r: r.execution["projection_seed"] == 3 if "projection_seed" in r.execution else True),
+]
+
+
+@pytest.mark.parametrize("how", ["assign", "set_params"])
+@pytest.mark.parametrize(("name", "value", "shows"), CHANGES, ids=[c[0] for c in CHANGES])
+def test_a_parameter_changed_after_construction_is_what_runs_and_what_the_report_says(relu_clf, name, value, shows,
+                                                                                      how):
+    data = digits(100, 20)
+    estimator = MalleabilityEstimator(relu_clf, attacks=["fgsm"], **{**FAST, "n_bootstrap": 10})
+    if how == "assign":
+        setattr(estimator, name, value)
+    else:
+        estimator.set_params(**{name: value})
+    report = estimator.evaluate(data.x_train, data.y_train, data.x_test, data.y_test)
+    assert report.config[name] == value == estimator.get_params()[name] or name == "influence"
+    assert report.config["influence"] == estimator.get_params()["influence"]
+    assert shows(report) and getattr(estimator._influence, "verbose", False) is (name == "verbose")
+
+
+def test_steps_changed_after_construction_reach_the_iterative_attack(relu_clf):
+    estimator = MalleabilityEstimator(relu_clf, attacks=["pgd"], **FAST)
+    estimator.attack_max_iter = 3
+    assert estimator._attacks[0].max_iter == 3 and estimator.get_params()["attack_max_iter"] == 3
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [({"eps": -1.0}, "eps"), ({"ridge": "0.1"}, "ridge"), ({"attacks": ["cw"]}, "attacks"),
+     ({"nonsense": 1}, "nonsense"), ({"eps": 0.2, "top_fraction": 2.0}, "top_fraction")],
+)
+def test_an_invalid_change_is_named_and_changes_nothing(relu_clf, change, match):
+    estimator = MalleabilityEstimator(relu_clf, **FAST)
+    before, attacks, influence = estimator.get_params(), estimator._attacks, estimator._influence
+    with pytest.raises((ValueError, TypeError), match=match):
+        estimator.set_params(**change)
+    if len(change) == 1 and "nonsense" not in change:
+        ((name, value),) = change.items()
+        with pytest.raises((ValueError, TypeError), match=match):
+            setattr(estimator, name, value)
+    assert estimator.get_params() == before and estimator._attacks is attacks and estimator._influence is influence
+
+
+def test_a_string_ridge_is_refused_at_construction(relu_clf):
+    with pytest.raises(TypeError, match="ridge must be a positive number, got str"):
+        MalleabilityEstimator(relu_clf, ridge="0.1", **FAST)
