@@ -13,6 +13,7 @@ import argparse
 import importlib
 import inspect
 import logging
+import math
 import os
 import sys
 import time
@@ -37,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="art-malleability",
         description="Influence-malleability audits of PyTorch classifiers with ART attacks.",
     )
+    from art_malleability import __version__
+
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     audit = sub.add_parser(
         "audit",
@@ -104,7 +108,6 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, default=0, help="seed of every random choice")
     run.add_argument("--device", default="auto", help="'auto', 'cpu' or 'cuda'")
     run.add_argument("--output", default="malleability-audit", help="report folder")
-    run.add_argument("--quiet", action="store_true", help="no progress bars")
     dist = audit.add_argument_group(
         "distributed",
         "launch with torchrun (e.g. torchrun --standalone --nproc-per-node 2 -m art_malleability.cli audit ...): "
@@ -123,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_spectrum(sub)
     _add_reproduce(sub)
     _add_validate(sub)
+    for command in sub.choices.values():
+        group = command.add_argument_group("output")
+        group.add_argument("-q", "--quiet", action="store_true",
+                           help="no progress bars or tables while running; log errors only")
+        group.add_argument("-v", "--verbose", action="count", default=0,
+                           help="log progress (-vv: debug) and show the traceback of an error")
     return parser
 
 
@@ -165,7 +174,6 @@ def _add_ntk_check(sub: argparse._SubParsersAction) -> None:
     group.add_argument("--device", default="auto", help="'auto', 'cpu' or 'cuda'")
     group.add_argument("--seed", type=int, default=0, help="seed of the data subsets")
     group.add_argument("--output", default="ntk-check", help="report folder")
-    group.add_argument("--quiet", action="store_true", help="no progress bar")
     check.set_defaults(func=run_ntk_check)
 
 
@@ -271,8 +279,6 @@ def run_audit(args: argparse.Namespace) -> int:
     names = args.model or ["2l-relu", "mlp-attn"]
     if args.weights is not None and len(names) != 1:
         raise ValueError("--weights loads one model: pass exactly one --model with it")
-    for name in names:  # before any training
-        _validation_for(args.validation, name)
     start = time.perf_counter()
     data = load_dataset(
         args.dataset, root=args.data_root, n_train=args.n_train, n_test=args.n_test, classes=args.classes,
@@ -394,7 +400,6 @@ def _add_reproduce(sub: argparse._SubParsersAction) -> None:
     group.add_argument("--ntk-adam-epochs", type=int, default=defaults.ntk_adam_epochs, help="Table 1 training")
     group.add_argument("--device", default="auto", help="'auto', 'cpu' or 'cuda'")
     group.add_argument("--output", default="reproduction", help="report folder")
-    group.add_argument("--quiet", action="store_true", help="no progress bars or tables while running")
     rep.set_defaults(func=run_reproduce)
 
 
@@ -488,7 +493,6 @@ def _add_validate(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--seed", type=int, default=0, help="seed of every random choice")
     run.add_argument("--device", default="auto", help="'auto', 'cpu' or 'cuda'")
     run.add_argument("--output", default="malleability-validation", help="report folder")
-    run.add_argument("--quiet", action="store_true", help="no progress bars")
     val.set_defaults(func=run_validate)
 
 
@@ -556,22 +560,14 @@ def run_validate(args: argparse.Namespace) -> int:
 
 
 def _build_model(name: str, input_shape: tuple[int, ...], nb_classes: int, width: int, seed: int) -> torch.nn.Module:
-    from art_malleability.architectures import ARCHITECTURES, build_architecture
-    from art_malleability.models import REFERENCE_MODELS, build_reference_model
+    from art_malleability.architectures import build_architecture
+    from art_malleability.models import build_reference_model
 
-    if name in REFERENCE_MODELS:
+    factory = _model_factory(name)
+    if factory == "reference":
         return build_reference_model(name, input_shape, nb_classes, width=width, seed=seed)
-    if name in ARCHITECTURES:
+    if factory == "architecture":
         return build_architecture(name, input_shape, nb_classes, seed=seed)
-    if ":" not in name:
-        raise ValueError(
-            f"--model must be one of {REFERENCE_MODELS + ARCHITECTURES} or 'package.module:factory', got {name!r}"
-        )
-    module_name, _, attr = name.partition(":")
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(f"--model {name!r}: cannot import {attr!r} from {module_name!r} ({err})") from err
     accepted = inspect.signature(factory).parameters
     kwargs = {k: v for k, v in (("input_shape", input_shape), ("nb_classes", nb_classes)) if k in accepted}
     model = factory(**kwargs)
@@ -580,29 +576,135 @@ def _build_model(name: str, input_shape: tuple[int, ...], nb_classes: int, width
     return model
 
 
+def _model_factory(name: str) -> object:
+    """``"reference"``, ``"architecture"`` or the imported factory of ``--model name``."""
+    from art_malleability.architectures import ARCHITECTURES
+    from art_malleability.models import REFERENCE_MODELS
+
+    if name in REFERENCE_MODELS:
+        return "reference"
+    if name in ARCHITECTURES:
+        return "architecture"
+    if ":" not in name:
+        raise ValueError(
+            f"--model must be one of {REFERENCE_MODELS + ARCHITECTURES} or 'package.module:factory', got {name!r}"
+        )
+    return _import_factory(name)
+
+
+def _import_factory(name: str) -> object:
+    """The factory of ``--model package.module:factory``; the working folder is on the import path, as with
+    ``python -m``."""
+    module_name, _, attr = name.partition(":")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"--model {name!r}: cannot import {attr!r} from {module_name!r} ({err})") from err
+    if isinstance(factory, torch.nn.Module) or not callable(factory):
+        raise TypeError(
+            f"--model {name!r} must name a function or class that builds a torch.nn.Module, got an instance of "
+            f"{type(factory).__name__}"
+        )
+    return factory
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """
     Entry point of the ``art-malleability`` command.
 
     :param argv: Arguments (default: ``sys.argv[1:]``).
-    :return: Exit status (2 on bad input).
+    :return: Exit status: 0 on success, 2 for an option the command cannot use (as argparse), 1 for a failure
+        while running (data, weights, training, another process), 130 when interrupted.
     """
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    level = logging.ERROR if args.quiet else (logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)]
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", force=True)
     # under torchrun, name the process in every error (the launcher shows each worker's output)
     where = f" (rank {os.environ['RANK']})" if launched_by_torchrun() else ""
+    prefix = f"art-malleability {args.command}{where}: error:"
     try:
+        _preflight(args)
         return args.func(args)
-    except (ValueError, TypeError, FileNotFoundError) as err:
-        print(f"art-malleability {args.command}{where}: error: {err}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"art-malleability {args.command}{where}: interrupted", file=sys.stderr)
+        return 130
+    except UsageError as err:
+        _explain(prefix, err, args.verbose)
         return 2
     except dist.DistBackendError as err:
-        print(
-            f"art-malleability {args.command}{where}: error: another process failed or stopped answering "
-            f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})",
-            file=sys.stderr,
-        )
+        _explain(prefix, f"another process failed or stopped answering ({type(err).__name__}: "
+                         f"{str(err).splitlines()[0] if str(err) else ''})", args.verbose, err)
         return 1
+    except Exception as err:  # noqa: BLE001 - one line for the user, the traceback with --verbose
+        _explain(prefix, err, args.verbose)
+        return 1
+
+
+def _preflight(args: argparse.Namespace) -> None:
+    """
+    Check the options every subcommand shares, before any data is read or model trained: the data source, the
+    output folder, the seed, the model names (factories imported), the audit's budget and top set, and a
+    validation folder. A problem is a :class:`UsageError` (exit status 2).
+    """
+    from art_malleability.datasets import resolve_source
+    from art_malleability.metrics import top_k_count
+
+    try:
+        if getattr(args, "dataset", None) is not None:
+            resolve_source(args.dataset, args.data_root)
+        if getattr(args, "seed", 0) < 0:
+            raise ValueError(f"--seed must be a non-negative integer, got {args.seed}")
+        if any(s < 0 for s in getattr(args, "seeds", None) or []):
+            raise ValueError(f"--seeds must be non-negative integers, got {args.seeds}")
+        if getattr(args, "output", None) is not None:
+            _check_output(Path(args.output))
+        names = getattr(args, "model", None) or []
+        for name in names:
+            _model_factory(name)
+        if getattr(args, "eps", 1.0) is not None and not getattr(args, "eps", 1.0) > 0:
+            raise ValueError(f"--eps must be > 0, got {args.eps}")
+        fraction = getattr(args, "top_fraction", None)
+        if fraction is not None:
+            if not 0 < fraction <= 1:
+                raise ValueError(f"--top-fraction (top_fraction) must lie in (0, 1], got {fraction}")
+            if args.n_train is not None and top_k_count(args.n_train, fraction) < 1:
+                raise ValueError(
+                    f"--n-train {args.n_train} with --top-fraction {fraction} leaves an empty influential set; "
+                    f"pass --n-train of at least {math.ceil(1 / fraction - 1e-9)}"
+                )
+        for name in names if getattr(args, "validation", None) is not None else []:
+            _validation_for(args.validation, name)
+    except (ValueError, TypeError, OSError) as err:
+        raise UsageError(str(err)) from err
+
+
+def _check_output(folder: Path) -> None:
+    """The report folder must be a folder (or not exist yet) somewhere this process may write."""
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"--output {str(folder)!r} is an existing file; pass a folder")
+    existing = folder
+    while not existing.exists():
+        existing = existing.parent
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--output {str(folder)!r} cannot be written: {str(existing)!r} is not writable")
+
+
+class UsageError(ValueError):
+    """A command-line option with a value the command cannot use (exit status 2, like argparse's own errors)."""
+
+
+def _explain(prefix: str, err: BaseException | str, verbose: int, cause: BaseException | None = None) -> None:
+    """One line on stderr; the traceback too with ``--verbose``."""
+    import traceback
+
+    if verbose and isinstance(cause or err, BaseException):
+        traceback.print_exception(cause or err, file=sys.stderr)
+    message = str(err).splitlines()[0] if str(err) else type(err).__name__
+    if isinstance(err, BaseException) and type(err).__name__ not in ("ValueError", "UsageError"):
+        message = f"{message} ({type(err).__name__})" if isinstance(err, (TypeError, OSError)) else message
+    print(f"{prefix} {message}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -380,6 +380,53 @@ def _digits_sizes(n_train: int | None, n_test: int | None, total: int) -> tuple[
     return n_train, n_test
 
 
+def resolve_source(
+    name_or_path: str | os.PathLike, root: str | os.PathLike | None = None, download: bool = False
+) -> tuple[str | None, Path | None]:
+    """
+    Where :func:`load_dataset` would read a dataset from, checked without reading it.
+
+    :param name_or_path: A name of ``DATASET_NAMES`` or the path of an ``.npz`` file (see :func:`load_dataset`).
+    :param root: Local data folder of the torchvision datasets; relative ``.npz`` paths are looked up under it.
+    :param download: Whether a missing torchvision folder may be created by a download.
+    :return: ``(name, folder)`` of a named dataset (``folder`` ``None`` for digits) or ``(None, file)`` of an
+        ``.npz`` file.
+    :raises ValueError: On an unknown name or a torchvision dataset without ``root``.
+    :raises FileNotFoundError: When the folder or the file does not exist.
+    """
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise TypeError(f"name_or_path must be a dataset name or a path, got {type(name_or_path).__name__}.")
+    key = _ALIASES.get(str(name_or_path).strip().lower().replace("_", "-"))
+    if key is not None and not (isinstance(name_or_path, os.PathLike) or str(name_or_path).endswith(".npz")):
+        if key == "digits":
+            return key, None
+        if root is None:
+            raise ValueError(
+                f"root is required for {key!r}: pass the local data folder (torchvision layout), e.g. "
+                f"load_dataset({key!r}, root='data')."
+            )
+        root_path = Path(root).expanduser()
+        if not root_path.is_dir() and not download:
+            raise FileNotFoundError(f"root={str(root)!r} is not an existing folder.")
+        return key, root_path
+    path = Path(name_or_path).expanduser()
+    if root is not None and not path.is_absolute():
+        path = Path(root).expanduser() / path
+    if not path.is_file():
+        if path.is_dir():
+            raise FileNotFoundError(
+                f"Dataset {str(path)!r} is a folder; a dataset path must be an .npz file with arrays x and y (a "
+                f"torchvision folder is given as root with a dataset name, one of {DATASET_NAMES})."
+            )
+        if path.suffix == ".npz" or os.sep in str(name_or_path):
+            raise FileNotFoundError(f"Dataset file {str(path)!r} does not exist.")
+        raise ValueError(
+            f"Unknown dataset name {str(name_or_path)!r}; expected one of {DATASET_NAMES} or the path of "
+            "an .npz file with arrays x and y."
+        )
+    return None, path
+
+
 def load_dataset(
     name_or_path: str | os.PathLike,
     *,
@@ -423,41 +470,16 @@ def load_dataset(
     n_test = _check_size(n_test, "n_test")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
         raise TypeError(f"seed must be an int, got {type(seed).__name__}.")
-    if not isinstance(name_or_path, (str, os.PathLike)):
-        raise TypeError(f"name_or_path must be a dataset name or a path, got {type(name_or_path).__name__}.")
-
-    key = _ALIASES.get(str(name_or_path).strip().lower().replace("_", "-"))
-    if key is not None and not (isinstance(name_or_path, os.PathLike) or str(name_or_path).endswith(".npz")):
-        if key == "digits":
-            source = _load_digits_source()
-        else:
-            if root is None:
-                raise ValueError(
-                    f"root is required for {key!r}: pass the local data folder (torchvision layout), e.g. "
-                    f"load_dataset({key!r}, root='data')."
-                )
-            root_path = Path(root).expanduser()
-            if not root_path.is_dir() and not download:
-                raise FileNotFoundError(f"root={str(root)!r} is not an existing folder.")
-            source = (
-                _load_cifar10_source(root_path, download)
-                if key == "cifar10"
-                else _load_idx_source(key, root_path, download)
-            )
-        name = key
+    key, location = resolve_source(name_or_path, root, download)
+    if key == "digits":
+        source = _load_digits_source()
+    elif key == "cifar10":
+        source = _load_cifar10_source(location, download)
+    elif key is not None:
+        source = _load_idx_source(key, location, download)
     else:
-        path = Path(name_or_path).expanduser()
-        if root is not None and not path.is_absolute():
-            path = Path(root).expanduser() / path
-        if not path.is_file():
-            if path.suffix == ".npz" or os.sep in str(name_or_path):
-                raise FileNotFoundError(f"Dataset file {str(path)!r} does not exist.")
-            raise ValueError(
-                f"Unknown dataset name {str(name_or_path)!r}; expected one of {DATASET_NAMES} or the path of "
-                "an .npz file with arrays x and y."
-            )
-        source = _load_npz_source(path)
-        name = path.stem
+        source = _load_npz_source(location)
+    name = key if key is not None else location.stem
 
     nb_classes = source.nb_classes
     class_names = source.class_names

@@ -67,10 +67,56 @@ def test_audit_bad_input_exits_2(tmp_path, capsys, args, message):
     assert message in capsys.readouterr().err
 
 
-def test_wrong_npz_arrays(tmp_path, capsys):
+def test_wrong_npz_arrays_are_a_data_error(tmp_path, capsys):
     np.savez(tmp_path / "bad.npz", images=np.zeros((4, 2, 2)))
-    assert main(["audit", *TINY, "--dataset", str(tmp_path / "bad.npz"), "--output", str(tmp_path)]) == 2
-    assert "x" in capsys.readouterr().err
+    assert main(["audit", *TINY, "--dataset", str(tmp_path / "bad.npz"), "--output", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "x" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--output", "FILE"], "is an existing file"),
+        (["--seed", "-1"], "--seed must be a non-negative integer"),
+        (["--n-train", "5", "--top-fraction", "0.1"], "pass --n-train of at least 10"),
+        (["--dataset", "FOLDER"], "is a folder"),
+        (["--model", "cli_instance_module:net"], "must name a function or class that builds"),
+    ],
+)
+def test_options_are_checked_before_any_work(tmp_path, capsys, monkeypatch, args, message):
+    (tmp_path / "file").write_text("")
+    (tmp_path / "cli_instance_module.py").write_text("import torch\nnet = torch.nn.Linear(64, 10)\n")
+    monkeypatch.chdir(tmp_path)  # a module in the working folder imports, as with python -m
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    args = [str(tmp_path / "file") if a == "FILE" else str(tmp_path) if a == "FOLDER" else a for a in args]
+    args = ["--output", str(tmp_path / "out"), *args] if "--output" not in args else args
+    assert main(["audit", *TINY, *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_version_and_verbose_traceback(tmp_path, capsys):
+    from art_malleability import __version__
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and __version__ in capsys.readouterr().out
+    np.savez(tmp_path / "bad.npz", images=np.zeros((4, 2, 2)))
+    assert main(["audit", "-v", "--dataset", str(tmp_path / "bad.npz"), "--output", str(tmp_path / "o")]) == 1
+    assert "Traceback" in capsys.readouterr().err
+
+
+def test_ctrl_c_is_one_line(monkeypatch, capsys):
+    import art_malleability.cli as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "run_spectrum", interrupted)
+    assert cli.main(["spectrum", "--output", "unused-folder"]) == 130
+    assert capsys.readouterr().err.strip() == "art-malleability spectrum: interrupted"
 
 
 def test_help_runs_as_console_module():
