@@ -65,7 +65,7 @@ def test_agrees_with_gradient_influence(loss: str) -> None:
     assert scores.shape == (4, 24) and scores.dtype == np.float64
     assert _rel(scores, reference) < 1e-6
     for proponents in (True, False):
-        indices, top = captum.top_k(xq, yq, k=5, proponents=proponents)
+        indices, top = captum.influence(xq, yq, k=5, proponents=proponents)
         order = np.argsort(-reference if proponents else reference, axis=1, kind="stable")[:, :5]
         assert np.array_equal(indices, order)
         assert np.allclose(top, np.take_along_axis(reference, order, axis=1), rtol=1e-6, atol=0)
@@ -109,7 +109,7 @@ def test_leaves_model_rng_and_files_alone(tmp_path, monkeypatch) -> None:
     rng_state = torch.get_rng_state()
     est = CaptumInfluence(device="cpu").fit(model, x, y)
     est.scores(xq, yq)
-    est.top_k(xq, yq, k=3)
+    est.influence(xq, yq, k=3)
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
     assert model.training
     assert [p.requires_grad for p in model.parameters()] == flags
@@ -133,5 +133,63 @@ def test_bad_parameters() -> None:
         CaptumInfluence().scores(xq, yq)
     est = CaptumInfluence(device="cpu").fit(model, x, y)
     with pytest.raises(ValueError, match="k must"):
-        est.top_k(xq, yq, k=0)
+        est.influence(xq, yq, k=0)
     assert isinstance(get_influence("captum"), CaptumInfluence)
+
+
+# ------------------------------------------------------------------- Captum's influence API on every estimator
+
+
+def _captum_tracin(model, x, y):
+    """Captum's TracInCP used by hand on a float64 copy (the reference of the Captum-style API)."""
+    from captum.influence import TracInCP
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from art_malleability.influence.captum_tracin import CaptumLoss
+
+    net = copy.deepcopy(model).double()
+    data = DataLoader(TensorDataset(torch.tensor(x, dtype=torch.float64), torch.tensor(y)), batch_size=8)
+    tracin = TracInCP(net, data, checkpoints=[0], checkpoints_load_func=lambda m, i: 1.0,
+                      loss_fn=CaptumLoss("cross_entropy"))
+    return tracin
+
+
+@pytest.mark.parametrize("estimator", [GradientInfluence, CaptumInfluence])
+def test_influence_k_and_self_influence_equal_captum_used_by_hand(estimator) -> None:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    model = _mlp()
+    x, y, xq, yq = _data()
+    est = estimator(device="cpu").fit(model, x, y)
+    tracin = _captum_tracin(model, x, y)
+    queries = DataLoader(TensorDataset(torch.tensor(xq, dtype=torch.float64), torch.tensor(yq)), batch_size=8)
+    np.testing.assert_allclose(est.influence(xq, yq), tracin.influence(queries).numpy(), rtol=1e-7, atol=1e-12)
+    for proponents in (True, False):
+        result = est.influence(xq, yq, k=5, proponents=proponents)
+        indices, scores = tracin.influence(queries, k=5, proponents=proponents)
+        assert result.indices.shape == (4, 5) and np.array_equal(result.indices, indices.numpy())
+        np.testing.assert_allclose(result.influence_scores, scores.numpy(), rtol=1e-7, atol=1e-12)
+    np.testing.assert_allclose(est.self_influence(), tracin.self_influence().numpy(), rtol=1e-7)
+    np.testing.assert_allclose(est.self_influence(xq, yq), tracin.self_influence(queries).numpy(), rtol=1e-7)
+
+
+def test_ntk_influence_k_and_self_influence_against_its_scores() -> None:
+    from art_malleability.influence import NTKInfluence, k_most_influential
+
+    model = _mlp()
+    x, y, xq, yq = _data()
+    est = NTKInfluence(device="cpu").fit(model, x, y)
+    full = est.scores(xq, yq)
+    for proponents in (True, False):
+        result = est.influence(xq, yq, k=3, proponents=proponents)
+        order = np.argsort(-full if proponents else full, axis=1, kind="stable")[:, :3]
+        assert np.array_equal(result.indices, order)
+        assert np.array_equal(result.influence_scores, np.take_along_axis(full, order, axis=1))
+    # self-influence: removing a training example raises its own loss (leave-one-out), one score per example
+    diagonal = np.array([est.scores(x[i : i + 1], y[i : i + 1])[0, i] for i in range(len(x))])
+    np.testing.assert_allclose(est.self_influence(), diagonal, rtol=1e-10)
+    assert np.all(est.self_influence() > 0)
+    with pytest.raises(ValueError, match="x must be None for NTKInfluence.self_influence"):
+        est.self_influence(xq, yq)
+    nan_first = k_most_influential(np.array([[np.nan, 1.0, -2.0]]), 2)
+    assert nan_first.indices.tolist() == [[1, 2]]

@@ -1,7 +1,9 @@
 """
 Influence estimators behind one interface: ``fit(model, x_train, y_train)`` then
 ``scores(x_query, y_query)`` -> ``(n_query, n_train)`` float64 matrix, **positive = helpful**
-(removing the training example would raise the query's loss).
+(removing the training example would raise the query's loss); in Captum's terms also
+``influence(x_query, y_query, k=None, proponents=True)`` (all scores, or the ``k`` most influential
+training examples per query) and ``self_influence()``.
 
 - ``"ntk"`` (:class:`NTKInfluence`): exact leave-one-out of kernel ridge regression on the
   empirical NTK (the paper's estimator);
@@ -17,6 +19,8 @@ import logging
 from art_malleability.influence.base import (
     LOSS_NAMES,
     InfluenceEstimator,
+    KMostInfluential,
+    k_most_influential,
     labels_to_indices,
     per_example_loss,
 )
@@ -62,8 +66,10 @@ __all__ = [
     "CaptumInfluence",
     "GradientInfluence",
     "InfluenceEstimator",
+    "KMostInfluential",
     "NTKInfluence",
     "get_influence",
+    "k_most_influential",
     "labels_to_indices",
     "per_example_loss",
 ]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -97,6 +97,30 @@ def check_data(x: np.ndarray, y: np.ndarray, x_name: str, y_name: str) -> tuple[
             f"{y_name} must have one label per row of {x_name}: got {y.shape[0]} labels for {x.shape[0]}"
         )
     return x, y
+
+
+class KMostInfluential(NamedTuple):
+    """The ``k`` most influential training examples of every query (Captum's ``KMostInfluentialResults``)."""
+
+    #: Training indices, ``(n_query, k)``, most influential first.
+    indices: np.ndarray
+    #: Their scores, ``(n_query, k)`` (positive = helpful).
+    influence_scores: np.ndarray
+
+
+def k_most_influential(scores: np.ndarray, k: int, proponents: bool = True) -> KMostInfluential:
+    """
+    Per row of a score matrix, the ``k`` highest (``proponents``) or lowest scores and their columns; ties are
+    broken by the lower index, undefined (``NaN``) scores come last.
+
+    :param scores: ``(n_query, n_train)`` scores, positive = helpful.
+    :param k: Number of examples per row.
+    :param proponents: Highest first (``True``) or lowest first.
+    :return: :class:`KMostInfluential`.
+    """
+    key = np.where(np.isnan(scores), np.inf, -scores if proponents else scores)
+    order = np.argsort(key, axis=1, kind="stable")[:, :k]
+    return KMostInfluential(order.astype(np.int64), np.take_along_axis(scores, order, axis=1))
 
 
 class InfluenceEstimator(abc.ABC):
@@ -295,12 +319,64 @@ class InfluenceEstimator(abc.ABC):
             (removing the training example would raise the query's loss), negative = harmful.
         :raises RuntimeError: If called before :meth:`fit`.
         """
-        if not self.is_fitted:
-            raise RuntimeError(
-                f"{type(self).__name__}.scores() called before fit(); call fit(model, x, y) first"
-            )
+        self._check_fitted("scores")
         x_query, y_query = self._check_query(x_query, y_query)
         return np.asarray(self._scores(x_query, y_query), dtype=np.float64)
+
+    def influence(
+        self, x_query: np.ndarray, y_query: np.ndarray, k: int | None = None, proponents: bool = True
+    ) -> np.ndarray | KMostInfluential:
+        """
+        Captum's ``influence`` (as :meth:`captum.influence.TracInCP.influence`): all scores, or the ``k`` most
+        influential training examples of every query.
+
+        :param x_query: Query inputs, shape ``(n_query, *input_shape)``.
+        :param y_query: Query labels, class indices or one-hot.
+        :param k: ``None``: the ``(n_query, n_train)`` scores of :meth:`scores`. An integer ``1 <= k <= n_train``:
+            per query, the ``k`` training examples of highest score (``proponents=True``: most helpful) or lowest
+            (``proponents=False``: most harmful), ordered from the most influential.
+        :param proponents: Proponents (helpful, positive scores first) or opponents (harmful, negative first).
+        :return: The scores, or a :class:`KMostInfluential` ``(indices, influence_scores)``, each ``(n_query, k)``
+            (numpy arrays; Captum returns tensors).
+        """
+        self._check_fitted("influence")
+        if k is None:
+            return self.scores(x_query, y_query)
+        k = self._check_k(k)
+        return k_most_influential(self.scores(x_query, y_query), k, proponents)
+
+    def self_influence(self, x: np.ndarray | None = None, y: np.ndarray | None = None) -> np.ndarray:
+        """
+        Self-influence, as Captum's ``self_influence``: the score of every training example on itself (for the
+        NTK leave-one-out influence: how much removing the example raises its own loss).
+
+        :param x: ``None`` (the fitted training set). Examples outside the training set have a self-influence only
+            for the gradient estimators (TracIn), which accept them.
+        :param y: Their labels (with ``x``).
+        :return: ``float64`` array ``(n,)``.
+        """
+        self._check_fitted("self_influence")
+        if x is not None or y is not None:
+            raise ValueError(
+                f"x must be None for {type(self).__name__}.self_influence: the self-influence of examples outside "
+                "the training set is defined for the gradient estimators (TracIn) only"
+            )
+        if getattr(self, "x_train_", None) is None:
+            raise ValueError(f"{type(self).__name__} fitted from a dataset keeps no inputs to score on themselves")
+        out = np.empty(self.n_train_, dtype=np.float64)
+        for start in range(0, self.n_train_, self.batch_size):
+            rows = np.arange(start, min(start + self.batch_size, self.n_train_))
+            out[rows] = self.scores(self.x_train_[rows], self.y_train_[rows])[np.arange(len(rows)), rows]
+        return out
+
+    def _check_fitted(self, method: str) -> None:
+        if not self.is_fitted:
+            raise RuntimeError(f"{type(self).__name__}.{method}() called before fit(); call fit(model, x, y) first")
+
+    def _check_k(self, k: object) -> int:
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= self.n_train_:
+            raise ValueError(f"k must be None or an integer between 1 and n_train={self.n_train_}, got {k!r}")
+        return int(k)
 
     def _check_query(self, x_query: np.ndarray, y_query: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Validate queries against the fitted training data; labels become ``int64`` indices."""

@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from art_malleability._torch_utils import frozen_parameters_to_buffers
-from art_malleability.influence.base import InfluenceEstimator, per_example_loss
+from art_malleability.influence.base import InfluenceEstimator, KMostInfluential, per_example_loss
 from art_malleability.influence.gradient import check_checkpoints, snapshot_state, validate_checkpoints
 
 logger = logging.getLogger(__name__)
@@ -172,25 +172,35 @@ class CaptumInfluence(InfluenceEstimator):
         result = self._run(x_query, y_query, k=None)
         return result.detach().to(torch.float64).cpu().numpy()
 
-    def top_k(
-        self, x_query: np.ndarray, y_query: np.ndarray, k: int, proponents: bool = True
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def influence(
+        self, x_query: np.ndarray, y_query: np.ndarray, k: int | None = None, proponents: bool = True
+    ) -> np.ndarray | KMostInfluential:
         """
-        Captum's k-most-influential mode: for every query, the ``k`` training examples with the
-        highest scores (``proponents=True``, most helpful) or lowest (most harmful).
-
-        :param x_query: Query inputs, shape ``(n_query, *input_shape)``.
-        :param y_query: Query labels (indices or one-hot).
-        :param k: Number of training examples per query (``1 <= k <= n_train``).
-        :param proponents: Most helpful (``True``) or most harmful (``False``) examples.
-        :return: ``(indices, scores)``, both of shape ``(n_query, k)``, sorted by score.
+        :meth:`InfluenceEstimator.influence`, with ``k`` answered by Captum's own k-most-influential mode.
         """
-        if not self.is_fitted:
-            raise RuntimeError(
-                f"{type(self).__name__}.top_k() called before fit(); call fit(model, x, y) first"
-            )
-        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= self.n_train_:
-            raise ValueError(f"k must be an integer between 1 and n_train={self.n_train_}, got {k!r}")
+        self._check_fitted("influence")
+        if k is None:
+            return self.scores(x_query, y_query)
+        k = self._check_k(k)
         x_query, y_query = self._check_query(x_query, y_query)
-        indices, scores = self._run(x_query, y_query, k=int(k), proponents=bool(proponents))
-        return indices.cpu().numpy().astype(np.int64), scores.detach().to(torch.float64).cpu().numpy()
+        indices, scores = self._run(x_query, y_query, k=k, proponents=bool(proponents))
+        return KMostInfluential(
+            indices.cpu().numpy().astype(np.int64), scores.detach().to(torch.float64).cpu().numpy()
+        )
+
+    def self_influence(self, x: np.ndarray | None = None, y: np.ndarray | None = None) -> np.ndarray:
+        """
+        Captum's ``self_influence``: ``Σ_k lr_k ‖g(θ_k)‖²`` of the training set (``x=None``) or of given examples.
+
+        :param x: ``None`` (the training set) or inputs ``(n, *input_shape)``.
+        :param y: Their labels.
+        :return: ``float64`` array ``(n,)``.
+        """
+        self._check_fitted("self_influence")
+        data = None if x is None else self._loader(*self._check_query(x, y))
+        try:
+            with torch.enable_grad():
+                result = self._tracin.self_influence(data)
+        finally:
+            self.model_.load_state_dict(self._final_state)
+        return result.detach().to(torch.float64).cpu().numpy()

@@ -157,7 +157,27 @@ class GradientInfluence(InfluenceEstimator):
         validate_checkpoints(model, self._checkpoints)
         self._final_state = snapshot_state(model)
 
+    def self_influence(self, x: np.ndarray | None = None, y: np.ndarray | None = None) -> np.ndarray:
+        """
+        TracIn self-influence ``Σ_k lr_k ‖g(θ_k)‖²`` (Captum's ``self_influence``), of the training set
+        (``x=None``) or of any examples.
+
+        :param x: ``None`` (the training set) or inputs ``(n, *input_shape)``.
+        :param y: Their labels.
+        :return: ``float64`` array ``(n,)``.
+        """
+        self._check_fitted("self_influence")
+        x, y = (self.x_train_, self.y_train_) if x is None and y is None else self._check_query(x, y)
+        return np.concatenate([
+            np.diagonal(self._gram(x[s : s + self.batch_size], y[s : s + self.batch_size], None, None))
+            for s in range(0, len(x), self.batch_size)
+        ])
+
     def _scores(self, x_query: np.ndarray, y_query: np.ndarray) -> np.ndarray:
+        return self._gram(x_query, y_query, self.x_train_, self.y_train_)
+
+    def _gram(self, x1: np.ndarray, y1: np.ndarray, x2: np.ndarray | None, y2: np.ndarray | None) -> np.ndarray:
+        """``Σ_k lr_k`` times the Gram matrix of the loss gradients of ``x1`` and ``x2`` (``None``: ``x1``)."""
         model = self.model_
         engine = JacobianGram(model, method=self.method, batch_size=self.batch_size, output_fn=self._loss_fn)
         total = None
@@ -165,7 +185,7 @@ class GradientInfluence(InfluenceEstimator):
             for sd, lr in zip(self._checkpoints, self._learning_rates, strict=True):
                 if sd is not None:
                     model.load_state_dict(sd)
-                block = engine.gram(x_query, self.x_train_, y_query, self.y_train_).to(torch.float64)
+                block = engine.gram(x1, x2, y1, y2).to(torch.float64)
                 total = lr * block if total is None else total + lr * block
         finally:
             if any(sd is not None for sd in self._checkpoints):

@@ -357,7 +357,7 @@ class NTKInfluence(InfluenceEstimator):
     @property
     def kernel_(self) -> torch.Tensor:
         """The exact mode's ``n × n`` eNTK of the fitted training set (its base fit)."""
-        self._check_fitted()
+        self._check_fitted("kernel_")
         if self.mode_ != "exact":
             raise AttributeError("kernel_ exists in the exact mode only (projection_dim=None)")
         return self.solver_.kernel_
@@ -365,7 +365,7 @@ class NTKInfluence(InfluenceEstimator):
     @property
     def alpha_(self) -> torch.Tensor:
         """Dual coefficients ``A⁻¹Y`` (exact mode, or projected with ``n ≤ k``)."""
-        self._check_fitted()
+        self._check_fitted("alpha_")
         if not isinstance(self.solver_, DualRidge):
             raise AttributeError("alpha_ exists when the solve is in the dual (exact mode, or n <= projection_dim)")
         return self.solver_.alpha_
@@ -477,10 +477,6 @@ class NTKInfluence(InfluenceEstimator):
             return self._comm(self.shard_.all_gather_columns, t)
         return t
 
-    def _check_fitted(self) -> None:
-        if not self.is_fitted:
-            raise RuntimeError(f"{type(self).__name__} is not fitted; call fit(model, x, y) first")
-
     def predict(self, x_query: np.ndarray) -> np.ndarray:
         """
         Kernel ridge regression predictions at the queries.
@@ -488,7 +484,7 @@ class NTKInfluence(InfluenceEstimator):
         :param x_query: Query inputs, shape ``(n_query, *input_shape)``.
         :return: ``float64`` array ``(n_query, C)``.
         """
-        self._check_fitted()
+        self._check_fitted("predict")
         f, _, _ = self._query_parts(np.asarray(x_query))
         return f.cpu().numpy()
 
@@ -500,7 +496,7 @@ class NTKInfluence(InfluenceEstimator):
         :param x_query: Query inputs, shape ``(n_query, *input_shape)``.
         :return: ``float64`` array ``(n_query, n_train, C)``.
         """
-        self._check_fitted()
+        self._check_fitted("loo_predictions")
         f, b, beta = self._query_parts(np.asarray(x_query))
         if self.shard_ is not None and isinstance(self.solver_, PrimalRidge):
             b, beta = self.shard_.all_gather_columns(b), self.shard_.all_gather_rows(beta)
