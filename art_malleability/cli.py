@@ -362,7 +362,7 @@ def _validation_for(folder: str | None, name: str) -> Path | None:
 
 
 def _add_reproduce(sub: argparse._SubParsersAction) -> None:
-    from art_malleability.reproduce import STUDIES, TABLES, ReproductionConfig
+    from art_malleability.paper.reproduce import STUDIES, TABLES, ReproductionConfig
 
     defaults = ReproductionConfig()
     rep = sub.add_parser(
@@ -410,7 +410,7 @@ def run_reproduce(args: argparse.Namespace) -> int:
     :param args: Parsed arguments.
     :return: Exit status.
     """
-    from art_malleability.reproduce import ReproductionConfig, run_reproduction
+    from art_malleability.paper.reproduce import ReproductionConfig, run_reproduction
 
     if args.classes is not None:
         raise ValueError("--classes does not apply to reproduce: Table 3 picks the paper's binary classes")
@@ -424,7 +424,7 @@ def run_reproduce(args: argparse.Namespace) -> int:
     )
     start = time.perf_counter()
     if "open_choices" in config.tables:
-        from art_malleability.open_choices import run_open_choices
+        from art_malleability.paper.open_choices import run_open_choices
 
         study = run_open_choices(config, Path(args.output) / "open_choices")
         print(study.tables["open_choices"])

@@ -320,7 +320,7 @@ def _filter_classes(
     return x[keep], y_new
 
 
-def _subsample(y: np.ndarray, size: int, seed: int, what: str) -> np.ndarray:
+def subsample(y: np.ndarray, size: int, seed: int, what: str) -> np.ndarray:
     """Indices of a seeded, stratified (when possible) subset of the given size."""
     n = y.shape[0]
     if size == n:
@@ -510,8 +510,8 @@ def load_dataset(
                 raise ValueError(
                     f"{arg_name}={value} exceeds the {pool_size} examples available in that split."
                 )
-        train_idx = _subsample(y_tr_pool, n_train or y_tr_pool.shape[0], seed, "training")
-        test_idx = _subsample(y_te_pool, n_test or y_te_pool.shape[0], seed, "test")
+        train_idx = subsample(y_tr_pool, n_train or y_tr_pool.shape[0], seed, "training")
+        test_idx = subsample(y_te_pool, n_test or y_te_pool.shape[0], seed, "test")
         x_train, y_train = x_tr_pool[train_idx], y_tr_pool[train_idx]
         x_test, y_test = x_te_pool[test_idx], y_te_pool[test_idx]
     else:

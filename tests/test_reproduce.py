@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from art_malleability.reproduce import PAPER, ReproductionConfig, _mean_ci, run_reproduction
+from art_malleability.paper.reproduce import PAPER, ReproductionConfig, mean_ci, run_reproduction
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,21 +42,21 @@ def test_every_table_runs_on_tiny_sizes(tmp_path):
 
 
 def test_pooled_interval_covers_seeds_and_queries():
-    from art_malleability.reproduce import REPLICATES, _pooled
+    from art_malleability.paper.reproduce import REPLICATES, pooled
 
     rng = np.random.default_rng(0)
     rows = [{"flip_rate": p, REPLICATES: {"flip_rate": p + 0.01 * rng.normal(size=200)}} for p in (0.1, 0.3, 0.5)]
-    mean, low, high, draws = _pooled(rows, "flip_rate")
+    mean, low, high, draws = pooled(rows, "flip_rate")
     assert mean == pytest.approx(30.0) and low < 20 < 40 < high and draws.shape == (2000,)
     assert low <= mean <= high
-    bare = _pooled([{"flip_rate": 0.2}, {"flip_rate": 0.4}], "flip_rate")  # no replicates: mean only
+    bare = pooled([{"flip_rate": 0.2}, {"flip_rate": 0.4}], "flip_rate")  # no replicates: mean only
     assert bare[0] == pytest.approx(30.0) and np.isnan(bare[1]) and bare[3] is None
 
 
 def test_mean_ci_and_paper_numbers():
-    mean, low, high = _mean_ci([1.0, 2.0, 3.0])
+    mean, low, high = mean_ci([1.0, 2.0, 3.0])
     assert mean == 2.0 and low == pytest.approx(2.0 - 2.4841377, rel=1e-6) and high == pytest.approx(4.4841377)
-    assert _mean_ci([5.0])[0] == 5.0
+    assert mean_ci([5.0])[0] == 5.0
     assert PAPER["table2"]["mnist"]["mlp-attn"]["pgd"] == 28.9
     with pytest.raises(ValueError, match="tables"):
         ReproductionConfig(tables=("table9",))
@@ -69,7 +69,7 @@ def test_example_script_help():
 
 
 def test_open_choices_study_on_tiny_sizes(tmp_path):
-    from art_malleability.open_choices import run_open_choices
+    from art_malleability.paper.open_choices import run_open_choices
 
     config = ReproductionConfig(
         n_train=60, n_test=30, width=16, seeds=(0, 1), epochs=2, attack_max_iter=2, n_queries=8, n_bootstrap=10,
@@ -89,7 +89,7 @@ def test_open_choices_study_on_tiny_sizes(tmp_path):
 
 def test_table1_points_cover_every_class_of_a_class_sorted_source(tmp_path):
     from art_malleability.datasets import load_dataset
-    from art_malleability.reproduce import _ntk_points
+    from art_malleability.paper.reproduce import _ntk_points
 
     rng = np.random.default_rng(0)
     y = np.repeat(np.arange(10), 40)  # sorted by class, like the CIFAR-10 test-split .npz

@@ -42,18 +42,18 @@ from torch import nn
 from art_malleability._state import preserved_rng
 from art_malleability.datasets import Dataset, load_dataset
 from art_malleability.influence import NTKInfluence
-from art_malleability.reproduce import (
+from art_malleability.paper.reproduce import (
     ATTACKS,
     PAPER,
     REPLICATES,
     Reproduction,
     ReproductionConfig,
-    _audit,
-    _flip_rows,
-    _fmt_ci,
-    _pooled,
-    _progress,
-    _train,
+    audit,
+    flip_rows,
+    fmt_ci,
+    pooled,
+    progress,
+    train,
 )
 
 logger = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ def run_open_choices(config: ReproductionConfig, output: str | Path) -> Reproduc
 
     :param config: Settings (data, sizes, seeds, training protocol) shared with the reproduction.
     :param output: Output folder.
-    :return: A :class:`~art_malleability.reproduce.Reproduction` holding the rows and the table.
+    :return: A :class:`~art_malleability.paper.reproduce.Reproduction` holding the rows and the table.
     """
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
@@ -148,22 +148,22 @@ def run_open_choices(config: ReproductionConfig, output: str | Path) -> Reproduc
     with preserved_rng():
         for choice, alternative, is_default, settings in _choices(data):
             for model in MODELS:
-                for seed in _progress(config, config.seeds, f"{choice}: {alternative} ({model})"):
+                for seed in progress(config, config.seeds, f"{choice}: {alternative} ({model})"):
                     transformed = "transform" in settings and model in settings.get("models", MODELS)
                     if transformed:
-                        clf, acc = _train(config, model, data, seed, "cross_entropy", settings["transform"])
+                        clf, acc = train(config, model, data, seed, "cross_entropy", settings["transform"])
                     else:
                         if (model, seed) not in baseline:
-                            baseline[(model, seed)] = _train(config, model, data, seed, "cross_entropy")
+                            baseline[(model, seed)] = train(config, model, data, seed, "cross_entropy")
                         clf, acc = baseline[(model, seed)]
                     if transformed or settings.get("audit"):
-                        report = _audit(config, clf, data, ATTACKS, config.eps, seed, **settings.get("audit", {}))
+                        report = audit(config, clf, data, ATTACKS, config.eps, seed, **settings.get("audit", {}))
                     else:
                         if (model, seed) not in default_reports:
-                            default_reports[(model, seed)] = _audit(config, clf, data, ATTACKS, config.eps, seed)
+                            default_reports[(model, seed)] = audit(config, clf, data, ATTACKS, config.eps, seed)
                         report = default_reports[(model, seed)]
                     metric = settings.get("metric", "flip_rate")
-                    for row in _flip_rows("open_choices", model, seed, acc, report, data, {}):
+                    for row in flip_rows("open_choices", model, seed, acc, report, data, {}):
                         row.update(choice=choice, alternative=alternative, default=is_default,
                                    flip_rate=row[metric], metric=metric)
                         row[REPLICATES] = {"flip_rate": row[REPLICATES].get(metric)}
@@ -200,10 +200,10 @@ def _table(rows: list[dict], paper: dict, family: str, data: Dataset, config: Re
             for model in MODELS:
                 parts = []
                 for attack in ATTACKS:
-                    mean, low, high, _ = _pooled([r for r in sel if r["model"] == model and r["attack"] == attack],
+                    mean, low, high, _ = pooled([r for r in sel if r["model"] == model and r["attack"] == attack],
                                                  "flip_rate")
                     means[(model, attack)] = mean
-                    parts.append(_fmt_ci(mean, low, high, 1))
+                    parts.append(fmt_ci(mean, low, high, 1))
                 cells.append(" / ".join(parts))
             ratios = [means[("mlp-attn", a)] / means[("2l-relu", a)] if means[("2l-relu", a)] else float("nan")
                       for a in ATTACKS]

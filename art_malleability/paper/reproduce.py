@@ -47,7 +47,7 @@ from tqdm.auto import tqdm
 from art_malleability._io import atomic_write, json_ready
 from art_malleability._state import preserved_rng
 from art_malleability._validation import one_hot
-from art_malleability.datasets import Dataset, _subsample, load_dataset
+from art_malleability.datasets import Dataset, load_dataset, subsample
 from art_malleability.estimator import MalleabilityEstimator, near_chance_warnings
 from art_malleability.metrics import hierarchical_interval, hierarchical_replicates, shifted_percentile_interval
 from art_malleability.models import build_reference_model
@@ -57,7 +57,8 @@ logger = logging.getLogger(__name__)
 
 ATTACKS = ("fgsm", "pgd", "mim")
 TABLES = ("table1", "table2", "table3", "table4", "ablation", "spectral")
-#: Runs on request only (``tables=("open_choices",)``): the sensitivity study of :mod:`art_malleability.open_choices`.
+#: Runs on request only (``tables=("open_choices",)``): the sensitivity study of
+#: :mod:`art_malleability.paper.open_choices`.
 STUDIES = ("open_choices",)
 
 #: The paper's reported numbers (percent for flip rates), keyed by data family and model.
@@ -279,9 +280,9 @@ def _table1(config, data: Dataset, family: str, result: Reproduction, out: Path)
         for w in shown:
             values = [r["output_distance"] for r in report.records
                       if r["model"] == model and r["width"] == w and r["protocol"] == "adam"]
-            mean, low, high = _mean_ci(values)
+            mean, low, high = mean_ci(values)
             means.append(mean)
-            cells.append(_fmt_ci(mean, low, high, 1, (0.0, float("inf"))))
+            cells.append(fmt_ci(mean, low, high, 1, (0.0, float("inf"))))
             result.rows.append({"table": "table1", "model": model, "width": w, "ntk_distance": mean,
                                 "ci": [low, high], "seeds": len(values)})
         paper = PAPER["table1"][family].get(model)
@@ -301,10 +302,10 @@ def _table1(config, data: Dataset, family: str, result: Reproduction, out: Path)
 def _table2(config, data: Dataset, family: str, result: Reproduction, trained: dict) -> None:
     rows = []
     for model in config.models:
-        for seed in _progress(config, config.seeds, f"table 2 {model}"):
+        for seed in progress(config, config.seeds, f"table 2 {model}"):
             clf, acc = _standard_model(config, model, data, seed, trained)
-            report = _audit(config, clf, data, ATTACKS, config.eps, seed)
-            rows += _flip_rows("table2", model, seed, acc, report, data, extra={"eps": config.eps})
+            report = audit(config, clf, data, ATTACKS, config.eps, seed)
+            rows += flip_rows("table2", model, seed, acc, report, data, extra={"eps": config.eps})
     result.rows += rows
     result.tables["table2"] = _flip_table(
         f"## Table 2: flip rates (%), {data.nb_classes} classes, ε = {config.eps}", rows, config.models,
@@ -339,7 +340,7 @@ def _lds(config, data: Dataset, result: Reproduction, table: str, loss: str) -> 
                             "estimator": name, "lds": fidelity.lds,
                             "lds_ci": fidelity.lds_ci, "n_models": config.lds_models, "alpha": 0.5})
         low, high = fidelity.lds_ci
-        cells.append(f"{model} {_fmt_ci(fidelity.lds, low, high, 2, (-1.0, 1.0))} ({name})")
+        cells.append(f"{model} {fmt_ci(fidelity.lds, low, high, 2, (-1.0, 1.0))} ({name})")
     return (f"Fidelity of the influence estimator against retraining (LDS, seed {seed}, {config.lds_models} models "
             f"retrained on random halves of the training set, query {loss} loss; 1 = perfect rank agreement, "
             "0 = none): "
@@ -354,10 +355,10 @@ def _table3(config, family: str, result: Reproduction) -> None:
     rows = []
     models = _paper_models(config)
     for model in models:
-        for seed in _progress(config, config.seeds, f"table 3 {model}"):
-            clf, acc = _train(config, model, data, seed, "mse")
-            report = _audit(config, clf, data, ATTACKS, config.eps, seed)
-            rows += _flip_rows("table3", model, seed, acc, report, data, extra={"classes": classes})
+        for seed in progress(config, config.seeds, f"table 3 {model}"):
+            clf, acc = train(config, model, data, seed, "mse")
+            report = audit(config, clf, data, ATTACKS, config.eps, seed)
+            rows += flip_rows("table3", model, seed, acc, report, data, extra={"classes": classes})
     result.rows += rows
     title = (
         f"## Table 3: binary task, {BINARY_NAMES[family]} (MSE loss), flip rates (%), ε = {config.eps}"
@@ -386,10 +387,10 @@ def _table4(config, data: Dataset, family: str, result: Reproduction, trained: d
     models = _paper_models(config)
     rows = []
     for model in models:
-        for seed in _progress(config, config.seeds, f"table 4 {model}"):
+        for seed in progress(config, config.seeds, f"table 4 {model}"):
             standard, base_acc = _standard_model(config, model, data, seed, trained)
-            report = _audit(config, standard, data, ("pgd",), config.eps, seed)
-            rows += _flip_rows("table4", model, seed, base_acc, report, data, extra={"training": "standard"})
+            report = audit(config, standard, data, ("pgd",), config.eps, seed)
+            rows += flip_rows("table4", model, seed, base_acc, report, data, extra={"training": "standard"})
             # adversarial training starts from a fresh initialisation, with the same optimiser settings
             module = build_reference_model(model, data.input_shape, data.nb_classes, width=config.width, seed=seed)
             if hasattr(module, "set_context"):
@@ -405,8 +406,8 @@ def _table4(config, data: Dataset, family: str, result: Reproduction, trained: d
             AdversarialTrainer(clf, pgd, ratio=1.0).fit(data.x_train, one_hot(data.y_train, data.nb_classes),
                                                         batch_size=config.batch_size, nb_epochs=config.adv_epochs)
             module.eval()
-            report = _audit(config, clf, data, ("pgd",), config.eps, seed)
-            rows += _flip_rows("table4", model, seed, _accuracy(clf, data), report, data,
+            report = audit(config, clf, data, ("pgd",), config.eps, seed)
+            rows += flip_rows("table4", model, seed, _accuracy(clf, data), report, data,
                                extra={"training": "pgd-adversarial"})
     result.rows += rows
     lines = [f"## Table 4: PGD flip rate (%) after PGD adversarial training (ART AdversarialTrainer, ratio 1, "
@@ -417,7 +418,7 @@ def _table4(config, data: Dataset, family: str, result: Reproduction, trained: d
         cells = []
         for training in ("standard", "pgd-adversarial"):
             sel = [r for r in rows if r["model"] == model and r["training"] == training]
-            cells += [_fmt_ci(*_pooled(sel, "flip_rate")[:3], 1), _acc_cell(sel)]
+            cells += [fmt_ci(*pooled(sel, "flip_rate")[:3], 1), _acc_cell(sel)]
         paper = PAPER["table4"][family].get(model)
         lines.append(f"| {model} | " + " | ".join(cells) + f" | {paper[0]} → {paper[1]} |")
     result.tables["table4"] = "\n".join(lines)
@@ -427,18 +428,18 @@ def _ablation(config, data: Dataset, result: Reproduction, trained: dict, out: P
     models = _paper_models(config)
     rows = []
     for model in models:
-        for seed in _progress(config, config.seeds, f"ε ablation {model}"):
+        for seed in progress(config, config.seeds, f"ε ablation {model}"):
             clf, acc = _standard_model(config, model, data, seed, trained)
             for eps in config.eps_grid:
-                report = _audit(config, clf, data, ATTACKS, eps, seed)
-                rows += _flip_rows("ablation", model, seed, acc, report, data, extra={"eps": eps})
+                report = audit(config, clf, data, ATTACKS, eps, seed)
+                rows += flip_rows("ablation", model, seed, acc, report, data, extra={"eps": eps})
     result.rows += rows
     lines = ["## ε ablation: flip rates (%) by attack budget", "",
              "| model | attack | " + " | ".join(f"ε={e}" for e in config.eps_grid) + " |",
              "|---|---|" + "---|" * len(config.eps_grid)]
     for model in models:
         for attack in ATTACKS:
-            cells = [_fmt_ci(*_pooled([r for r in rows if r["model"] == model and r["attack"] == attack
+            cells = [fmt_ci(*pooled([r for r in rows if r["model"] == model and r["attack"] == attack
                                        and r["eps"] == e], "flip_rate")[:3], 1) for e in config.eps_grid]
             lines.append(f"| {model} | {attack} | " + " | ".join(cells) + " |")
     lines += ["", "![ε ablation](ablation.png)"]
@@ -475,7 +476,7 @@ def _train_module(config, model: str, x: np.ndarray, y: np.ndarray, seed: int, l
                        weight_decay=config.weight_decay, seed=seed, device=config.device, verbose=False)
 
 
-def _train(config, model: str, data: Dataset, seed: int, loss: str, transform=None):
+def train(config, model: str, data: Dataset, seed: int, loss: str, transform=None):
     module = _train_module(config, model, data.x_train, data.y_train, seed, loss, data.input_shape, data.nb_classes,
                            transform)
     clf = make_classifier(module, data.input_shape, data.nb_classes, loss=loss, clip_values=data.clip_values,
@@ -490,13 +491,13 @@ def _ntk_points(config, data: Dataset) -> tuple[np.ndarray, np.ndarray]:
     give prefixes of one or two classes.
     """
     n_tr, n_te = min(config.ntk_n_train, len(data.x_train)), min(config.ntk_n_test, len(data.x_test))
-    return _subsample(data.y_train, n_tr, 0, "Table 1 training"), _subsample(data.y_test, n_te, 0, "Table 1 test")
+    return subsample(data.y_train, n_tr, 0, "Table 1 training"), subsample(data.y_test, n_te, 0, "Table 1 test")
 
 
 def _standard_model(config, model: str, data: Dataset, seed: int, trained: dict):
     """The Table 2 model of (model, seed) and its accuracy, trained once for Tables 2, 4 and the ablation."""
     if (model, seed) not in trained:
-        trained[(model, seed)] = _train(config, model, data, seed, "cross_entropy")
+        trained[(model, seed)] = train(config, model, data, seed, "cross_entropy")
     return trained[(model, seed)]
 
 
@@ -509,14 +510,14 @@ def _accuracy(clf, data: Dataset) -> float:
     return float(np.mean(clf.predict(data.x_test).argmax(axis=1) == data.y_test))
 
 
-def _audit(config, clf, data: Dataset, attacks, eps: float, seed: int, **overrides):
+def audit(config, clf, data: Dataset, attacks, eps: float, seed: int, **overrides):
     params = {"top_fraction": config.top_fraction, "n_queries": config.n_queries, "n_bootstrap": config.n_bootstrap,
               "attack_max_iter": config.attack_max_iter, "device": config.device, **overrides}
     estimator = MalleabilityEstimator(clf, attacks=attacks, eps=eps, seed=seed, verbose=False, **params)
     return estimator.evaluate(data.x_train, data.y_train, data.x_test, data.y_test, dataset=data.name)
 
 
-def _flip_rows(table: str, model: str, seed: int, accuracy: float, report, data: Dataset, extra: dict) -> list[dict]:
+def flip_rows(table: str, model: str, seed: int, accuracy: float, report, data: Dataset, extra: dict) -> list[dict]:
     flagged = bool(near_chance_warnings(accuracy, data.y_test, "test"))
     rows = []
     for r in report.results:
@@ -532,7 +533,7 @@ def _flip_rows(table: str, model: str, seed: int, accuracy: float, report, data:
     return rows
 
 
-def _pooled(rows: list[dict], stat: str, seed: int = 0) -> tuple[float, float, float, np.ndarray | None]:
+def pooled(rows: list[dict], stat: str, seed: int = 0) -> tuple[float, float, float, np.ndarray | None]:
     """
     Mean over the rows' seeds of a statistic with its two-level bootstrap interval (in percent), and the pooled
     replicates (for differences between models); rows without replicates give a mean without interval.
@@ -564,15 +565,15 @@ def _flip_table(title: str, rows: list[dict], models, paper: dict, family: str) 
         model_rows = [r for r in rows if r["model"] == model]
         for attack in ATTACKS:
             sel = [r for r in model_rows if r["attack"] == attack]
-            flip = _pooled(sel, "flip_rate")
+            flip = pooled(sel, "flip_rate")
             means.setdefault(model, {})[attack] = flip[0]
-            floor, control, extra = (_pooled(sel, s) for s in ("flip_rate_above_floor", "control_flip_rate",
+            floor, control, extra = (pooled(sel, s) for s in ("flip_rate_above_floor", "control_flip_rate",
                                                                  "excess_flip_rate"))
             excess[(model, attack)] = (extra[0], extra[3])
             target = paper.get(model, {}).get(attack)
             lines.append(
-                f"| {model} | {attack} | {_acc_cell(model_rows)} | {_fmt_ci(*flip[:3], 1)} | "
-                f"{_fmt_ci(*floor[:3], 1)} | {_fmt_ci(*control[:3], 1)} | {_fmt_ci(*extra[:3], 1, (-100.0, 100.0))} | "
+                f"| {model} | {attack} | {_acc_cell(model_rows)} | {fmt_ci(*flip[:3], 1)} | "
+                f"{fmt_ci(*floor[:3], 1)} | {fmt_ci(*control[:3], 1)} | {fmt_ci(*extra[:3], 1, (-100.0, 100.0))} | "
                 f"{'—' if target is None else target} |"
             )
     if "2l-relu" in means and "mlp-attn" in means:
@@ -605,7 +606,7 @@ def _acc_cell(rows: list[dict]) -> str:
     return f"{mean:.1f}%" + (" ⚠ near chance" if flagged else "")
 
 
-def _mean_ci(values: list[float]) -> tuple[float, float, float]:
+def mean_ci(values: list[float]) -> tuple[float, float, float]:
     values = np.asarray([v for v in values if v is not None and np.isfinite(v)], dtype=np.float64)
     if values.size == 0:
         return float("nan"), float("nan"), float("nan")
@@ -616,7 +617,7 @@ def _mean_ci(values: list[float]) -> tuple[float, float, float]:
     return mean, mean - half, mean + half
 
 
-def _fmt_ci(mean: float, low: float, high: float, digits: int, bounds: tuple[float, float] = (0.0, 100.0)) -> str:
+def fmt_ci(mean: float, low: float, high: float, digits: int, bounds: tuple[float, float] = (0.0, 100.0)) -> str:
     """Mean [interval]; the t-interval is clipped to the metric's range (a share cannot leave 0–100 %)."""
     if not np.isfinite(mean):
         return "n/a"
@@ -638,7 +639,7 @@ def _direction(values) -> str:
     return "rises" if values[-1] > values[0] else "falls"
 
 
-def _progress(config, items, desc: str):
+def progress(config, items, desc: str):
     return tqdm(items, desc=desc, disable=not config.verbose, leave=False)
 
 
@@ -648,7 +649,7 @@ def _plot_ablation(rows: list[dict], models, eps_grid, path: Path) -> None:
     figure, axes = plt.subplots(1, len(ATTACKS), figsize=(10, 3), sharey=True)
     for ax, attack in zip(axes, ATTACKS, strict=True):
         for model in models:
-            stats_ = [_pooled([r for r in rows if r["model"] == model and r["attack"] == attack and r["eps"] == e],
+            stats_ = [pooled([r for r in rows if r["model"] == model and r["attack"] == attack and r["eps"] == e],
                               "flip_rate")[:3] for e in eps_grid]
             means = [s[0] for s in stats_]
             lows = np.clip([s[1] if np.isfinite(s[1]) else s[0] for s in stats_], 0.0, 100.0)
