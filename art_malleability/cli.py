@@ -674,6 +674,13 @@ def _preflight(args: argparse.Namespace) -> None:
                     f"--n-train {args.n_train} with --top-fraction {fraction} leaves an empty influential set; "
                     f"pass --n-train of at least {math.ceil(1 / fraction - 1e-9)}"
                 )
+        if getattr(args, "command", None) == "validate":
+            if not 0 < args.alpha < 1:
+                raise ValueError(f"--alpha (alpha) must lie strictly between 0 and 1, got {args.alpha}")
+            if args.n_models < 2:
+                raise ValueError(f"--n-models (n_models) must be at least 2, got {args.n_models}")
+        if getattr(args, "n_queries", 1) < 1:
+            raise ValueError(f"--n-queries must be a positive integer, got {args.n_queries}")
         for name in names if getattr(args, "validation", None) is not None else []:
             _validation_for(args.validation, name)
     except (ValueError, TypeError, OSError) as err:

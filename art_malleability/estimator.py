@@ -521,7 +521,7 @@ class MalleabilityEstimator:
             scores_before=agg_before,
             results=results,
             seconds=seconds,
-            versions=_versions(),
+            versions=library_versions(),
             dataset=dataset,
             warnings=warnings,
             execution=self._execution(influence, shard),
@@ -778,7 +778,7 @@ def weights_digest(model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-def _versions() -> dict[str, str]:
+def library_versions() -> dict[str, str]:
     names = ["art-malleability", "adversarial-robustness-toolbox", "torch", "captum", "numpy", "scipy"]
     found = {}
     for name in names:

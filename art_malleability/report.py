@@ -191,10 +191,11 @@ class MalleabilityReport:
     def _fidelity_line(self) -> str:
         f = self.fidelity or {}
         loo = f.get("loo_sign_agreement")
+        lds = format_number_ci(f.get("lds"), f.get("lds_ci", [None, None]))
         return (
-            f"influence fidelity ({f.get('estimator')}): LDS {_number_ci(f.get('lds'), f.get('lds_ci', [None, None]))} "
+            f"influence fidelity ({f.get('estimator')}): LDS {lds} "
             f"against {f.get('n_models')} models retrained on {f.get('alpha')} of the data ({f.get('outcome')})"
-            + ("" if loo is None else f"; leave-one-out sign agreement {_percent(loo)}")
+            + ("" if loo is None else f"; leave-one-out sign agreement {format_percent(loo)}")
         )
 
     def to_markdown(self) -> str:
@@ -224,13 +225,13 @@ class MalleabilityReport:
             for r in controls:
                 c = r.control
                 lines.append(
-                    f"| {r.attack} | {c['eps']:g} | {_percent_ci(c['flip_rate'], c['flip_rate_ci'])} | "
-                    f"{_percent_ci(c['flip_rate_above_floor'], c['flip_rate_above_floor_ci'])} | "
-                    f"{_number_ci(c['spearman'], c['spearman_ci'])} | "
-                    f"{_number_ci(c['top_k_jaccard'], c['top_k_jaccard_ci'])} |"
+                    f"| {r.attack} | {c['eps']:g} | {format_percent_ci(c['flip_rate'], c['flip_rate_ci'])} | "
+                    f"{format_percent_ci(c['flip_rate_above_floor'], c['flip_rate_above_floor_ci'])} | "
+                    f"{format_number_ci(c['spearman'], c['spearman_ci'])} | "
+                    f"{format_number_ci(c['top_k_jaccard'], c['top_k_jaccard_ci'])} |"
                 )
         lines += ["", "Per-query flip rates (each query's own top set): "
-                  + ", ".join(f"{r.attack} {_percent(r.per_query_flip_rate)}" for r in self.results)]
+                  + ", ".join(f"{r.attack} {format_percent(r.per_query_flip_rate)}" for r in self.results)]
         if self.fidelity is not None:
             lines += ["", "## Influence fidelity", "", self._fidelity_line() + "."]
         if self.noise_floor:
@@ -321,9 +322,9 @@ class MalleabilityReport:
         top = 5.0
         for j, (name, color, values) in enumerate(series):
             x = positions + (j - 1) * width
-            point = np.array([_nan(v) for v, _ in values]) * 100
-            low = np.array([_nan(ci[0]) for _, ci in values]) * 100
-            high = np.array([_nan(ci[1]) for _, ci in values]) * 100
+            point = np.array([nan_if_none(v) for v, _ in values]) * 100
+            low = np.array([nan_if_none(ci[0]) for _, ci in values]) * 100
+            high = np.array([nan_if_none(ci[1]) for _, ci in values]) * 100
             ax.bar(x, np.nan_to_num(point), width, color=color, alpha=0.85, label=name)
             ax.vlines(x, low, high, color="k", lw=1.0)
             finite = np.append(high[np.isfinite(high)], point[np.isfinite(point)])
@@ -346,8 +347,8 @@ class MalleabilityReport:
         """
         r = self.result(attack)
         ax = _axes(ax, (4.2, 4.0))
-        before = np.array([_nan(v) for v in self.scores_before])
-        after = np.array([_nan(v) for v in r.scores_after])
+        before = np.array([nan_if_none(v) for v in self.scores_before])
+        after = np.array([nan_if_none(v) for v in r.scores_after])
         top = np.array(self.top_indices, dtype=int)
         flipped = top[np.sign(before[top]) * np.sign(after[top]) < 0]
         counted = np.intersect1d(flipped, np.array(r.counted_flips, dtype=int))
@@ -399,18 +400,18 @@ def comparison_table(reports: list[MalleabilityReport]) -> str:
 def _row(r: AttackResult) -> list[str]:
     return [
         r.attack,
-        _percent_ci(r.flip_rate, r.flip_rate_ci),
-        _percent(r.flip_rate_above_floor),
-        "n/a" if r.control is None else _percent(r.control["flip_rate"]),
+        format_percent_ci(r.flip_rate, r.flip_rate_ci),
+        format_percent(r.flip_rate_above_floor),
+        "n/a" if r.control is None else format_percent(r.control["flip_rate"]),
         _points_ci(r.excess_flip_rate, r.excess_flip_rate_ci),
-        _number_ci(r.spearman, r.spearman_ci),
-        _number_ci(r.top_k_jaccard, r.top_k_jaccard_ci),
-        _percent(r.attack_success),
+        format_number_ci(r.spearman, r.spearman_ci),
+        format_number_ci(r.top_k_jaccard, r.top_k_jaccard_ci),
+        format_percent(r.attack_success),
     ]
 
 
 def _flip_and_excess(r: AttackResult) -> str:
-    text = _percent_ci(r.flip_rate, r.flip_rate_ci)
+    text = format_percent_ci(r.flip_rate, r.flip_rate_ci)
     if r.excess_flip_rate is None:
         return text
     return f"{text}; excess {_points_ci(r.excess_flip_rate, r.excess_flip_rate_ci)}"
@@ -425,11 +426,13 @@ def _points_ci(v: float | None, ci: list[float | None]) -> str:
     return f"{100 * v:+.1f} pts [{100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]"
 
 
-def _percent(v: float | None) -> str:
+def format_percent(v: float | None) -> str:
+    """:return: A share as ``"12.3%"`` (``"n/a"`` for ``None``)."""
     return "n/a" if v is None else f"{100 * v:.1f}%"
 
 
-def _percent_ci(v: float | None, ci: list[float | None]) -> str:
+def format_percent_ci(v: float | None, ci: list[float | None]) -> str:
+    """:return: A share with its interval, ``"12.3% [8.0, 17.1]"`` (``"n/a"`` for ``None``)."""
     if v is None:
         return "n/a"
     if ci[0] is None or ci[1] is None:
@@ -437,7 +440,8 @@ def _percent_ci(v: float | None, ci: list[float | None]) -> str:
     return f"{100 * v:.1f}% [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]"
 
 
-def _number_ci(v: float | None, ci: list[float | None]) -> str:
+def format_number_ci(v: float | None, ci: list[float | None]) -> str:
+    """:return: A number with its interval, ``"0.123 [0.080, 0.171]"`` (``"n/a"`` for ``None``)."""
     if v is None:
         return "n/a"
     if ci[0] is None or ci[1] is None:
@@ -445,7 +449,8 @@ def _number_ci(v: float | None, ci: list[float | None]) -> str:
     return f"{v:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]"
 
 
-def _nan(v: float | None) -> float:
+def nan_if_none(v: float | None) -> float:
+    """:return: ``v`` as a float, ``NaN`` for ``None`` (values of a JSON-ready report, for plotting)."""
     return float("nan") if v is None else float(v)
 
 

@@ -51,11 +51,11 @@ from art_malleability._io import atomic_write_files, json_ready
 from art_malleability._state import preserved_rng
 from art_malleability._torch_utils import eval_mode, model_device_dtype
 from art_malleability._validation import check_loss
-from art_malleability.estimator import _versions, near_chance_warnings, weights_digest
+from art_malleability.estimator import library_versions, near_chance_warnings, weights_digest
 from art_malleability.influence import InfluenceEstimator, get_influence, per_example_loss
 from art_malleability.influence.base import check_data
 from art_malleability.metrics import bootstrap_interval
-from art_malleability.report import _nan, _number_ci, _percent, _percent_ci
+from art_malleability.report import format_number_ci, format_percent, format_percent_ci, nan_if_none
 
 logger = logging.getLogger(__name__)
 
@@ -354,8 +354,8 @@ class ValidationReport:
         ]
         for r in self.results.values():
             lines.append(
-                f"| {r.estimator} | {_number_ci(r.lds, r.lds_ci)} | "
-                f"{_percent_ci(r.loo_sign_agreement, r.loo_sign_agreement_ci)} | {r.n_loo_pairs} | "
+                f"| {r.estimator} | {format_number_ci(r.lds, r.lds_ci)} | "
+                f"{format_percent_ci(r.loo_sign_agreement, r.loo_sign_agreement_ci)} | {r.n_loo_pairs} | "
                 f"{r.n_queries_defined} |"
             )
         return "\n".join(lines)
@@ -365,7 +365,7 @@ class ValidationReport:
         lines = ["| estimators | LDS difference [95% CI] |", "|---|---|"]
         for a, b in combinations(self.results, 2):
             mean, ci = self.lds_difference(a, b, seed=self.config.get("seed", 0))
-            lines.append(f"| {a} − {b} | {_number_ci(mean, ci)} |")
+            lines.append(f"| {a} − {b} | {format_number_ci(mean, ci)} |")
         return "\n".join(lines)
 
     def summary(self) -> str:
@@ -405,8 +405,8 @@ class ValidationReport:
             f"model {self.model}" + (f" on {self.dataset}" if self.dataset else "")
             + f"; {self.n_train} training examples, {self.n_queries} queries; {c['n_models']} models on "
             f"alpha = {c['alpha']} subsets, outcome {c['outcome']}; LOO: {c['loo_queries']} queries x top "
-            f"{c['loo_top']} x {c['loo_seeds']} seeds; full-data model accuracy {_percent(train_acc)} (train), "
-            f"{_percent(query_acc)} (queries)"
+            f"{c['loo_top']} x {c['loo_seeds']} seeds; full-data model accuracy {format_percent(train_acc)} (train), "
+            f"{format_percent(query_acc)} (queries)"
         )
 
     # ------------------------------------------------------------------ files
@@ -464,9 +464,9 @@ class ValidationReport:
             (ax_lds, "lds", "lds_ci", "LDS (Spearman, higher = better)", 0.0),
             (ax_loo, "loo_sign_agreement", "loo_sign_agreement_ci", "LOO sign agreement", 0.5),
         ):
-            values = np.array([_nan(getattr(self.results[n], value)) for n in names])
-            low = np.array([_nan(getattr(self.results[n], ci)[0]) for n in names])
-            high = np.array([_nan(getattr(self.results[n], ci)[1]) for n in names])
+            values = np.array([nan_if_none(getattr(self.results[n], value)) for n in names])
+            low = np.array([nan_if_none(getattr(self.results[n], ci)[0]) for n in names])
+            high = np.array([nan_if_none(getattr(self.results[n], ci)[1]) for n in names])
             ax.bar(positions, np.nan_to_num(values), color="tab:blue", alpha=0.75)
             ax.vlines(positions, low, high, color="k", lw=1.2)
             ax.scatter(np.r_[positions, positions], np.r_[low, high], marker="_", s=80, color="k")
@@ -491,16 +491,16 @@ class ValidationReport:
         names = list(self.results)
         figure, axes = plt.subplots(1, len(names), figsize=(3.2 * len(names), 3.2), squeeze=False)
         q = self.example_query
-        measured = np.array([_nan(row[q]) for row in self.outcomes])
+        measured = np.array([nan_if_none(row[q]) for row in self.outcomes])
         utility = -measured if self.config["outcome"] == "loss" else measured
         for ax, name in zip(axes[0], names, strict=True):
             r = self.results[name]
-            predicted = np.array([_nan(v) for v in r.example_predicted])
+            predicted = np.array([nan_if_none(v) for v in r.example_predicted])
             ax.scatter(predicted, utility, s=12, color="tab:blue")
             ax.ticklabel_format(style="sci", scilimits=(-2, 3))
             ax.set_xlabel("summed influence of the subset", fontsize=8)
             rho = r.lds_per_query[q]
-            ax.set_title(f"{name}, query {q}: LDS {_nan(rho):.2f}", fontsize=9)
+            ax.set_title(f"{name}, query {q}: LDS {nan_if_none(rho):.2f}", fontsize=9)
         axes[0][0].set_ylabel(f"measured {'−loss' if self.config['outcome'] == 'loss' else 'margin'}")
         figure.tight_layout()
         return figure
@@ -797,7 +797,7 @@ class _Run:
             n_queries=len(self.x_query), accuracy=accuracy,
             subsets=[np.flatnonzero(m).tolist() for m in masks], subset_seeds=subset_seeds.tolist(),
             outcomes=outcomes, loo_queries=loo_rows.tolist(), loo_removed=removed.tolist(), loo_seeds=seeds,
-            example_query=example, seconds=self.seconds, versions=_versions(), warnings=warnings,
+            example_query=example, seconds=self.seconds, versions=library_versions(), warnings=warnings,
         )
 
     def draw_subsets(self, n_models: int, alpha: float) -> np.ndarray:
