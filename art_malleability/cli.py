@@ -163,7 +163,7 @@ def _add_ntk_check(sub: argparse._SubParsersAction) -> None:
     group = check.add_argument_group("check")
     group.add_argument("--models", nargs="+", default=["2l-relu", "mlp-attn"], help="reference models")
     group.add_argument("--widths", type=int, nargs="+", default=[16, 64, 256, 1024, 4096], help="widths m")
-    group.add_argument("--seeds", type=int, default=5, help="number of initialisation seeds (0, 1, ...)")
+    group.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="initialisation seeds")
     group.add_argument("--protocols", nargs="*", choices=("gd", "adam"), default=["gd", "adam"],
                        help="training protocols of the dynamic level (none: skip training)")
     group.add_argument("--gd-steps", type=int, default=200, help="full-batch gradient-descent steps")
@@ -192,7 +192,7 @@ def run_ntk_check(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     checker = NTKConvergenceChecker(
-        models=args.models, widths=args.widths, seeds=list(range(args.seeds)), protocols=args.protocols,
+        models=args.models, widths=args.widths, seeds=list(args.seeds), protocols=args.protocols,
         ridge=args.ridge, gd_steps=args.gd_steps, gd_lr_scale=args.gd_lr_scale, adam_epochs=args.adam_epochs,
         device=args.device, dtype=getattr(torch, args.dtype), verbose=not args.quiet,
     )

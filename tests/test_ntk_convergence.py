@@ -165,7 +165,7 @@ def test_bad_data(small_digits):
 
 
 def test_cli_ntk_check_tiny(tmp_path, capsys):
-    code = main(["ntk-check", "--n-train", "20", "--n-test", "10", "--widths", "16", "64", "--seeds", "2",
+    code = main(["ntk-check", "--n-train", "20", "--n-test", "10", "--widths", "16", "64", "--seeds", "0", "1",
                  "--gd-steps", "5", "--adam-epochs", "1", "--output", str(tmp_path / "c"), "--quiet"])
     assert code == 0
     out = capsys.readouterr().out
