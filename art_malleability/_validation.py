@@ -97,6 +97,28 @@ def check_features(x: object, name: str, input_shape: tuple[int, ...]) -> np.nda
     return np.array(x, dtype=np.float32, copy=True)
 
 
+def check_range(x: np.ndarray, name: str, clip_values: tuple | None) -> None:
+    """
+    Inputs must lie in the classifier's valid range: attacks clip to it, so data outside it (pixels in 0..255
+    or centred data with ``clip_values=(0, 1)``) would be audited against a model that never sees such inputs.
+
+    :param x: Inputs.
+    :param name: Argument name used in error messages.
+    :param clip_values: The classifier's ``clip_values`` (``None``: no range).
+    :raises ValueError: When a value lies outside the range (beyond a float32 rounding margin).
+    """
+    if clip_values is None or x.size == 0:
+        return
+    low, high = (np.asarray(v, dtype=np.float64) for v in clip_values)
+    margin = 1e-6 * max(1.0, float(np.max(np.abs(high))))
+    if np.any(x < low - margin) or np.any(x > high + margin):
+        raise ValueError(
+            f"{name} has values in [{float(x.min()):g}, {float(x.max()):g}] outside the classifier's clip_values "
+            f"({float(np.min(low)):g}, {float(np.max(high)):g}); scale the data to that range (e.g. divide uint8 "
+            "pixels by 255) or build the classifier with the data's range"
+        )
+
+
 def check_labels(y: object, name: str, n: int, nb_classes: int) -> np.ndarray:
     """
     Validate labels (class indices of shape (n,) or one-hot of shape (n, nb_classes)) and return indices.

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from art_malleability._state import preserved
 from art_malleability._torch_utils import resolve_device
-from art_malleability._validation import check_features, check_labels, loss_name, one_hot
+from art_malleability._validation import check_features, check_labels, check_range, loss_name, one_hot
 from art_malleability.attacks import (
     ATTACK_NAMES,
     CONTROL_LABEL,
@@ -253,7 +253,9 @@ class MalleabilityEstimator:
         clf = self.classifier
         shape, nb_classes = tuple(clf.input_shape), int(clf.nb_classes)
         pipeline_operations(clf)  # an input pipeline the influence cannot follow fails before any work
+        self._check_budget()
         source = self._source(x, y, "x", shape, nb_classes)
+        input_warnings = self._check_outputs(source)
         k = top_k_count(source.n, self.top_fraction)
         if k < 1:
             raise ValueError(
@@ -289,6 +291,7 @@ class MalleabilityEstimator:
             validation = ValidationReport.load(validation)
         with preserved(clf.model, clf.loss):
             report = self._audit(source, queries, x_q, y_q, self_pairs, k, dataset, shard)
+        report.warnings.extend(input_warnings)
         if validation is not None:
             self._state_fidelity(report, validation)
         return report
@@ -313,12 +316,50 @@ class MalleabilityEstimator:
             return
         report.fidelity = fidelity
 
-    @staticmethod
-    def _source(x: Any, y: Any, name: str, shape: tuple[int, ...], nb_classes: int) -> ExampleSource:
+    def _source(self, x: Any, y: Any, name: str, shape: tuple[int, ...], nb_classes: int) -> ExampleSource:
         if is_torch_data(x):
             return ExampleSource(x, y, input_shape=shape, nb_classes=nb_classes, name=name)
         x = check_features(x, name, shape)
+        check_range(x, name, self.classifier.clip_values)
         return ExampleSource(x, check_labels(y, "y" + name[1:], len(x), nb_classes), name=name)
+
+    def _check_budget(self) -> None:
+        """An ℓ∞ budget that covers the whole valid input range is a unit mistake (8 meant as 8/255), not an audit."""
+        clip = self.classifier.clip_values
+        named = any(isinstance(a, str) for a in self.attacks)
+        if clip is not None and named and self.eps >= float(np.max(np.asarray(clip[1]) - np.asarray(clip[0]))):
+            raise ValueError(
+                f"eps={self.eps:g} covers the classifier's whole input range clip_values={tuple(map(float, clip))}: "
+                "every input could become any other; give eps in the input's units (e.g. 8/255, not 8)"
+            )
+
+    def _check_outputs(self, source: ExampleSource) -> list[str]:
+        """The model must return one tensor of ``nb_classes`` logits per example; :return: warnings on the labels."""
+        x_one, _ = source.take(np.arange(1), 1)
+        model = self.classifier.model
+        with preserved(model, None), torch.no_grad():
+            model.eval()
+            param = next(iter(model.parameters()), None)
+            out = model(torch.as_tensor(x_one, device=None if param is None else param.device,
+                                        dtype=None if param is None else param.dtype))
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(
+                f"the classifier's model must return one tensor of logits (n, nb_classes), got {type(out).__name__}; "
+                "wrap it so that forward returns the logits alone"
+            )
+        if out.ndim != 2 or out.shape[1] != int(self.classifier.nb_classes):
+            raise ValueError(
+                f"the classifier's model returns outputs of shape {tuple(out.shape)} but the classifier has "
+                f"nb_classes={self.classifier.nb_classes}; build the PyTorchClassifier with the model's output width"
+            )
+        labels = source.labels(self.batch_size * 8)
+        present = np.unique(labels)
+        if len(present) < 2:
+            message = (f"y holds a single class ({int(present[0])}) of the classifier's {self.classifier.nb_classes}: "
+                       "the influence and the flip rates describe that class only")
+            logger.warning(message)
+            return [message]
+        return []
 
     def _accuracy(self, data: ExampleSource, shard: Shard | None) -> tuple[float, np.ndarray]:
         """Clean accuracy on a source (each process its shard) and the source's labels."""
@@ -715,6 +756,9 @@ def influence_flip_rate(
     :return: Share of the most influential training examples whose influence changes sign (positive =
              helpful before and after).
     """
+    if "attacks" in kwargs:
+        raise TypeError("influence_flip_rate measures one attack: pass it as attack=..., not attacks=...; use "
+                        "MalleabilityEstimator(classifier, attacks=[...]).evaluate(x, y) for several")
     kwargs.setdefault("verbose", False)
     kwargs.setdefault("n_bootstrap", 1)
     report = MalleabilityEstimator(classifier, attacks=(attack,), **kwargs).evaluate(x, y, x_test, y_test)

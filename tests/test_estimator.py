@@ -530,3 +530,67 @@ def test_an_invalid_change_is_named_and_changes_nothing(relu_clf, change, match)
 def test_a_string_ridge_is_refused_at_construction(relu_clf):
     with pytest.raises(TypeError, match="ridge must be a positive number, got str"):
         MalleabilityEstimator(relu_clf, ridge="0.1", **FAST)
+
+
+# ------------------------------------------------------------------ bad input a new user tries
+
+
+class TupleNet(torch.nn.Module):
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        return self.net(x), x
+
+
+@pytest.mark.parametrize(
+    ("case", "error", "match"),
+    [
+        ("pixels 0-255", ValueError, r"x has values in \[0, 255\] outside the classifier's clip_values \(0, 1\)"),
+        ("centred", ValueError, "outside the classifier's clip_values"),
+        ("eps in pixel units", ValueError, "eps=8 covers the classifier's whole input range"),
+        ("eps the whole range", ValueError, "eps=1 covers"),
+        ("nb_classes", ValueError, r"returns outputs of shape \(1, 10\) but the classifier has nb_classes=5"),
+        ("tuple output", TypeError, "must return one tensor of logits"),
+        ("attacks= in the one-off", TypeError, "pass it as attack="),
+    ],
+)
+def test_what_a_new_user_gets_wrong_is_named_and_changes_nothing(relu_clf, case, error, match):
+    data = digits(100, 20)
+    x, y = data.x_train.copy(), data.y_train.copy()
+    clf, kwargs, run = relu_clf, {}, None
+    if case == "pixels 0-255":
+        x = np.round(x * 255)
+    elif case == "centred":
+        x = x - x.mean()
+    elif case == "eps in pixel units":
+        kwargs = {"eps": 8}
+    elif case == "eps the whole range":
+        kwargs = {"eps": 1.0}
+    elif case == "nb_classes":
+        x, y = x[y < 5], y[y < 5]
+        clf = PyTorchClassifier(relu_clf.model, torch.nn.CrossEntropyLoss(), (1, 8, 8), 5, clip_values=(0.0, 1.0))
+    elif case == "tuple output":
+        clf = PyTorchClassifier(TupleNet(relu_clf.model), torch.nn.CrossEntropyLoss(), (1, 8, 8), 10,
+                                clip_values=(0.0, 1.0))
+    elif case == "attacks= in the one-off":
+        run = lambda: influence_flip_rate(relu_clf, x, y, attacks=["pgd"])  # noqa: E731
+    state = {k: v.clone() for k, v in relu_clf.model.state_dict().items()}
+    x_before = x.copy()
+    with pytest.raises(error, match=match):
+        if run is not None:
+            run()
+        else:
+            MalleabilityEstimator(clf, **{**FAST, **kwargs}).evaluate(x, y)
+    assert np.array_equal(x, x_before) and all(torch.equal(state[k], v) for k, v in relu_clf.model.state_dict().items())
+
+
+def test_a_single_class_is_a_warning_in_the_log_and_the_report(relu_clf, caplog):
+    data = digits(100, 20)
+    keep = data.y_train == 3
+    x, y = data.x_train[keep], data.y_train[keep]
+    report = MalleabilityEstimator(relu_clf, attacks=["fgsm"], **{**FAST, "n_queries": 5, "controls": False},
+                                   top_fraction=0.5).evaluate(x, y)
+    assert any("single class (3)" in w for w in report.warnings)
+    assert "single class (3)" in caplog.text
