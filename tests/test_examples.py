@@ -39,3 +39,23 @@ def test_mnist_cnn_example_streams_a_dataset(tmp_path, shared_data):
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["n_train"] == 1200 and report["execution"]["mode"] == "exact"
     assert report["clean_accuracy"] > 0.5
+
+
+def test_robustness_evaluation_example_beside_art_metrics(tmp_path):
+    done = _run("robustness_evaluation.py", "--quick", "--output", "eval.json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    saved = json.loads((tmp_path / "eval.json").read_text())
+    row = saved["robustness"]
+    assert 0 <= row["pgd_accuracy"] <= row["clean_accuracy"] <= 1 and row["empirical_robustness_fgsm"] > 0
+    assert {"flip_rate_fgsm", "excess_flip_rate_pgd"} <= set(row) and saved["malleability"]["results"]
+
+
+def test_read_report_example_reads_a_saved_audit(tmp_path):
+    from art_malleability.cli import main
+
+    assert main(["audit", "--model", "2l-relu", "--n-train", "100", "--n-test", "30", "--epochs", "40", "--width",
+                 "32", "--attacks", "fgsm", "--n-queries", "10", "--n-bootstrap", "20", "--quiet", "--output",
+                 str(tmp_path / "audit")]) == 0
+    done = _run("read_report.py", str(tmp_path / "audit" / "2l-relu"), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "fgsm:" in done.stdout and "influential examples flipped" in done.stdout

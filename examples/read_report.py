@@ -1,0 +1,41 @@
+"""
+Read a saved audit back: the headline numbers, the flips that count, and the training examples behind them.
+
+    art-malleability audit --model 2l-relu --output audit     # writes audit/2l-relu/report.json
+    python examples/read_report.py audit/2l-relu               # or the report.json itself
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from art_malleability import MalleabilityReport
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("report", help="a report folder or its report.json")
+    parser.add_argument("--show", type=int, default=5, help="influential examples to list per attack")
+    args = parser.parse_args()
+
+    report = MalleabilityReport.load(args.report)
+    print(report.summary())
+    for warning in report.warnings:
+        print(f"warning: {warning}")
+    before = np.asarray(report.scores_before)
+    for result in report.results:
+        after = np.asarray(result.scores_after)
+        top = np.asarray(report.top_indices)
+        flipped = top[np.sign(before[top]) * np.sign(after[top]) < 0]
+        counted = set(result.counted_flips or [])
+        print(f"\n{result.attack}: {len(flipped)} of {len(top)} influential examples flipped "
+              f"({len(counted)} above the noise floor); the most influential of them:")
+        for i in flipped[: args.show]:
+            mark = "counted" if int(i) in counted else "within the floor"
+            print(f"  training example {int(i):>5}: influence {before[i]:+.3e} -> {after[i]:+.3e} ({mark})")
+
+
+if __name__ == "__main__":
+    main()
