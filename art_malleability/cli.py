@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     audit_group.add_argument("--top-fraction", type=float, default=0.1, help="share of training data in the top set")
     audit_group.add_argument("--strategy", choices=STRATEGIES, default="top", help="perturb the top set or all")
-    audit_group.add_argument("--rank-by", choices=RANK_BY, default="abs", help="rank the top set by |score| or score")
+    audit_group.add_argument("--rank-by", choices=RANK_BY, default="abs",
+                             help="rank the top set by absolute or signed score")
     audit_group.add_argument("--n-queries", type=int, default=100, help="query points drawn from the test set")
     audit_group.add_argument("--n-bootstrap", type=int, default=1000, help="bootstrap resamples for intervals")
     audit_group.add_argument(
@@ -486,7 +487,8 @@ def _add_validate(sub: argparse._SubParsersAction) -> None:
     group.add_argument("--outcome", choices=OUTCOMES, default="loss",
                        help="measured outcome: the query's loss (LDS against -loss) or its margin")
     group.add_argument("--loo-queries", type=int, default=3, help="queries of the leave-one-out check (0: skip)")
-    group.add_argument("--loo-top", type=int, default=5, help="top examples per query and estimator, by |influence|")
+    group.add_argument("--loo-top", type=int, default=5,
+                       help="top examples per query and estimator, by absolute influence")
     group.add_argument("--loo-seeds", type=int, default=3, help="training seeds averaged per removal")
     group.add_argument("--n-bootstrap", type=int, default=1000, help="bootstrap resamples of the LDS interval")
     run = val.add_argument_group("run")

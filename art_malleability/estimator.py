@@ -236,7 +236,7 @@ class MalleabilityEstimator:
         """
         Audit the influence malleability of the classifier on its training data.
 
-        :param x: Training inputs whose influence is audited, (n, *input_shape), in the classifier's input space;
+        :param x: Training inputs whose influence is audited, ``(n, *input_shape)``, in the classifier's input space;
                or a map-style ``torch.utils.data.Dataset`` / ``DataLoader`` of ``(x, y)`` pairs, read in batches
                (see :mod:`art_malleability.streaming`).
         :param y: Their labels: class indices (n,) or one-hot (n, nb_classes); ``None`` for a dataset.

@@ -391,7 +391,7 @@ class NTKConvergenceChecker:
         """
         Run every model at every width and seed.
 
-        :param x_train: Training inputs (n, *input_shape); the kernels are compared on them.
+        :param x_train: Training inputs ``(n, *input_shape)``; the kernels are compared on them.
         :param y_train: Training labels (indices or one-hot).
         :param x_test: Test inputs for the predictors and output distances.
         :param y_test: Test labels.
