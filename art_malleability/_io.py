@@ -4,11 +4,35 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+#: Mode of written files: what ``open`` would give (0o666 less the umask), not ``mkstemp``'s 0o600.
+_FILE_MODE = 0o666 & ~_umask()
+
+
+def progress_bar(iterable: Any = None, *, verbose: bool = True, **kwargs: Any) -> Any:
+    """
+    A ``tqdm`` progress bar, off with ``verbose=False``. When stderr is not a terminal (a log file, CI) it is
+    redrawn at most every 30 s instead of on every step, so a redirected run writes a line now and then, not
+    one per step.
+    """
+    from tqdm.auto import tqdm
+
+    interactive = hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
+    kwargs.setdefault("mininterval", 0.1 if interactive else 30.0)
+    return tqdm(iterable, disable=not verbose, **kwargs)
 
 
 def atomic_write(path: Path, text: str) -> None:
@@ -22,6 +46,7 @@ def atomic_write(path: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
+        os.chmod(tmp, _FILE_MODE)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -47,6 +72,7 @@ def atomic_write_files(folder: Path, files: dict[str, str | bytes]) -> None:
             with os.fdopen(fd, "wb") as handle:
                 handle.write(content.encode("utf-8") if isinstance(content, str) else content)
         for tmp, target in staged:
+            os.chmod(tmp, _FILE_MODE)
             os.replace(tmp, target)
     except BaseException:
         for tmp, _ in staged:

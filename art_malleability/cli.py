@@ -296,8 +296,7 @@ def run_audit(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         module = _build_model(name, data.input_shape, data.nb_classes, args.width, args.seed)
         if args.weights is not None:
-            state = torch.load(args.weights, map_location="cpu", weights_only=True)
-            module.load_state_dict(state)
+            _load_weights(module, args.weights, name)
             what = f"loaded {args.weights}"
         else:
             if lead:
@@ -370,7 +369,7 @@ def _add_reproduce(sub: argparse._SubParsersAction) -> None:
         "reproduce",
         help="regenerate the paper's Tables 1-4, the eps ablation and spectral numbers next to its values",
         description="Reproduce the paper's comparisons with the paper's training protocol by default "
-        "(Adam, lr 1e-3, batch 128, L2 1e-3, 500 epochs). Every flip rate: mean over seeds with a 95%% "
+        "(Adam, lr 1e-3, batch 128, L2 1e-3, 500 epochs). Every flip rate: mean over seeds with a 95% "
         "two-level bootstrap interval (seeds, then queries), beside the random-sign control, the excess flip rate, "
         "the paper's value and the ratio MLP-Attn / 2L-ReLU; Table 2 adds the LDS of its influence estimator.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -576,6 +575,30 @@ def _build_model(name: str, input_shape: tuple[int, ...], nb_classes: int, width
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"--model {name!r} must return a torch.nn.Module, got {type(model).__name__}")
     return model
+
+
+def _load_weights(module: torch.nn.Module, path: str, name: str) -> None:
+    """Load ``--weights`` (a ``state_dict``) into the built model, with a message that says what to change."""
+    import pickle
+    import zipfile
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, zipfile.BadZipFile, EOFError) as err:
+        raise ValueError(
+            f"--weights {path!r} is not a state_dict saved with torch.save(model.state_dict(), path) (a whole pickled "
+            "model or another file cannot be loaded safely); save the model's state_dict and pass that file"
+        ) from err
+    if not isinstance(state, dict):
+        raise ValueError(f"--weights {path!r} holds a {type(state).__name__}, not a state_dict")
+    try:
+        module.load_state_dict(state)
+    except RuntimeError as err:
+        first = str(err).splitlines()[1:2] or [str(err)]
+        raise ValueError(
+            f"--weights {path!r} does not fit --model {name} as built here ({first[0].strip()}); check --model, "
+            "--width and the data's number of classes (--dataset, --classes) against the saved model"
+        ) from err
 
 
 def _model_factory(name: str) -> object:

@@ -271,7 +271,17 @@ def _labels_from_array(y: np.ndarray, n: int, path: Path) -> np.ndarray:
 
 
 def _load_npz_source(path: Path) -> _Source:
-    with np.load(path, allow_pickle=False) as archive:
+    import zipfile
+
+    try:
+        archive = np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as err:
+        raise ValueError(
+            f"{path} is not a readable .npz archive; expected the output of numpy.savez with arrays x and y"
+        ) from err
+    if not isinstance(archive, np.lib.npyio.NpzFile):
+        raise ValueError(f"{path} holds a single array (an .npy file); save x and y together with numpy.savez")
+    with archive:
         missing = [key for key in ("x", "y") if key not in archive.files]
         if missing:
             raise ValueError(
@@ -287,9 +297,11 @@ def _load_npz_source(path: Path) -> _Source:
         x = x.astype(np.float32) / 255.0
     elif np.issubdtype(x.dtype, np.floating):
         x = x.astype(np.float32)
-        if not np.all(np.isfinite(x)) or x.min() < 0.0 or x.max() > 1.0:
+        if not np.all(np.isfinite(x)):
+            raise ValueError(f"Float array x in {path} holds {int((~np.isfinite(x)).sum())} NaN or infinite values.")
+        if x.min() < 0.0 or x.max() > 1.0:
             raise ValueError(
-                f"Float array x in {path} must lie in [0, 1], got range [{np.nanmin(x)}, {np.nanmax(x)}]; "
+                f"Float array x in {path} must lie in [0, 1], got range [{x.min()}, {x.max()}]; "
                 "rescale it or store uint8 pixels (0..255)."
             )
     elif x.dtype == np.bool_:

@@ -19,8 +19,8 @@ from art.estimators.classification import PyTorchClassifier
 from art.exceptions import EstimatorError
 from art.utils import compute_success_array
 from torch.utils.data import DataLoader, Dataset
-from tqdm.auto import tqdm
 
+from art_malleability._io import progress_bar
 from art_malleability._state import preserved
 from art_malleability._torch_utils import resolve_device
 from art_malleability._validation import check_features, check_labels, check_range, loss_name, one_hot
@@ -392,7 +392,7 @@ class MalleabilityEstimator:
             controls = {a: eps for a in self._attacks if (eps := control_eps(a)) is not None}
         n_controls = len(set(controls.values()))
         seconds: dict[str, float] = {}
-        steps = tqdm(total=1 + 2 * len(self._attacks) + n_controls, desc="malleability", disable=not self.verbose)
+        steps = progress_bar(total=1 + 2 * len(self._attacks) + n_controls, desc="malleability", verbose=self.verbose)
         # transductive models need the whole training set as their context: read it into an array
         x_all = source.arrays(self.batch_size * 8)[0] if transductive else None
         y = source.labels(self.batch_size * 8)
@@ -583,8 +583,8 @@ class MalleabilityEstimator:
         x_adv = np.empty((len(rows), *source.input_shape), dtype=np.float32)
         changed, linf = 0, 0.0
         chunk = max(self.batch_size * 8, 1)
-        bar = tqdm(total=len(rows), desc=f"attack {attack_label(attack)}", unit="ex", leave=False,
-                   disable=not self.verbose or len(rows) <= chunk)
+        bar = progress_bar(total=len(rows), desc=f"attack {attack_label(attack)}", unit="ex", leave=False,
+                           verbose=self.verbose and len(rows) > chunk)
         for s, xb, yb in source.batches(chunk, indices=rows):
             labels = one_hot(yb, nb_classes)
             adv = perturb_training_set(attack, xb, labels, np.arange(len(xb)), seed=self.seed + s)

@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from art.estimators.classification import PyTorchClassifier
 from torch import nn
-from tqdm.auto import tqdm
 
+from art_malleability._io import progress_bar
 from art_malleability._torch_utils import resolve_device
 from art_malleability._validation import check_loss, labels_to_indices
 
@@ -125,7 +125,7 @@ def train_model(
     n = x_t.shape[0]
 
     model.train()
-    progress = tqdm(range(int(epochs)), desc=f"Training {type(model).__name__}", disable=not verbose)
+    progress = progress_bar(range(int(epochs)), desc=f"Training {type(model).__name__}", verbose=verbose)
     for _ in progress:
         order = torch.randperm(n, generator=generator).to(torch_device)
         total = 0.0

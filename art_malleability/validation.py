@@ -45,9 +45,8 @@ import numpy as np
 import torch
 from scipy.stats import binomtest, rankdata
 from torch import nn
-from tqdm.auto import tqdm
 
-from art_malleability._io import atomic_write_files, json_ready
+from art_malleability._io import atomic_write_files, json_ready, progress_bar
 from art_malleability._state import preserved_rng
 from art_malleability._torch_utils import eval_mode, model_device_dtype
 from art_malleability._validation import check_loss
@@ -829,7 +828,7 @@ class _Run:
         """Fit each estimator on the full-data model and score the queries."""
         scores: dict[str, np.ndarray] = {}
         timings: dict[str, dict[str, float]] = {}
-        for estimator in tqdm(estimators, desc="Influence", disable=not self.verbose):
+        for estimator in progress_bar(estimators, desc="Influence", verbose=self.verbose):
             start = time.perf_counter()
             estimator.fit(full, self.x, self.y)
             fitted = time.perf_counter()
@@ -846,7 +845,7 @@ class _Run:
     def retrain_subsets(self, masks: np.ndarray, subset_seeds: np.ndarray) -> np.ndarray:
         start = time.perf_counter()
         outcomes = np.empty((len(masks), len(self.x_query)))
-        for m in tqdm(range(len(masks)), desc="LDS retraining", disable=not self.verbose):
+        for m in progress_bar(range(len(masks)), desc="LDS retraining", verbose=self.verbose):
             model = self.train(np.flatnonzero(masks[m]), int(subset_seeds[m]), f"subset model {m}")
             outcomes[m] = self.measure(model)
         self.seconds["retrain_lds"] = time.perf_counter() - start
@@ -873,7 +872,7 @@ class _Run:
             baseline[s] = self.measure(model, loo_rows, "loss")
         changes = np.empty((len(removed), len(seeds), len(loo_rows)))
         jobs = [(j, s) for s in range(len(seeds)) for j in range(len(removed))]
-        for j, s in tqdm(jobs, desc="LOO retraining", disable=not self.verbose):
+        for j, s in progress_bar(jobs, desc="LOO retraining", verbose=self.verbose):
             keep = np.delete(np.arange(len(self.x)), removed[j])
             model = self.train(keep, seeds[s], f"the model without training example {removed[j]}")
             changes[j, s] = self.measure(model, loo_rows, "loss") - baseline[s]

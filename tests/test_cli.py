@@ -145,3 +145,40 @@ def test_audit_states_the_fidelity_of_a_validate_run_and_skips_controls(tmp_path
     # a folder without the model's validation fails before any training
     assert main(["audit", *same, "--validation", str(tmp_path / "nothing"), "--output", str(out)]) == 2
     assert "holds no validation.json" in capsys.readouterr().err
+
+
+def test_weights_and_data_files_that_cannot_be_used_are_one_line_each(tmp_path, capsys):
+    import torch
+
+    from art_malleability.models import build_reference_model
+
+    small = ["--n-train", "100", "--n-test", "30", "--attacks", "fgsm", "--n-queries", "5", "--quiet"]
+    torch.save(build_reference_model("2l-relu", (1, 8, 8), 10, width=16).state_dict(), tmp_path / "w16.pt")
+    torch.save(build_reference_model("2l-relu", (1, 8, 8), 10, width=16), tmp_path / "whole.pt")
+    (tmp_path / "text.npz").write_text("not an archive")
+    np.save(tmp_path / "one.npy", np.zeros(3))
+    cases = [
+        (["--model", "2l-relu", "--width", "32", "--weights", str(tmp_path / "w16.pt")], "check --model, --width"),
+        (["--model", "2l-relu", "--weights", str(tmp_path / "whole.pt")], "is not a state_dict saved with"),
+        (["--dataset", str(tmp_path / "text.npz")], "is not a readable .npz archive"),
+        (["--dataset", str(tmp_path / "one.npy")], "holds a single array"),
+    ]
+    for args, message in cases:
+        assert main(["audit", *small, *args, "--output", str(tmp_path / "out")]) in (1, 2)
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+        assert "weights_only=False" not in err and "allow_pickle" not in err
+
+
+def test_report_files_share_one_mode_and_bars_are_sparse_in_logs(tmp_path):
+    import stat
+
+    from art_malleability._io import atomic_write, progress_bar
+
+    atomic_write(tmp_path / "a.json", "{}")
+    (tmp_path / "b.png").write_bytes(b"")
+    mode = stat.S_IMODE((tmp_path / "a.json").stat().st_mode)
+    assert mode == stat.S_IMODE((tmp_path / "b.png").stat().st_mode)
+    bar = progress_bar(range(3), verbose=True)  # pytest's stderr is not a terminal
+    assert bar.mininterval == 30.0
+    bar.close()

@@ -45,8 +45,8 @@ from functools import partial
 import numpy as np
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
+from art_malleability._io import progress_bar
 from art_malleability._torch_utils import available_memory, tensor_digest
 from art_malleability.distributed import Shard, current_shard, raise_if_any
 from art_malleability.influence.base import InfluenceEstimator, regression_targets
@@ -305,8 +305,8 @@ class NTKInfluence(InfluenceEstimator):
                 )
             phi = torch.empty((stop - start, dim), dtype=torch.float64, device=self.device_)
             y = np.empty(stop - start, dtype=np.int64)
-            with self._clock("features"), tqdm(
-                total=stop - start, desc="NTK features", unit="ex", disable=not self.verbose
+            with self._clock("features"), progress_bar(
+                total=stop - start, desc="NTK features", unit="ex", verbose=self.verbose
             ) as bar:
                 for off, xb, yb in source.batches(self.batch_size, start, stop):
                     phi[off : off + len(xb)] = projector.features(xb)

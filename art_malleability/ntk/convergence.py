@@ -50,9 +50,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
-from art_malleability._io import atomic_write, json_ready
+from art_malleability._io import atomic_write, json_ready, progress_bar
 from art_malleability._torch_utils import no_tf32, resolve_device
 from art_malleability._validation import labels_to_indices
 from art_malleability.ntk.analytic import analytic_ntk
@@ -412,7 +411,7 @@ class NTKConvergenceChecker:
         records: list[dict[str, Any]] = []
         seconds: dict[str, float] = {}
         total = len(factories) * len(self.widths) * len(self.seeds)
-        progress = tqdm(total=total, desc="ntk-check", disable=not self.verbose)
+        progress = progress_bar(total=total, desc="ntk-check", verbose=self.verbose)
         rng_state = torch.get_rng_state()
         try:
             with no_tf32(device):

@@ -42,9 +42,8 @@ from typing import Any
 import numpy as np
 import torch
 from scipy import stats
-from tqdm.auto import tqdm
 
-from art_malleability._io import atomic_write, json_ready
+from art_malleability._io import atomic_write, json_ready, progress_bar
 from art_malleability._state import preserved_rng
 from art_malleability._validation import one_hot
 from art_malleability.datasets import Dataset, load_dataset, subsample
@@ -640,7 +639,7 @@ def _direction(values) -> str:
 
 
 def progress(config, items, desc: str):
-    return tqdm(items, desc=desc, disable=not config.verbose, leave=False)
+    return progress_bar(items, desc=desc, verbose=config.verbose, leave=False)
 
 
 def _plot_ablation(rows: list[dict], models, eps_grid, path: Path) -> None:
