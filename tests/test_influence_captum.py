@@ -193,3 +193,29 @@ def test_ntk_influence_k_and_self_influence_against_its_scores() -> None:
         est.self_influence(xq, yq)
     nan_first = k_most_influential(np.array([[np.nan, 1.0, -2.0]]), 2)
     assert nan_first.indices.tolist() == [[1, 2]]
+
+
+class Twice(nn.Module):
+    """One linear layer called twice: Captum's sample-wise gradients would be wrong for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.fc(torch.tanh(self.fc(x)))))
+
+
+@pytest.mark.parametrize(("make", "sample_wise"), [(_mlp, True), (Scaled, False), (Twice, False)])
+def test_auto_uses_sample_wise_gradients_only_where_they_are_exact(make, sample_wise) -> None:
+    torch.manual_seed(0)
+    model = make()
+    x, y, xq, yq = _data()
+    est = CaptumInfluence(device="cpu").fit(model, x, y)
+    assert est.sample_wise_ is sample_wise
+    reference = GradientInfluence(device="cpu", method="jacobian").fit(model, x, y).scores(xq, yq)
+    assert _rel(est.scores(xq, yq), reference) < 1e-6
+    if not sample_wise:
+        with pytest.raises(ValueError, match="sample_wise_grads_per_batch=True needs"):
+            CaptumInfluence(device="cpu", sample_wise_grads_per_batch=True).fit(model, x, y)

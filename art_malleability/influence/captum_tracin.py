@@ -3,9 +3,9 @@ Adapter over Captum's TracIn-CP (:class:`captum.influence.TracInCP`).
 
 For users who already rely on Captum, and as an independent reference for
 :class:`~art_malleability.influence.gradient.GradientInfluence`: both compute
-``Σ_k lr_k · g_q(θ_k) · g_i(θ_k)`` and agree to float precision. Captum computes one backward
-pass per example (``sample_wise_grads_per_batch=False``, its default and ours), so it is much
-slower than the factorised estimator.
+``Σ_k lr_k · g_q(θ_k) · g_i(θ_k)`` and agree to float precision. By default it uses
+Captum's per-batch sample-wise gradients where they are exact (``sample_wise_grads_per_batch="auto"``),
+otherwise one backward pass per example; either way it is slower than the factorised estimator.
 
 Captum is given a working copy of the model (never the user's model), its own loss module with
 the reduction it requires, in-memory checkpoints (no files are written) and data loaders with a
@@ -31,6 +31,33 @@ logger = logging.getLogger(__name__)
 
 # Module types whose per-example gradients Captum's sample-wise trick supports.
 _SAMPLE_WISE_MODULES = (nn.Linear, nn.Conv2d)
+
+
+def _sample_wise_problem(model: nn.Module, x_one: np.ndarray, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why Captum's sample-wise gradients would be wrong for this model (``None``: they are exact)."""
+    calls: dict[str, int] = {}
+    hooks = []
+    for name, module in model.named_modules():
+        own = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        if not own:
+            continue
+        if not isinstance(module, _SAMPLE_WISE_MODULES):
+            return (
+                "every trainable parameter to belong to an nn.Linear or nn.Conv2d layer; module "
+                f"{name or '<root>'!r} ({type(module).__name__}) has trainable parameters"
+            )
+        calls[name] = 0
+        hooks.append(module.register_forward_hook(lambda *_, name=name: calls.__setitem__(name, calls[name] + 1)))
+    try:
+        with torch.no_grad():
+            model(torch.as_tensor(x_one, dtype=dtype, device=device))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    again = [name for name, count in calls.items() if count != 1]
+    if again:
+        return f"every nn.Linear / nn.Conv2d layer to be called once per forward pass; {again} are not"
+    return None
 
 
 class CaptumLoss(nn.Module):
@@ -77,9 +104,10 @@ class CaptumInfluence(InfluenceEstimator):
     :param device: ``"auto"``, a device string or a :class:`torch.device`.
     :param dtype: Dtype of the computation (default ``torch.float64``).
     :param batch_size: Batch size of the data loaders handed to Captum.
-    :param sample_wise_grads_per_batch: Use Captum's hook-based per-example gradients (faster,
-        but only for models whose trainable parameters all belong to ``nn.Linear`` /
-        ``nn.Conv2d`` layers, each called once) instead of one backward pass per example.
+    :param sample_wise_grads_per_batch: Use Captum's hook-based per-example gradients (one backward pass per
+        batch) instead of one backward pass per example. ``"auto"`` (default) uses them when every trainable
+        parameter belongs to an ``nn.Linear`` / ``nn.Conv2d`` layer that the forward pass calls once (checked on
+        one example at :meth:`fit`); ``True`` requires that, ``False`` never uses them.
     """
 
     name = "captum"
@@ -101,7 +129,7 @@ class CaptumInfluence(InfluenceEstimator):
         device: str | torch.device = "auto",
         dtype: torch.dtype = torch.float64,
         batch_size: int = 64,
-        sample_wise_grads_per_batch: bool = False,
+        sample_wise_grads_per_batch: bool | str = "auto",
     ) -> None:
         self.checkpoints = checkpoints
         self.learning_rates = learning_rates
@@ -111,9 +139,9 @@ class CaptumInfluence(InfluenceEstimator):
     def _check_params(self) -> None:
         super()._check_params()
         check_checkpoints(self.checkpoints, self.learning_rates)
-        if not isinstance(self.sample_wise_grads_per_batch, bool):
+        if not isinstance(self.sample_wise_grads_per_batch, bool) and self.sample_wise_grads_per_batch != "auto":
             raise ValueError(
-                f"sample_wise_grads_per_batch must be a bool, got {self.sample_wise_grads_per_batch!r}"
+                f"sample_wise_grads_per_batch must be True, False or 'auto', got {self.sample_wise_grads_per_batch!r}"
             )
 
     def _loader(self, x: np.ndarray, y: np.ndarray) -> DataLoader:
@@ -132,15 +160,12 @@ class CaptumInfluence(InfluenceEstimator):
         # Captum differentiates with respect to every entry of model.parameters(): frozen
         # parameters (e.g. a fixed output layer) become buffers of the working copy.
         frozen_parameters_to_buffers(model)
-        if self.sample_wise_grads_per_batch:
-            for name, module in model.named_modules():
-                own = [p for p in module.parameters(recurse=False) if p.requires_grad]
-                if own and not isinstance(module, _SAMPLE_WISE_MODULES):
-                    raise ValueError(
-                        "sample_wise_grads_per_batch=True needs every trainable parameter to belong to an "
-                        f"nn.Linear or nn.Conv2d layer; module {name or '<root>'!r} "
-                        f"({type(module).__name__}) has trainable parameters"
-                    )
+        problem = _sample_wise_problem(model, x_train[:1], self.dtype, self.device_)
+        if self.sample_wise_grads_per_batch is True and problem is not None:
+            raise ValueError(f"sample_wise_grads_per_batch=True needs {problem}")
+        self.sample_wise_ = self.sample_wise_grads_per_batch is True or (
+            self.sample_wise_grads_per_batch == "auto" and problem is None
+        )
         final = snapshot_state(model)
         states = [final if sd is None else sd for sd in checkpoints]
 
@@ -148,14 +173,14 @@ class CaptumInfluence(InfluenceEstimator):
             module.load_state_dict(states[index])
             return learning_rates[index]
 
-        reduction = "sum" if self.sample_wise_grads_per_batch else "none"
+        reduction = "sum" if self.sample_wise_ else "none"
         self._tracin = TracInCP(
             model,
             self._loader(x_train, y_train),
             checkpoints=list(range(len(states))),
             checkpoints_load_func=load_checkpoint,
             loss_fn=CaptumLoss(self.loss, reduction),
-            sample_wise_grads_per_batch=self.sample_wise_grads_per_batch,
+            sample_wise_grads_per_batch=self.sample_wise_,
         )
         self._final_state = final
 
@@ -199,7 +224,8 @@ class CaptumInfluence(InfluenceEstimator):
         self._check_fitted("self_influence")
         data = None if x is None else self._loader(*self._check_query(x, y))
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Input Tensor .* did not already require gradients")
                 result = self._tracin.self_influence(data)
         finally:
             self.model_.load_state_dict(self._final_state)
