@@ -46,6 +46,7 @@ from art_malleability.metrics import (
     top_k_count,
     z_value,
 )
+from art_malleability.models import is_transductive
 from art_malleability.ntk.projection import check_projection_dim
 from art_malleability.report import AttackResult, MalleabilityReport
 from art_malleability.streaming import ExampleSource, is_torch_data
@@ -374,7 +375,7 @@ class MalleabilityEstimator:
     def _audit(self, source, queries, x_q, y_q, self_pairs, k, dataset, shard) -> MalleabilityReport:
         clf, nb_classes = self.classifier, int(self.classifier.nb_classes)
         work = copy.deepcopy(clf.model)
-        transductive = callable(getattr(work, "set_context", None))
+        transductive = is_transductive(work)
         influence = self._influence
         dtype = getattr(influence, "dtype", None)
         if transductive and isinstance(dtype, torch.dtype) and dtype.is_floating_point:

@@ -31,6 +31,8 @@ from art.preprocessing.standardisation_mean_std.pytorch import StandardisationMe
 from art.preprocessing.standardisation_mean_std.utils import broadcastable_mean_std
 from torch import nn
 
+from art_malleability.models import is_transductive
+
 
 def pipeline_operations(classifier: Any) -> list[Any]:
     """
@@ -120,5 +122,5 @@ def with_input_pipeline(model: nn.Module, classifier: Any) -> nn.Module:
     operations = pipeline_operations(classifier)
     if not operations:
         return model
-    wrapper = TransductivePreprocessedModel if callable(getattr(model, "set_context", None)) else PreprocessedModel
+    wrapper = TransductivePreprocessedModel if is_transductive(model) else PreprocessedModel
     return wrapper(model, operations)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -37,6 +38,22 @@ import torch.nn.functional as F
 from torch import nn
 
 logger = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class Transductive(Protocol):
+    """
+    A transductive model: its features depend on the training set it is given with ``set_context(x_train)``
+    (MLP-Attn's attention context). ``isinstance(model, Transductive)`` is the package's one test for it.
+    """
+
+    def set_context(self, x_train: np.ndarray | torch.Tensor) -> None:
+        """:param x_train: The training inputs the model's features depend on."""
+
+
+def is_transductive(model: object) -> bool:
+    """:return: Whether ``model`` has a callable ``set_context`` (see :class:`Transductive`)."""
+    return isinstance(model, Transductive) and callable(model.set_context)
 
 REFERENCE_MODELS: tuple[str, ...] = ("2l-relu", "mlp-attn", "mlp-attn-qkv")
 

@@ -24,6 +24,7 @@ from art_malleability._torch_utils import (
     working_copy,
 )
 from art_malleability._validation import LOSS_NAMES, check_loss, labels_to_indices
+from art_malleability.models import is_transductive
 from art_malleability.streaming import ExampleSource, is_torch_data
 
 logger = logging.getLogger(__name__)
@@ -292,7 +293,7 @@ class InfluenceEstimator(abc.ABC):
             )
         if not np.issubdtype(x_changed.dtype, np.number) or not np.all(np.isfinite(x_changed)):
             raise ValueError("x_changed must hold finite real numbers; it has NaN, infinite or non-numeric values")
-        if callable(getattr(self.model_, "set_context", None)):
+        if is_transductive(self.model_):
             raise ValueError(
                 "refit is not valid for a transductive model (one with set_context): its features depend on the "
                 "whole training set; set the new context on the model and call fit again"

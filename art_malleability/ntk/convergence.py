@@ -54,6 +54,7 @@ from torch import nn
 from art_malleability._io import atomic_write, json_ready, progress_bar
 from art_malleability._torch_utils import no_tf32, resolve_device
 from art_malleability._validation import labels_to_indices
+from art_malleability.models import is_transductive
 from art_malleability.ntk.analytic import analytic_ntk
 from art_malleability.ntk.empirical import empirical_ntk
 
@@ -422,7 +423,7 @@ class NTKConvergenceChecker:
                         for seed in self.seeds:
                             progress.set_postfix_str(f"{name} m={width} seed={seed}")
                             model = factory(width, seed).to(device=device, dtype=self.dtype).eval()
-                            if callable(getattr(model, "set_context", None)):
+                            if is_transductive(model):
                                 model.set_context(x_tr)
                             if limit is None:
                                 limit = _Limit(self.analytic, model, x_tr, x_te, y_train, self.ridge)
