@@ -4,7 +4,9 @@ Checks of user input at the API boundary: clear errors that name the argument, a
 
 from __future__ import annotations
 
+import copy
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -56,20 +58,28 @@ def labels_to_indices(y: np.ndarray, name: str = "y") -> np.ndarray:
 
 
 
-def loss_name(classifier: PyTorchClassifier) -> str:
+def loss_name(classifier: PyTorchClassifier) -> str | Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """
-    The package's name for the classifier's loss: ``"mse"`` for :class:`torch.nn.MSELoss`, else
-    ``"cross_entropy"`` (with a warning when the loss is neither).
+    The influence estimators' loss for the classifier's loss: ``"mse"`` for :class:`torch.nn.MSELoss`,
+    ``"cross_entropy"`` for a plain :class:`torch.nn.CrossEntropyLoss`, and otherwise the classifier's own loss
+    module as a per-example ``loss_fn(outputs, targets)`` (a copy with ``reduction="none"``, targets as class
+    indices), so any ART classifier's loss is the one the influence differentiates.
 
     :param classifier: An ART PyTorch classifier.
-    :return: ``"cross_entropy"`` or ``"mse"``.
+    :return: ``"cross_entropy"``, ``"mse"`` or a callable.
     """
     loss = classifier.loss
     if isinstance(loss, torch.nn.MSELoss):
         return "mse"
-    if not isinstance(loss, torch.nn.CrossEntropyLoss):
-        logger.warning("Loss %s is neither CrossEntropyLoss nor MSELoss; influence uses cross-entropy.", loss)
-    return "cross_entropy"
+    plain = isinstance(loss, torch.nn.CrossEntropyLoss) and loss.weight is None and loss.label_smoothing == 0
+    if plain or loss is None:
+        return "cross_entropy"
+    if not hasattr(loss, "reduction"):
+        logger.warning("Loss %s has no reduction setting; influence uses cross-entropy.", loss)
+        return "cross_entropy"
+    per_example = copy.deepcopy(loss)
+    per_example.reduction = "none"
+    return per_example
 
 
 def check_features(x: object, name: str, input_shape: tuple[int, ...]) -> np.ndarray:

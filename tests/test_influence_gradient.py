@@ -175,3 +175,64 @@ def test_bad_parameters() -> None:
         GradientInfluence(device="cpu").fit(model, x, y).scores(xq, yq[:2])
     assert isinstance(get_influence("gradient", loss="mse"), GradientInfluence)
     assert "[2 state dict(s)]" in repr(GradientInfluence(checkpoints=[sd, sd]))
+
+
+# ---------------------------------------------------------------------- a loss_fn callable (Captum's loss_fn)
+
+
+def _loop_tracin(model, loss_fn, x, y, xq, yq):
+    """Brute force: one autograd gradient per example, dot products."""
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def grad(xi, yi):
+        out = model(torch.as_tensor(xi[None], dtype=torch.float64))
+        g = torch.autograd.grad(loss_fn(out, torch.as_tensor([yi])).sum(), params)
+        return torch.cat([t.flatten() for t in g])
+
+    gq = torch.stack([grad(a, b) for a, b in zip(xq, yq, strict=True)])
+    gt = torch.stack([grad(a, b) for a, b in zip(x, y, strict=True)])
+    return (gq @ gt.T).numpy()
+
+
+def test_a_loss_fn_callable_is_the_loss_differentiated():
+    import torch.nn.functional as F
+
+    from art_malleability.influence import GradientInfluence, NTKInfluence
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).double()
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(20, 4)).astype(np.float32), rng.integers(0, 3, 20)
+    xq, yq = rng.normal(size=(5, 4)).astype(np.float32), rng.integers(0, 3, 5)
+    smoothed = torch.nn.CrossEntropyLoss(label_smoothing=0.2, reduction="none")
+    scores = GradientInfluence(loss=smoothed, device="cpu").fit(model, x, y).scores(xq, yq)
+    np.testing.assert_allclose(scores, _loop_tracin(model, smoothed, x, y, xq, yq), rtol=1e-9, atol=1e-12)
+    plain = GradientInfluence(loss=lambda f, t: F.cross_entropy(f, t, reduction="none"), device="cpu")
+    named = GradientInfluence(loss="cross_entropy", device="cpu")
+    np.testing.assert_allclose(plain.fit(model, x, y).scores(xq, yq), named.fit(model, x, y).scores(xq, yq),
+                               rtol=1e-10)
+    half_sq = lambda f, t: 0.5 * (f - F.one_hot(t, f.shape[-1]).to(f.dtype)).pow(2)  # noqa: E731 - summed per row
+    np.testing.assert_allclose(NTKInfluence(loss=half_sq, device="cpu").fit(model, x, y).scores(xq, yq),
+                               NTKInfluence(loss="mse", device="cpu").fit(model, x, y).scores(xq, yq), rtol=1e-10)
+    with pytest.raises(ValueError, match="one loss per example"):
+        GradientInfluence(loss=lambda f, t: f.sum(), device="cpu").fit(model, x, y).scores(xq, yq)
+
+
+def test_the_audit_differentiates_the_classifiers_own_loss(caplog):
+    from art.estimators.classification import PyTorchClassifier
+
+    from art_malleability import MalleabilityEstimator
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 3))
+    smoothed = torch.nn.CrossEntropyLoss(label_smoothing=0.2)
+    clf = PyTorchClassifier(model, smoothed, (1, 4, 4), 3, clip_values=(0.0, 1.0))
+    rng = np.random.default_rng(0)
+    x, y = rng.random((30, 1, 4, 4)).astype(np.float32), np.arange(30) % 3
+    audit = MalleabilityEstimator(clf, influence="gradient", attacks=["fgsm"], n_queries=6, n_bootstrap=10,
+                                  verbose=False, device="cpu")
+    report = audit.evaluate(x, y)
+    assert "influence uses cross-entropy" not in caplog.text and smoothed.reduction == "mean"
+    used = audit._influence.loss
+    assert used is not smoothed and used.label_smoothing == 0.2 and used.reduction == "none"
+    assert report.execution["params"]["loss"] == "CrossEntropyLoss()"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -49,20 +49,48 @@ def regression_targets(y: torch.Tensor, n_outputs: int, dtype: torch.dtype) -> t
     return (y.unsqueeze(-1) == classes).to(dtype)
 
 
-def per_example_loss(outputs: torch.Tensor, y: torch.Tensor, loss: str) -> torch.Tensor:
+#: A loss: a name of ``LOSS_NAMES`` or a callable ``loss_fn(outputs (n, C), targets (n,)) -> (n,)`` per-example losses.
+Loss = str | Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def check_influence_loss(loss: object) -> Loss:
+    """
+    :param loss: A loss name or a callable ``loss_fn(outputs, targets)`` returning one loss per example.
+    :return: ``loss`` unchanged.
+    :raises ValueError: For anything else.
+    """
+    if callable(loss):
+        return loss
+    if not isinstance(loss, str):
+        raise ValueError(f"loss must be one of {LOSS_NAMES} or a callable loss_fn(outputs, targets), got {loss!r}")
+    return check_loss(loss)
+
+
+def per_example_loss(outputs: torch.Tensor, y: torch.Tensor, loss: Loss) -> torch.Tensor:
     """
     Per-example loss shared by all influence estimators.
 
     - ``"cross_entropy"``: ``logsumexp(f) - f[y]`` on logits ``f`` (softmax cross-entropy with a
       class index);
-    - ``"mse"``: ``½‖f - onehot(y)‖²`` (for a single-output model: ``½ (f - y)²``).
+    - ``"mse"``: ``½‖f - onehot(y)‖²`` (for a single-output model: ``½ (f - y)²``);
+    - a callable ``loss_fn(outputs, targets)`` (Captum's ``loss_fn`` with ``reduction="none"``): called on
+      ``(n, C)`` outputs and ``(n,)`` class indices, it must return ``n`` losses (trailing dimensions are summed,
+      as for ``torch.nn.MSELoss(reduction="none")``); it must be differentiable and work under ``torch.func``.
 
     :param outputs: Model outputs, shape ``(..., C)`` (leading dimensions are broadcast with ``y``).
     :param y: Integer class indices, shape broadcastable to ``outputs.shape[:-1]``.
-    :param loss: ``"cross_entropy"`` or ``"mse"``.
+    :param loss: ``"cross_entropy"``, ``"mse"`` or a callable.
     :return: Loss per example, shape ``outputs.shape[:-1]``.
     """
     y = y.expand(outputs.shape[:-1])
+    if callable(loss):
+        flat = loss(outputs.reshape(-1, outputs.shape[-1]), y.reshape(-1))
+        if not isinstance(flat, torch.Tensor) or flat.shape[:1] != (y.numel(),):
+            raise ValueError(
+                f"loss_fn must return one loss per example ({y.numel()}), got "
+                f"{getattr(flat, 'shape', type(flat).__name__)}; use reduction='none'"
+            )
+        return flat.reshape(flat.shape[0], -1).sum(-1).reshape(outputs.shape[:-1])
     if loss == "cross_entropy":
         picked = outputs.gather(-1, y.unsqueeze(-1)).squeeze(-1)
         return torch.logsumexp(outputs, dim=-1) - picked
@@ -138,8 +166,9 @@ class InfluenceEstimator(abc.ABC):
     Subclasses implement :meth:`_fit` and :meth:`_scores`, and get argument checks, label
     normalisation and the working copy from :meth:`fit` / :meth:`scores`.
 
-    :param loss: Per-example loss, ``"cross_entropy"`` (logits and class index) or ``"mse"``
-        (``½‖f - onehot(y)‖²``).
+    :param loss: Per-example loss, ``"cross_entropy"`` (logits and class index), ``"mse"``
+        (``½‖f - onehot(y)‖²``) or a callable ``loss_fn(outputs, targets)`` returning one loss per example
+        (see :func:`per_example_loss`).
     :param device: ``"auto"`` (CUDA when available, otherwise CPU), a device string or a
         :class:`torch.device`.
     :param dtype: Floating-point dtype of the computation (default ``torch.float64``).
@@ -164,7 +193,7 @@ class InfluenceEstimator(abc.ABC):
         self._check_params()
 
     def _check_params(self) -> None:
-        check_loss(self.loss)
+        check_influence_loss(self.loss)
         resolve_device(self.device)
         check_dtype(self.dtype)
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, (int, np.integer)):
