@@ -267,7 +267,16 @@ def _labels_from_array(y: np.ndarray, n: int, path: Path) -> np.ndarray:
         )
     if y.size and y.min() < 0:
         raise ValueError(f"Array y in {path} must hold non-negative class labels, got minimum {y.min()}.")
-    return y.astype(np.int64)
+    y = y.astype(np.int64)
+    present = np.unique(y)
+    if len(present) < 2:
+        logger.warning("Array y in %s holds a single class (%d): a classifier of it learns nothing.", path,
+                       int(present[0]) if present.size else -1)
+    elif len(present) < int(present.max()) + 1:
+        empty = sorted(set(range(int(present.max()) + 1)) - set(present.tolist()))
+        logger.warning("Array y in %s has no example of class(es) %s of 0..%d (labels 1..C instead of 0..C-1?).",
+                       path, empty[:10], int(present.max()))
+    return y
 
 
 def _load_npz_source(path: Path) -> _Source:

@@ -223,3 +223,14 @@ def test_real_cifar10_npz(shared_data):
     assert data.x_train.shape == (200, 3, 32, 32) and data.x_train.dtype == np.float32
     assert 0.0 <= data.x_train.min() and data.x_train.max() <= 1.0
     assert set(np.unique(data.y_train)) == set(range(10))
+
+
+def test_npz_labels_that_look_wrong_are_warnings(tmp_path, caplog):
+    x = np.random.default_rng(0).random((20, 4)).astype(np.float32)
+    np.savez(tmp_path / "shifted.npz", x=x, y=np.arange(20) % 10 + 1)
+    np.savez(tmp_path / "single.npz", x=x, y=np.zeros(20, dtype=int))
+    load_dataset(tmp_path / "shifted.npz", n_train=10, n_test=10)
+    assert "no example of class(es) [0] of 0..10" in caplog.text
+    caplog.clear()
+    load_dataset(tmp_path / "single.npz", n_train=10, n_test=10)
+    assert "holds a single class (0)" in caplog.text
