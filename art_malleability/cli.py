@@ -645,7 +645,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = build_parser().parse_args(argv)
     level = logging.ERROR if args.quiet else (logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)]
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", force=True)
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")  # a handler, if the process has none
+    package = logging.getLogger("art_malleability")
+    previous = package.level
+    package.setLevel(level)  # the package's own messages only; restored when the command returns
+    try:
+        return _run(args)
+    finally:
+        package.setLevel(previous)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Run the parsed command; errors become one line on stderr and an exit status."""
     # under torchrun, name the process in every error (the launcher shows each worker's output)
     where = f" (rank {os.environ['RANK']})" if launched_by_torchrun() else ""
     prefix = f"art-malleability {args.command}{where}: error:"

@@ -226,6 +226,7 @@ def test_real_cifar10_npz(shared_data):
 
 
 def test_npz_labels_that_look_wrong_are_warnings(tmp_path, caplog):
+    caplog.set_level("WARNING", logger="art_malleability")
     x = np.random.default_rng(0).random((20, 4)).astype(np.float32)
     np.savez(tmp_path / "shifted.npz", x=x, y=np.arange(20) % 10 + 1)
     np.savez(tmp_path / "single.npz", x=x, y=np.zeros(20, dtype=int))

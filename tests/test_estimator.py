@@ -587,6 +587,7 @@ def test_what_a_new_user_gets_wrong_is_named_and_changes_nothing(relu_clf, case,
 
 
 def test_a_single_class_is_a_warning_in_the_log_and_the_report(relu_clf, caplog):
+    caplog.set_level("WARNING", logger="art_malleability")
     data = digits(100, 20)
     keep = data.y_train == 3
     x, y = data.x_train[keep], data.y_train[keep]

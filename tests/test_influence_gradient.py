@@ -219,6 +219,7 @@ def test_a_loss_fn_callable_is_the_loss_differentiated():
 
 
 def test_the_audit_differentiates_the_classifiers_own_loss(caplog):
+    caplog.set_level("WARNING", logger="art_malleability")
     from art.estimators.classification import PyTorchClassifier
 
     from art_malleability import MalleabilityEstimator

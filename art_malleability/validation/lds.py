@@ -1,0 +1,142 @@
+"""
+The linear datamodeling score (LDS; Park et al., 2023, "TRAK") and leave-one-out sign agreement: the metrics of
+:func:`art_malleability.validation.validate`, computed from influence scores, subset masks and measured outcomes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from scipy.stats import binomtest, rankdata
+from torch import nn
+
+from art_malleability.metrics import bootstrap_interval
+
+#: Measured outcome of the retrained models: the query's loss or its margin.
+OUTCOMES = ("loss", "margin")
+
+#: ``train_fn(x_subset, y_subset, seed) -> trained model``; see :func:`validate`.
+TrainFn = Callable[[np.ndarray, np.ndarray, int], nn.Module]
+
+
+@dataclass
+class LDSResult:
+    """
+    Linear datamodeling score of one influence matrix.
+
+    :param per_query: LDS of each query (``NaN`` where undefined: constant predictions or outcomes).
+    :param mean: Mean over the queries where it is defined (``NaN`` when none is).
+    :param ci: Percentile bootstrap interval of the mean over queries.
+    :param n_defined: Number of queries with a defined LDS.
+    """
+
+    per_query: np.ndarray
+    mean: float
+    ci: tuple[float, float]
+    n_defined: int
+
+
+def subset_sums(scores: np.ndarray, masks: np.ndarray) -> np.ndarray:
+    """
+    Influence summed over each subset: the linear datamodel's prediction (up to a constant).
+
+    :param scores: Influence ``(n_query, n_train)``, positive = helpful.
+    :param masks: Subset membership ``(n_models, n_train)``, boolean.
+    :return: ``(n_models, n_query)`` array of ``Σ_{i∈S_m} τ(q, i)``.
+    """
+    return masks.astype(np.float64) @ np.asarray(scores, dtype=np.float64).T
+
+
+def _column_spearman(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Spearman correlation of each column of ``a`` with the same column of ``b`` (``NaN`` if one is constant)."""
+    ra = rankdata(a, axis=0)
+    rb = rankdata(b, axis=0)
+    ra -= ra.mean(axis=0)
+    rb -= rb.mean(axis=0)
+    denom = np.sqrt((ra * ra).sum(axis=0) * (rb * rb).sum(axis=0))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rho = (ra * rb).sum(axis=0) / denom
+    rho[denom == 0] = np.nan
+    return np.clip(rho, -1.0, 1.0)
+
+
+def linear_datamodeling_score(
+    scores: np.ndarray,
+    masks: np.ndarray,
+    outcomes: np.ndarray,
+    *,
+    outcome: str = "loss",
+    n_bootstrap: int = 1000,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> LDSResult:
+    """
+    Linear datamodeling score (TRAK's LDS) of an influence matrix against measured retraining outcomes.
+
+    For each query ``q``: the Spearman correlation across the ``M`` subsets between the predicted
+    ``Σ_{i∈S_m} τ(q, i)`` and the measured utility, ``−outcomes[m, q]`` for ``outcome="loss"`` (a
+    helpful set lowers the loss) or ``outcomes[m, q]`` for ``outcome="margin"``. Higher is better. With
+    ``outcome="loss"`` this equals dattri's ``dattri.metric.lds(scores.T, (−outcomes, subset_indices))``.
+
+    :param scores: Influence ``(n_query, n_train)``, **positive = helpful** (removing the example would
+        raise the query's loss).
+    :param masks: Boolean subset membership ``(n_models, n_train)``, ``n_models >= 2``.
+    :param outcomes: Measured outcomes ``(n_models, n_query)`` of the model trained on each subset.
+    :param outcome: ``"loss"`` (lower is better) or ``"margin"`` (higher is better).
+    :param n_bootstrap: Bootstrap resamples of the queries for the interval.
+    :param confidence: Coverage of the interval.
+    :param seed: Seed of the bootstrap.
+    :return: Per-query LDS, their mean and its bootstrap interval.
+    :raises ValueError: On mismatched shapes or an unknown ``outcome``.
+    """
+    scores = np.asarray(scores, dtype=np.float64)
+    masks = np.asarray(masks)
+    outcomes = np.asarray(outcomes, dtype=np.float64)
+    if outcome not in OUTCOMES:
+        raise ValueError(f"outcome must be one of {OUTCOMES}, got {outcome!r}")
+    if scores.ndim != 2:
+        raise ValueError(f"scores must have shape (n_query, n_train), got {scores.shape}")
+    if masks.ndim != 2 or masks.dtype != bool or masks.shape[1] != scores.shape[1]:
+        raise ValueError(
+            f"masks must be a boolean array of shape (n_models, {scores.shape[1]}), got {masks.dtype} {masks.shape}"
+        )
+    if masks.shape[0] < 2:
+        raise ValueError(f"masks must describe at least 2 subsets (n_models >= 2), got {masks.shape[0]}")
+    if outcomes.shape != (masks.shape[0], scores.shape[0]):
+        raise ValueError(
+            f"outcomes must have shape (n_models, n_query) = {(masks.shape[0], scores.shape[0])}, got {outcomes.shape}"
+        )
+    utility = -outcomes if outcome == "loss" else outcomes
+    per_query = _column_spearman(subset_sums(scores, masks), utility)
+    defined = per_query[np.isfinite(per_query)]
+    mean = float(defined.mean()) if defined.size else float("nan")
+    ci = bootstrap_interval(
+        lambda rows: float(defined[rows].mean()), defined.size, n_bootstrap=n_bootstrap, confidence=confidence,
+        seed=seed,
+    )
+    return LDSResult(per_query=per_query, mean=mean, ci=(float(ci[0]), float(ci[1])), n_defined=int(defined.size))
+
+
+def sign_agreement(predicted: np.ndarray, measured: np.ndarray, confidence: float = 0.95) -> dict[str, Any]:
+    """
+    Share of pairs whose measured change has the predicted sign, with a Clopper–Pearson interval.
+
+    :param predicted: Predicted influence per pair (positive: removing the example raises the loss).
+    :param measured: Measured loss change on removal per pair.
+    :param confidence: Coverage of the interval.
+    :return: ``{"rate", "ci", "n_agree", "n_pairs"}``; pairs where either value is exactly 0 are left out.
+    """
+    predicted = np.asarray(predicted, dtype=np.float64)
+    measured = np.asarray(measured, dtype=np.float64)
+    keep = (predicted != 0) & (measured != 0) & np.isfinite(predicted) & np.isfinite(measured)
+    n_pairs = int(keep.sum())
+    n_agree = int((np.sign(predicted[keep]) == np.sign(measured[keep])).sum())
+    if n_pairs == 0:
+        return {"rate": None, "ci": [None, None], "n_agree": 0, "n_pairs": 0}
+    interval = binomtest(n_agree, n_pairs).proportion_ci(confidence_level=confidence, method="exact")
+    return {"rate": n_agree / n_pairs, "ci": [interval.low, interval.high], "n_agree": n_agree, "n_pairs": n_pairs}
+
+
