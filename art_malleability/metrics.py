@@ -332,6 +332,26 @@ def evaluate_resamples(statistic: Callable[[np.ndarray], float], rows: np.ndarra
     return np.concatenate([np.asarray(batch(rows[s : s + step]), dtype=np.float64) for s in range(0, len(rows), step)])
 
 
+def percentile_interval(draws: np.ndarray, confidence: float = 0.95) -> tuple[float, float]:
+    """
+    The plain percentile interval of bootstrap replicates: their ``(1 ∓ confidence)/2`` quantiles (the package's
+    one home for it; :func:`shifted_percentile_interval` moves it onto a point estimate).
+
+    :param draws: Replicates (non-finite ones are ignored).
+    :param confidence: Coverage, in (0, 1).
+    :return: ``(low, high)``; ``(NaN, NaN)`` without a finite replicate.
+    """
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must lie in (0, 1), got {confidence!r}")
+    draws = np.asarray(draws, dtype=np.float64)
+    draws = draws[np.isfinite(draws)]
+    if draws.size == 0:
+        return float("nan"), float("nan")
+    tail = 100.0 * (1.0 - confidence) / 2.0
+    low, high = np.percentile(draws, [tail, 100.0 - tail])
+    return float(low), float(high)
+
+
 def shifted_percentile_interval(
     point: float,
     draws: np.ndarray,
@@ -365,8 +385,7 @@ def shifted_percentile_interval(
     draws = draws[np.isfinite(draws)]
     if draws.size == 0 or not np.isfinite(point):
         return float("nan"), float("nan")
-    tail = 100.0 * (1.0 - confidence) / 2.0
-    low, median, high = np.percentile(draws, [tail, 50.0, 100.0 - tail])
+    (low, high), median = percentile_interval(draws, confidence), float(np.median(draws))
     low, high = point + (low - median), point + (high - median)
     # min/max keep the point inside when rounding moves an endpoint across it
     return float(max(min(low, point), bounds[0])), float(min(max(high, point), bounds[1]))

@@ -54,6 +54,7 @@ from torch import nn
 from art_malleability._io import atomic_write, json_ready, progress_bar
 from art_malleability._torch_utils import no_tf32, resolve_device
 from art_malleability._validation import labels_to_indices
+from art_malleability.metrics import percentile_interval
 from art_malleability.models import is_transductive
 from art_malleability.ntk.analytic import analytic_ntk
 from art_malleability.ntk.empirical import empirical_ntk
@@ -542,10 +543,7 @@ class NTKConvergenceChecker:
             # widths are independent draws (seed s at two widths shares nothing), so resample each row alone
             cols = rng.integers(0, table.shape[1], table.shape)
             draws.append(_log_slope(log_w, table[rows, cols]))
-        draws = np.asarray(draws)
-        draws = draws[np.isfinite(draws)]
-        tail = 50.0 * (1 - self.confidence)
-        low, high = (np.percentile(draws, [tail, 100 - tail]) if draws.size else (np.nan, np.nan))
+        low, high = percentile_interval(np.asarray(draws), self.confidence)
         if metric in DESCRIPTIVE_METRICS:
             verdict = DESCRIPTIVE
         else:
