@@ -168,13 +168,16 @@ def check_labels(y: object, name: str, n: int, nb_classes: int) -> np.ndarray:
 
 def one_hot(y: np.ndarray, nb_classes: int) -> np.ndarray:
     """
-    One-hot float32 rows of class indices (the label form ART's ``loss_gradient`` needs).
+    One-hot float32 rows of class indices (the label form ART's ``loss_gradient`` needs), by ART's
+    :func:`art.utils.to_categorical`.
 
     :param y: Class indices (n,).
     :param nb_classes: Number of classes.
     :return: Array (n, nb_classes).
     """
-    return np.eye(nb_classes, dtype=np.float32)[y]
+    from art.utils import to_categorical
+
+    return to_categorical(np.asarray(y), nb_classes).astype(np.float32, copy=False)
 
 
 def _shape(input_shape: tuple[int, ...]) -> str:
