@@ -339,6 +339,8 @@ def run_audit(args: argparse.Namespace) -> int:
         reports.append(report)
         if not lead:
             continue
+        if len(reports) == 1:
+            _clear_owned(out, "report.json")
         folder = report.save(out / slugify(name))
         print(f"\n{name}: {what} in {trained:.1f} s, audited in {time.perf_counter() - start:.1f} s -> {folder}")
         print(report.summary())
@@ -534,6 +536,7 @@ def run_validate(args: argparse.Namespace) -> int:
           f"{data.nb_classes} classes")
     out = Path(args.output)
     sections = []
+    cleared = False
     for name in args.model or ["2l-relu", "mlp-attn"]:
         _build_model(name, data.input_shape, data.nb_classes, args.width, args.seed)  # fail early on a bad name
 
@@ -551,6 +554,9 @@ def run_validate(args: argparse.Namespace) -> int:
             loo_seeds=args.loo_seeds, seed=args.seed, loss=args.loss, n_bootstrap=args.n_bootstrap,
             device=args.device, model_name=name, dataset=data.name, verbose=not args.quiet,
         )
+        if not cleared:
+            _clear_owned(out, "validation.json")
+            cleared = True
         folder = report.save(out / slugify(name))
         print(f"\n{name}: validated in {time.perf_counter() - began:.1f} s -> {folder}")
         print(report.summary())
@@ -721,6 +727,22 @@ def _preflight(args: argparse.Namespace) -> None:
             _validation_for(args.validation, name)
     except (ValueError, TypeError, OSError) as err:
         raise UsageError(str(err)) from err
+
+
+def _clear_owned(folder: Path, marker: str) -> None:
+    """
+    Before a command writes its first report into ``--output``: remove what an earlier run of it left there, so no
+    stale model folder or figure sits beside the new results. Owned are ``summary.md`` and the subfolders holding
+    a ``marker`` file (``report.json``, ``validation.json``); nothing else in the folder is touched.
+    """
+    import shutil
+
+    if not folder.is_dir():
+        return
+    for child in folder.iterdir():
+        if child.is_dir() and (child / marker).is_file():
+            shutil.rmtree(child)
+    (folder / "summary.md").unlink(missing_ok=True)
 
 
 def _check_output(folder: Path) -> None:

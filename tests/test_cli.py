@@ -182,3 +182,16 @@ def test_report_files_share_one_mode_and_bars_are_sparse_in_logs(tmp_path):
     bar = progress_bar(range(3), verbose=True)  # pytest's stderr is not a terminal
     assert bar.mininterval == 30.0
     bar.close()
+
+
+def test_a_rerun_replaces_what_the_last_run_wrote_and_nothing_else(tmp_path):
+    out = tmp_path / "audit"
+    both = ["--n-train", "100", "--n-test", "30", "--epochs", "20", "--width", "16", "--n-queries", "5",
+            "--n-bootstrap", "10", "--no-controls", "--quiet", "--output", str(out)]
+    assert main(["audit", *both, "--attacks", "fgsm", "pgd"]) == 0
+    (out / "my-notes.txt").write_text("mine")
+    assert (out / "mlp-attn" / "scatter_pgd.png").exists()
+    assert main(["audit", *both, "--attacks", "fgsm", "--model", "2l-relu"]) == 0
+    assert not (out / "mlp-attn").exists() and not (out / "2l-relu" / "scatter_pgd.png").exists()
+    assert (out / "2l-relu" / "scatter_fgsm.png").exists() and (out / "my-notes.txt").read_text() == "mine"
+    assert "mlp-attn" not in (out / "summary.md").read_text()
