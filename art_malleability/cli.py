@@ -580,6 +580,28 @@ def _build_model(name: str, input_shape: tuple[int, ...], nb_classes: int, width
     model = factory(**kwargs)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"--model {name!r} must return a torch.nn.Module, got {type(model).__name__}")
+    from art_malleability.models import is_transductive
+
+    if is_transductive(model):  # its forward needs the training context, set when it is trained
+        return model
+    was_training = model.training
+    dtype = next(model.parameters(), torch.zeros(())).dtype
+    try:  # before any training: the model must take the data's inputs and give one logit per class
+        with torch.no_grad():
+            out = model.eval()(torch.zeros((2, *input_shape), dtype=dtype))
+    except Exception as err:  # noqa: BLE001 - the user's module: any failure is a mismatch to name
+        raise ValueError(
+            f"--model {name!r} builds a model that cannot take the data's inputs of shape {tuple(input_shape)} "
+            f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); build it for that shape"
+        ) from err
+    finally:
+        model.train(was_training)
+    if not isinstance(out, torch.Tensor) or out.shape != (2, nb_classes):
+        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(
+            f"--model {name!r} returns {shape} for 2 inputs; expected logits of shape (2, {nb_classes}) for the "
+            "data's classes"
+        )
     return model
 
 

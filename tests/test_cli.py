@@ -195,3 +195,23 @@ def test_a_rerun_replaces_what_the_last_run_wrote_and_nothing_else(tmp_path):
     assert not (out / "mlp-attn").exists() and not (out / "2l-relu" / "scatter_pgd.png").exists()
     assert (out / "2l-relu" / "scatter_fgsm.png").exists() and (out / "my-notes.txt").read_text() == "mine"
     assert "mlp-attn" not in (out / "summary.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("factory", "message"),
+    [("wrong_input", "cannot take the data's inputs of shape (1, 8, 8)"),
+     ("wrong_classes", "expected logits of shape (2, 10)")],
+)
+def test_a_factory_model_that_does_not_fit_the_data_fails_before_training(tmp_path, capsys, monkeypatch, factory,
+                                                                          message):
+    (tmp_path / "cli_mismatch_module.py").write_text(
+        "import torch\n"
+        "def wrong_input():\n    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 10))\n"
+        "def wrong_classes():\n    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 3))\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert main(["audit", *TINY, "--model", f"cli_mismatch_module:{factory}", "--output", str(tmp_path / "out")]) == 1
+    captured = capsys.readouterr()
+    assert message in captured.err and len(captured.err.strip().splitlines()) == 1
+    assert "Training" not in captured.err and not (tmp_path / "out").exists()
