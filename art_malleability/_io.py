@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -33,6 +34,33 @@ def progress_bar(iterable: Any = None, *, verbose: bool = True, **kwargs: Any) -
     interactive = hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
     kwargs.setdefault("mininterval", 0.1 if interactive else 30.0)
     return tqdm(iterable, disable=not verbose, **kwargs)
+
+
+def figure_png(figure: Any) -> bytes:
+    """:return: A matplotlib figure as PNG bytes (120 dpi, tight box); the figure is closed."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=120, bbox_inches="tight")
+    plt.close(figure)
+    return buffer.getvalue()
+
+
+def read_report_json(path: str | os.PathLike, filename: str) -> Any:
+    """
+    :param path: A report's JSON file or the folder holding it.
+    :param filename: The JSON file's name in a report folder.
+    :return: The parsed JSON.
+    :raises FileNotFoundError: When there is no such file.
+    """
+    path = Path(path)
+    if path.is_dir():
+        path = path / filename
+    if not path.is_file():
+        raise FileNotFoundError(f"path {str(path)!r} holds no {filename}")
+    return json.loads(path.read_text(encoding="utf-8"))
 
 
 def atomic_write(path: Path, text: str) -> None:

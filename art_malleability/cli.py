@@ -789,8 +789,8 @@ def _explain(prefix: str, err: BaseException | str, verbose: int, cause: BaseExc
     if verbose and isinstance(cause or err, BaseException):
         traceback.print_exception(cause or err, file=sys.stderr)
     message = str(err).splitlines()[0] if str(err) else type(err).__name__
-    if isinstance(err, BaseException) and type(err).__name__ not in ("ValueError", "UsageError"):
-        message = f"{message} ({type(err).__name__})" if isinstance(err, (TypeError, OSError)) else message
+    if isinstance(err, (TypeError, OSError)):
+        message += f" ({type(err).__name__})"
     print(f"{prefix} {message}", file=sys.stderr)
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from art_malleability._io import atomic_write_files, json_ready
+from art_malleability._io import atomic_write_files, figure_png, json_ready, read_report_json
 
 logger = logging.getLogger(__name__)
 
@@ -263,9 +263,7 @@ class MalleabilityReport:
         :param directory: Output folder (created if missing).
         :return: The folder.
         """
-        import io
 
-        import matplotlib.pyplot as plt
 
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
@@ -275,11 +273,7 @@ class MalleabilityReport:
             (f"scatter_{slugify(r.attack)}.png", partial(self.plot_influence_scatter, r.attack)) for r in self.results
         ]
         for name, draw in figures:
-            figure = draw()
-            buffer = io.BytesIO()
-            figure.savefig(buffer, format="png", dpi=120, bbox_inches="tight")
-            plt.close(figure)
-            files[name] = buffer.getvalue()
+            files[name] = figure_png(draw())
         files["report.json"] = json.dumps(self.to_dict(), indent=2, allow_nan=False)  # renamed last
         atomic_write_files(out, files)
         logger.info("Report written to %s", out)
@@ -291,12 +285,7 @@ class MalleabilityReport:
         :param path: A ``report.json`` file or the folder holding it.
         :return: The report.
         """
-        path = Path(path)
-        if path.is_dir():
-            path = path / "report.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"path {str(path)!r} holds no report.json")
-        return cls.from_dict(json.loads(path.read_text()))
+        return cls.from_dict(read_report_json(path, "report.json"))
 
     def plot_flip_rates(self, ax: Any = None) -> Any:
         """
@@ -419,34 +408,32 @@ def _flip_and_excess(r: AttackResult) -> str:
 
 def _points_ci(v: float | None, ci: list[float | None]) -> str:
     """A difference of rates in percentage points, signed, with its interval."""
-    if v is None:
-        return "n/a"
-    if ci[0] is None or ci[1] is None:
-        return f"{100 * v:+.1f} pts"
-    return f"{100 * v:+.1f} pts [{100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]"
+    return _value_ci(v, ci, 100.0, "+.1f", " pts")
 
 
 def format_percent(v: float | None) -> str:
     """:return: A share as ``"12.3%"`` (``"n/a"`` for ``None``)."""
-    return "n/a" if v is None else f"{100 * v:.1f}%"
+    return _value_ci(v, [None, None], 100.0, ".1f", "%")
 
 
 def format_percent_ci(v: float | None, ci: list[float | None]) -> str:
     """:return: A share with its interval, ``"12.3% [8.0, 17.1]"`` (``"n/a"`` for ``None``)."""
-    if v is None:
-        return "n/a"
-    if ci[0] is None or ci[1] is None:
-        return f"{100 * v:.1f}%"
-    return f"{100 * v:.1f}% [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]"
+    return _value_ci(v, ci, 100.0, ".1f", "%")
 
 
 def format_number_ci(v: float | None, ci: list[float | None]) -> str:
     """:return: A number with its interval, ``"0.123 [0.080, 0.171]"`` (``"n/a"`` for ``None``)."""
+    return _value_ci(v, ci, 1.0, ".3f", "")
+
+
+def _value_ci(v: float | None, ci: list[float | None], scale: float, spec: str, unit: str) -> str:
+    """``scale · v`` in format ``spec`` with ``unit``, then ``[low, high]`` when both ends are known."""
     if v is None:
         return "n/a"
+    text = f"{scale * v:{spec}}{unit}"
     if ci[0] is None or ci[1] is None:
-        return f"{v:.3f}"
-    return f"{v:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]"
+        return text
+    return f"{text} [{scale * ci[0]:{spec}}, {scale * ci[1]:{spec}}]"
 
 
 def nan_if_none(v: float | None) -> float:

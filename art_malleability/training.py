@@ -34,6 +34,7 @@ from torch import nn
 from art_malleability._io import progress_bar
 from art_malleability._torch_utils import resolve_device
 from art_malleability._validation import check_loss, labels_to_indices
+from art_malleability.models import is_transductive
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ def train_model(
     dtype = next((p.dtype for p in model.parameters()), torch.float32)
     x_t = torch.as_tensor(np.ascontiguousarray(x, dtype=np.float32), device=torch_device).to(dtype)
     y_t = torch.as_tensor(y_idx, device=torch_device)
-    if hasattr(model, "set_context"):
+    if is_transductive(model):
         logger.debug("Setting the context of %s to the %d training inputs.", type(model).__name__, x.shape[0])
         model.set_context(x_t)
 

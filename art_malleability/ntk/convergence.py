@@ -51,7 +51,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from art_malleability._io import atomic_write, json_ready, progress_bar
+from art_malleability._io import atomic_write, json_ready, progress_bar, read_report_json
 from art_malleability._torch_utils import no_tf32, resolve_device
 from art_malleability._validation import labels_to_indices
 from art_malleability.metrics import percentile_interval
@@ -225,12 +225,7 @@ class ConvergenceReport:
         :param path: A ``convergence.json`` file or its folder.
         :return: The report.
         """
-        path = Path(path)
-        if path.is_dir():
-            path = path / "convergence.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"path {str(path)!r} holds no convergence.json")
-        return cls(**json.loads(path.read_text()))
+        return cls(**read_report_json(path, "convergence.json"))
 
     def plot(self, level: str) -> Any:
         """

@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from art_malleability._io import atomic_write
+from art_malleability._io import atomic_write, read_report_json
 
 logger = logging.getLogger(__name__)
 
@@ -482,12 +482,7 @@ class SpectralReport:
         :return: The report.
         :raises FileNotFoundError: If there is no such file.
         """
-        path = Path(path)
-        if path.is_dir():
-            path = path / SPECTRUM_JSON
-        if not path.is_file():
-            raise FileNotFoundError(f"path {str(path)!r} holds no {SPECTRUM_JSON}")
-        return cls.from_dict(json.loads(path.read_text(encoding="utf-8")))
+        return cls.from_dict(read_report_json(path, SPECTRUM_JSON))
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from torch import nn
 from art_malleability._state import preserved_rng
 from art_malleability.datasets import Dataset, load_dataset
 from art_malleability.influence import NTKInfluence
+from art_malleability.models import is_transductive
 from art_malleability.paper.reproduce import (
     ATTACKS,
     PAPER,
@@ -73,7 +74,7 @@ class _Centred(nn.Module):
         return self.inner(x - self.mean.to(x.dtype))
 
     def set_context(self, x_train) -> None:
-        if hasattr(self.inner, "set_context"):
+        if is_transductive(self.inner):
             x = torch.as_tensor(x_train)
             self.inner.set_context(x - self.mean.to(device=x.device, dtype=x.dtype))
 

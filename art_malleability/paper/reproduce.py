@@ -49,7 +49,7 @@ from art_malleability._validation import one_hot
 from art_malleability.datasets import Dataset, load_dataset, subsample
 from art_malleability.estimator import MalleabilityEstimator, near_chance_warnings
 from art_malleability.metrics import hierarchical_interval, hierarchical_replicates, shifted_percentile_interval
-from art_malleability.models import build_reference_model
+from art_malleability.models import build_reference_model, is_transductive
 from art_malleability.training import make_classifier, train_model
 
 logger = logging.getLogger(__name__)
@@ -392,7 +392,7 @@ def _table4(config, data: Dataset, family: str, result: Reproduction, trained: d
             rows += flip_rows("table4", model, seed, base_acc, report, data, extra={"training": "standard"})
             # adversarial training starts from a fresh initialisation, with the same optimiser settings
             module = build_reference_model(model, data.input_shape, data.nb_classes, width=config.width, seed=seed)
-            if hasattr(module, "set_context"):
+            if is_transductive(module):
                 module.set_context(data.x_train)
             params = [p for p in module.parameters() if p.requires_grad]
             clf = make_classifier(

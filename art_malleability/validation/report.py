@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
@@ -13,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from art_malleability._io import atomic_write_files, json_ready
+from art_malleability._io import atomic_write_files, figure_png, json_ready, read_report_json
 from art_malleability.metrics import bootstrap_interval
 from art_malleability.report import format_number_ci, format_percent, format_percent_ci, nan_if_none
 
@@ -249,17 +248,12 @@ class ValidationReport:
         :param directory: Output folder (created if missing).
         :return: The folder.
         """
-        import matplotlib.pyplot as plt
 
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         files: dict[str, str | bytes] = {"validation.md": self.to_markdown()}
         for name, draw in (("lds.png", self.plot_lds), ("scatter.png", self.plot_scatter)):
-            figure = draw()
-            buffer = io.BytesIO()
-            figure.savefig(buffer, format="png", dpi=120, bbox_inches="tight")
-            plt.close(figure)
-            files[name] = buffer.getvalue()
+            files[name] = figure_png(draw())
         files["validation.json"] = json.dumps(self.to_dict(), indent=1, allow_nan=False)
         atomic_write_files(out, files)
         logger.info("Validation report written to %s", out)
@@ -271,12 +265,7 @@ class ValidationReport:
         :param path: A ``validation.json`` file or the folder holding it.
         :return: The report.
         """
-        path = Path(path)
-        if path.is_dir():
-            path = path / "validation.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"path {str(path)!r} holds no validation.json")
-        return cls.from_dict(json.loads(path.read_text()))
+        return cls.from_dict(read_report_json(path, "validation.json"))
 
     # ------------------------------------------------------------------ figures
     def plot_lds(self) -> Any:
