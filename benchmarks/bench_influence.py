@@ -18,7 +18,8 @@ resident set size (``ru_maxrss`` of that process, reported by the process itself
         its influence-score mode (``k=None``); in float64 (the reference of the gradient-type estimators) and,
         as ``captum-hand-f32``, in float32;
     (d) ``captum-adapter`` (this package's ``CaptumInfluence``) and ``gradient`` (``GradientInfluence``, TracIn
-        at the final weights with per-layer factorisation), both float64;
+        at the final weights with per-layer factorisation), both float64, and ``captum-adapter-f32``, the adapter
+        in float32 (to set beside ``captum-hand-f32``);
     (e) ``dattri-trak`` and ``dattri-tracin``: dattri 0.3's ``TRAKAttributor`` (``cache`` then ``attribute``) and
         ``TracInAttributor`` (``attribute``) on an ``AttributionTask`` with the final weights, float32 as a
         dattri user would run it, random projection to ``--projection-dim`` dimensions (dattri's CPU projector).
@@ -129,6 +130,7 @@ ESTIMATORS = (
     "captum-hand",
     "captum-hand-f32",
     "captum-adapter",
+    "captum-adapter-f32",
     "gradient",
     "dattri-trak",
     "dattri-tracin",
@@ -506,13 +508,15 @@ def run_estimator(
 
     details: dict[str, Any] = {}
     k = int(spec["projection_dim"])
-    if name in ("ntk-exact", "ntk-proj", "captum-adapter", "gradient"):
+    if name in ("ntk-exact", "ntk-proj", "captum-adapter", "captum-adapter-f32", "gradient"):
         if name == "ntk-exact":
             est = NTKInfluence(projection_dim=None, device="cpu")
         elif name == "ntk-proj":
             est = NTKInfluence(projection_dim=k, device="cpu")
         elif name == "captum-adapter":
             est = CaptumInfluence(device="cpu")
+        elif name == "captum-adapter-f32":
+            est = CaptumInfluence(device="cpu", dtype=torch.float32)
         else:
             est = GradientInfluence(device="cpu")
         scores, fit_s, scores_s = timed_fit_scores(est, model, x, y, xq, yq)
@@ -859,6 +863,8 @@ class Bench:
                 if est == "dattri-trak":
                     note = f"float32, ridge {res['regularization']:.2e}"
                 elif est == "dattri-tracin":
+                    note = "float32"
+                elif est == "captum-adapter-f32":
                     note = "float32"
                 elif est.startswith("captum-hand"):
                     note = res["dtype"].replace("torch.", "")
