@@ -182,3 +182,32 @@ def one_hot(y: np.ndarray, nb_classes: int) -> np.ndarray:
 
 def _shape(input_shape: tuple[int, ...]) -> str:
     return ", ".join(str(s) for s in input_shape)
+
+
+def check_input_shape(input_shape: object, name: str = "input_shape", image: bool = False) -> tuple[int, ...]:
+    """
+    The package's one reading of a user's ``input_shape``: the shape of one input as a tuple of positive ints
+    (its flat width is the product, ``math.prod``).
+
+    :param input_shape: Shape of one input (a tuple, list or ``torch.Size`` of positive ints) or its number of
+                        features (a positive int, read as ``(n,)``).
+    :param name: Argument name used in error messages.
+    :param image: Require an image shape ``(channels, height, width)``.
+    :return: The shape as a tuple of Python ints.
+    :raises TypeError: For a bool, a non-int entry or another type.
+    :raises ValueError: For an empty shape, a size below 1, or (with ``image``) a shape of another length.
+    """
+    expected = "a positive int or a non-empty tuple of positive ints"
+    if isinstance(input_shape, (int, np.integer)) and not isinstance(input_shape, bool):
+        shape: tuple = (input_shape,)
+    elif isinstance(input_shape, (tuple, list, torch.Size)):
+        shape = tuple(input_shape)
+    else:
+        raise TypeError(f"{name} must be {expected}, got {input_shape!r}")
+    if any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) for s in shape):
+        raise TypeError(f"{name} must be {expected}, got {input_shape!r}")
+    if not shape or min(shape) < 1:
+        raise ValueError(f"{name} must be {expected}, got {input_shape!r}")
+    if image and len(shape) != 3:
+        raise ValueError(f"{name} must be an image shape (channels, height, width), got {input_shape!r}")
+    return tuple(int(s) for s in shape)
