@@ -70,9 +70,7 @@ from art_malleability._scores import (
     top_indices,
     top_k_count,
 )
-from art_malleability._scores import (
-    _top_masks as _top_masks,
-)
+from art_malleability._scores import _top_masks as _top_masks  # the batched top sets, kept reachable here
 
 __all__ = [
     "BOUNDS",
