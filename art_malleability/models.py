@@ -41,14 +41,14 @@ from art_malleability._attention import _NORM_EPS, LinearizedAttention, _flatten
 from art_malleability._validation import check_input_shape
 
 __all__ = [
+    "Transductive",
+    "is_transductive",
     "REFERENCE_MODELS",
     "LinearizedAttention",
+    "TwoLayerReLU",
     "MLPAttn",
     "MLPAttnQKV",
-    "Transductive",
-    "TwoLayerReLU",
     "build_reference_model",
-    "is_transductive",
 ]
 
 logger = logging.getLogger(__name__)
@@ -170,31 +170,7 @@ class TwoLayerReLU(_TwoLayerNTK):
         return _flatten_normalise(x)
 
 
-class _ContextModel(_TwoLayerNTK):
-    """A reference model whose features depend on the training set through the context of ``attention``."""
-
-    attention: LinearizedAttention
-
-    @property
-    def has_context(self) -> bool:
-        """
-        Whether the attention context has been set (directly or through ``load_state_dict``).
-
-        :return: `True` once :meth:`set_context` was called.
-        """
-        return self.attention.has_context
-
-    def set_context(self, x_train: np.ndarray | torch.Tensor) -> None:
-        """
-        Set the attention context :math:`X^\\top X` from the training inputs (rows flattened and normalised).
-        No trained parameter changes.
-
-        :param x_train: Training inputs of shape `(n, *input_shape)`.
-        """
-        self.attention.set_context(x_train)
-
-
-class MLPAttn(_ContextModel):
+class MLPAttn(_TwoLayerNTK):
     """
     MLP-Attn: linearised attention followed by the 2L-ReLU network,
     :math:`\\tilde{x} = \\mathrm{normalise}(C \\, \\mathrm{normalise}(x))` with :math:`C = X^\\top X` over the
@@ -216,6 +192,14 @@ class MLPAttn(_ContextModel):
         super().__init__(input_shape, width, nb_classes, seed)
         self.attention = LinearizedAttention(dim=self.input_dim)
 
+    def set_context(self, x_train: np.ndarray | torch.Tensor) -> None:
+        """
+        Set the attention context :math:`C = X^\\top X` from the training inputs.
+
+        :param x_train: Training inputs `(n, *input_shape)`; their rows are flattened and normalised.
+        """
+        self.attention.set_context(x_train)
+
     def features(self, x: torch.Tensor) -> torch.Tensor:
         """
         Attention features :math:`\\mathrm{normalise}(C \\hat{x})`.
@@ -226,7 +210,7 @@ class MLPAttn(_ContextModel):
         return F.normalize(self.attention(_flatten_normalise(x)), p=2.0, dim=1, eps=_NORM_EPS)
 
 
-class MLPAttnQKV(_ContextModel):
+class MLPAttnQKV(_TwoLayerNTK):
     """
     MLP-Attn-QKV: linearised attention with trained query, key and value maps, followed by the 2L-ReLU network
     (the trainable-QKV variant of the paper's v2).
@@ -322,18 +306,32 @@ class MLPAttnQKV(_ContextModel):
         self.attention = LinearizedAttention(dim=d)
 
     @property
+    def has_context(self) -> bool:
+        """Whether :meth:`set_context` was called (or a ``state_dict`` holding a context was loaded)."""
+        return self.attention.has_context
+
+    def set_context(self, x_train: np.ndarray | torch.Tensor) -> None:
+        """
+        Set the attention context :math:`S = X^\\top X` from the training inputs; the query, key and value maps
+        are not touched.
+
+        :param x_train: Training inputs `(n, *input_shape)`; their rows are flattened and normalised.
+        """
+        self.attention.set_context(x_train)
+
+    @property
     def query_weight(self) -> torch.Tensor:
-        """:return: The query map :math:`W_q`, `(qkv_dim, d)` (a view of ``query.weight``)."""
+        """Query map :math:`W_q` of shape `(qkv_dim, d)` (a view of ``query.weight``)."""
         return self.query.weight
 
     @property
     def key_weight(self) -> torch.Tensor:
-        """:return: The key map :math:`W_k`, `(qkv_dim, d)` (a transposed view of ``key.weight``)."""
+        """Key map :math:`W_k` of shape `(qkv_dim, d)` (a transposed view of ``key.weight``)."""
         return self.key.weight.T
 
     @property
     def value_weight(self) -> torch.Tensor:
-        """:return: The value map :math:`W_v`, `(qkv_dim, d)` (a view of ``value.weight``)."""
+        """Value map :math:`W_v` of shape `(qkv_dim, d)` (a view of ``value.weight``)."""
         return self.value.weight
 
     def attention_map(self) -> torch.Tensor:
