@@ -94,8 +94,17 @@ class ConvergenceReport(SavedReport):
         rows = []
         for f in self.fits:
             if f.metric == PRIMARY[f.level]:
-                rows.append({"model": f.model, "level": f.level, "protocol": f.protocol, "metric": f.metric,
-                             "exponent": f.exponent, "interval": f.interval, "verdict": f.verdict})
+                rows.append(
+                    {
+                        "model": f.model,
+                        "level": f.level,
+                        "protocol": f.protocol,
+                        "metric": f.metric,
+                        "exponent": f.exponent,
+                        "interval": f.interval,
+                        "verdict": f.verdict,
+                    }
+                )
         return rows
 
     def summary(self) -> str:
@@ -110,18 +119,41 @@ class ConvergenceReport(SavedReport):
     def to_markdown(self) -> str:
         """:return: Markdown: verdict per level, all exponents, mean metric per width, settings."""
         header = ["model", "level", "protocol", "metric"]
-        lines = [f"# NTK convergence check{' on ' + self.dataset if self.dataset else ''}", "",
-                 f"Widths {self.widths}; seeds {self.seeds}. Exponent: slope of log(metric) against log(width); "
-                 "interval: percentile bootstrap over seeds. Verdicts are per level, never merged.", "",
-                 "## Verdict per level (primary metric)", "",
-                 markdown_table([*header, "exponent [CI]", "verdict"],
-                                [[f.model, f.level, f.protocol or "-", f.metric, _slope(f), f.verdict]
-                                 for f in self.fits if f.metric == PRIMARY[f.level]]),
-                 "", "## Every metric", "",
-                 markdown_table([*header, *[f"m={w}" for w in self.widths], "exponent [CI]", "verdict"],
-                                [[f.model, f.level, f.protocol or "-", f.metric,
-                                  *["n/a" if v is None else f"{v:.4g}" for v in f.means], _slope(f), f.verdict]
-                                 for f in self.fits])]
+        lines = [
+            f"# NTK convergence check{' on ' + self.dataset if self.dataset else ''}",
+            "",
+            f"Widths {self.widths}; seeds {self.seeds}. Exponent: slope of log(metric) against log(width); "
+            "interval: percentile bootstrap over seeds. Verdicts are per level, never merged.",
+            "",
+            "## Verdict per level (primary metric)",
+            "",
+            markdown_table(
+                [*header, "exponent [CI]", "verdict"],
+                [
+                    [f.model, f.level, f.protocol or "-", f.metric, _slope(f), f.verdict]
+                    for f in self.fits
+                    if f.metric == PRIMARY[f.level]
+                ],
+            ),
+            "",
+            "## Every metric",
+            "",
+            markdown_table(
+                [*header, *[f"m={w}" for w in self.widths], "exponent [CI]", "verdict"],
+                [
+                    [
+                        f.model,
+                        f.level,
+                        f.protocol or "-",
+                        f.metric,
+                        *["n/a" if v is None else f"{v:.4g}" for v in f.means],
+                        _slope(f),
+                        f.verdict,
+                    ]
+                    for f in self.fits
+                ],
+            ),
+        ]
         lines += ["", "## Settings", ""] + [f"- `{k}`: `{v}`" for k, v in self.config.items()]
         lines += ["", "## Time (seconds)", ""] + [f"- {k}: {v:.1f}" for k, v in self.seconds.items()]
         for level in self._levels():
@@ -154,15 +186,19 @@ class ConvergenceReport(SavedReport):
             figure, _ = plt.subplots(figsize=(3, 2))
             return figure
         figure, axes = plt.subplots(1, len(metrics), figsize=(3.3 * len(metrics), 3.0), squeeze=False)
-        labels = list(dict.fromkeys(f.model + (f" ({f.protocol})" if f.protocol else "")
-                                    for f in self.fits if f.level == level))
+        labels = list(
+            dict.fromkeys(f.model + (f" ({f.protocol})" if f.protocol else "") for f in self.fits if f.level == level)
+        )
         colours = {label: f"C{i}" for i, label in enumerate(labels)}  # one colour per line in every panel
         for ax, metric in zip(axes[0], metrics, strict=True):
             for f in self.fits:
                 if f.level != level or f.metric != metric:
                     continue
-                rows = [r for r in self.records if r["model"] == f.model and r["level"] == level
-                        and r.get("protocol") == f.protocol]
+                rows = [
+                    r
+                    for r in self.records
+                    if r["model"] == f.model and r["level"] == level and r.get("protocol") == f.protocol
+                ]
                 lows, highs = [], []
                 for w in self.widths:
                     vals = [r[metric] for r in rows if r["width"] == w and r.get(metric) is not None]
