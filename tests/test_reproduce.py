@@ -100,3 +100,19 @@ def test_table1_points_cover_every_class_of_a_class_sorted_source(tmp_path):
     assert len(tr) == 30 and len(te) == 20 and len(set(tr)) == 30
     assert np.bincount(data.y_train[tr], minlength=10).tolist() == [3] * 10
     assert np.bincount(data.y_test[te], minlength=10).tolist() == [2] * 10
+
+
+def test_a_rerun_without_table1_removes_the_stale_sweep_and_nothing_else(tmp_path):
+    sweep = tmp_path / "table1_ntk"
+    sweep.mkdir()
+    for name in ("convergence.json", "convergence.md", "static.png", "dynamic.png", "notes.txt"):
+        (sweep / name).write_text("old")
+    (tmp_path / "ablation.png").write_bytes(b"old")
+    config = ReproductionConfig(n_train=60, n_test=30, tables=("spectral",), device="cpu", verbose=False)
+    run_reproduction(config, tmp_path)
+    assert [p.name for p in sweep.iterdir()] == ["notes.txt"]
+    assert {p.name for p in tmp_path.iterdir()} == {"reproduction.json", "reproduction.md", "table1_ntk"}
+    (sweep / "notes.txt").unlink()
+    (sweep / "convergence.json").write_text("old")
+    run_reproduction(config, tmp_path)
+    assert not sweep.exists()  # a folder that held only the sweep goes with it

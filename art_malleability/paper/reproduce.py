@@ -32,24 +32,25 @@ the paper's numbers come from summaries of the paper, not its tables, and are ta
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 from scipy import stats
 
-from art_malleability._io import atomic_write, json_ready, progress_bar
+from art_malleability._io import figure_png, json_ready, progress_bar
+from art_malleability._report_base import SavedReport, markdown_table
 from art_malleability._state import preserved_rng
 from art_malleability._validation import one_hot
 from art_malleability.datasets import Dataset, load_dataset, subsample
 from art_malleability.estimator import MalleabilityEstimator, near_chance_warnings
 from art_malleability.metrics import hierarchical_interval, hierarchical_replicates, shifted_percentile_interval
 from art_malleability.models import build_reference_model, is_transductive
+from art_malleability.ntk.convergence_report import ConvergenceReport
 from art_malleability.training import make_classifier, train_model
 
 logger = logging.getLogger(__name__)
@@ -87,6 +88,8 @@ PAPER: dict[str, Any] = {
 BINARY_CLASSES = {"mnist": [3, 8], "cifar10": [1, 0]}
 #: Key of a row's in-memory bootstrap replicates (pooled over seeds in the tables, never saved).
 REPLICATES = "_replicates"
+#: Subfolder of Table 1's full convergence report.
+TABLE1_FOLDER = "table1_ntk"
 BINARY_NAMES = {"mnist": "digits 3 vs 8", "cifar10": "automobile (1) vs airplane (0)"}
 
 
@@ -163,22 +166,25 @@ class ReproductionConfig:
             if t not in TABLES + STUDIES:
                 raise ValueError(f"tables must be drawn from {TABLES + STUDIES}, got {t!r}")
         if len(self.seeds) < 1:
-            raise ValueError("seeds must hold at least one seed")
+            raise ValueError(f"seeds must hold at least one seed, got {self.seeds!r}")
         for w in (16, 1024, 4096):
             if "table1" in self.tables and w not in self.widths:
                 logger.info("Table 1 reports widths 16/1024/4096; width %d is not in the sweep", w)
 
 
 @dataclass
-class Reproduction:
+class Reproduction(SavedReport):
     """
-    Every measurement of a run (``rows``) and its summaries (``tables``), with the paper's numbers.
+    Every measurement of a run (``rows``) and its summaries (``tables``), with the paper's numbers. :meth:`save`
+    writes ``reproduction.json``, ``reproduction.md`` and the files in ``files`` (the ablation figure, the
+    open-choices table).
 
     :param config: The run's settings.
     :param family: ``"mnist"`` or ``"cifar10"``: which of the paper's numbers the data is compared with.
     :param rows: One dict per trained model and audit.
     :param tables: Markdown of each table.
     :param seconds: Time of each table.
+    :param files: Further files of the report folder by name (PNG bytes or text), kept in memory and not in the JSON.
     """
 
     config: dict[str, Any]
@@ -186,6 +192,18 @@ class Reproduction:
     rows: list[dict[str, Any]] = field(default_factory=list)
     tables: dict[str, str] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+    files: dict[str, str | bytes] = field(default_factory=dict, repr=False, compare=False)
+
+    json_name: ClassVar[str] = "reproduction.json"
+    markdown_name: ClassVar[str] = "reproduction.md"
+    owned: ClassVar[tuple[str, ...]] = ("ablation.png", "open_choices.md")
+    json_indent: ClassVar[int] = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        """:return: A JSON-ready dict: the settings, rows (without their bootstrap replicates), tables and times."""
+        rows = [{k: v for k, v in row.items() if k != REPLICATES} for row in self.rows]
+        return json_ready({"config": self.config, "family": self.family, "rows": rows, "tables": self.tables,
+                           "seconds": self.seconds})
 
     def to_markdown(self) -> str:
         """:return: Every table as Markdown, with the settings."""
@@ -196,20 +214,8 @@ class Reproduction:
         lines += ["", "## Time (seconds)", ""] + [f"- {k}: {v:.0f}" for k, v in self.seconds.items()]
         return "\n".join(lines) + "\n"
 
-    def save(self, directory: str | Path) -> Path:
-        """
-        Write ``reproduction.json`` (atomically) and ``reproduction.md``.
-
-        :param directory: Output folder.
-        :return: The folder.
-        """
-        out = Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
-        data = asdict(self)
-        data["rows"] = [{k: v for k, v in row.items() if k != REPLICATES} for row in data["rows"]]
-        atomic_write(out / "reproduction.json", json.dumps(json_ready(data), indent=1, allow_nan=False))
-        atomic_write(out / "reproduction.md", self.to_markdown())
-        return out
+    def _side_files(self) -> dict[str, str | bytes]:
+        return dict(self.files)
 
 
 def run_reproduction(config: ReproductionConfig, output: str | Path) -> Reproduction:
@@ -231,9 +237,13 @@ def run_reproduction(config: ReproductionConfig, output: str | Path) -> Reproduc
         "table2": lambda: _table2(config, data, family, result, trained),
         "table3": lambda: _table3(config, family, result),
         "table4": lambda: _table4(config, data, family, result, trained),
-        "ablation": lambda: _ablation(config, data, result, trained, out),
+        "ablation": lambda: _ablation(config, data, result, trained),
         "spectral": lambda: _spectral(config, family, result),
     }
+    if "table1" not in config.tables:  # a rerun without Table 1 leaves no stale sweep behind
+        ConvergenceReport.clear(out / TABLE1_FOLDER)
+        if (out / TABLE1_FOLDER).is_dir() and not any((out / TABLE1_FOLDER).iterdir()):
+            (out / TABLE1_FOLDER).rmdir()
     with preserved_rng():
         for name in TABLES:
             if name not in config.tables:
@@ -262,7 +272,7 @@ def _table1(config, data: Dataset, family: str, result: Reproduction, out: Path)
         device=config.device, verbose=config.verbose,
     )
     report = checker.run(data.x_train[tr], data.y_train[tr], data.x_test[te], data.y_test[te], dataset=data.name)
-    report.save(out / "table1_ntk")
+    report.save(out / TABLE1_FOLDER)
     shown = [w for w in (16, 1024, 4096) if w in config.widths]
     lines = [
         "## Table 1: NTK distance ‖f_m − f_NTK‖ (Adam protocol) at widths " + " / ".join(map(str, shown)),
@@ -270,10 +280,10 @@ def _table1(config, data: Dataset, family: str, result: Reproduction, out: Path)
         f"{n_tr} training / {n_te} test points; mean over seeds [95% t-interval]. Paper: {family}. "
         "Static = ‖K_m − K_∞‖/‖K_∞‖ at init; GD-lin = relative distance to the linearised network under GD.",
         "",
-        "| model | " + " | ".join(f"m={w}" for w in shown) + " | paper | direction (measured / paper) | static m="
-        + "/".join(map(str, shown)) + " | GD-lin m=" + "/".join(map(str, shown)) + " |",
-        "|---|" + "---|" * len(shown) + "---|---|---|---|",
     ]
+    header = ["model", *[f"m={w}" for w in shown], "paper", "direction (measured / paper)",
+              "static m=" + "/".join(map(str, shown)), "GD-lin m=" + "/".join(map(str, shown))]
+    table = []
     for model in models:
         cells, means = [], []
         for w in shown:
@@ -287,10 +297,12 @@ def _table1(config, data: Dataset, family: str, result: Reproduction, out: Path)
         paper = PAPER["table1"][family].get(model)
         static = "/".join(f"{_mean(report, model, w, 'static', 'kernel_error'):.3f}" for w in shown)
         lin = "/".join(f"{_mean(report, model, w, 'dynamic', 'linearised_distance', 'gd'):.3f}" for w in shown)
-        lines.append(f"| {model} | " + " | ".join(cells) + f" | {' / '.join(map(str, paper)) if paper else 'n/a'} | "
-                     f"{_direction(means)} / {_direction(paper) if paper else 'n/a'} | {static} | {lin} |")
+        table.append([model, *cells, " / ".join(map(str, paper)) if paper else "n/a",
+                      f"{_direction(means)} / {_direction(paper) if paper else 'n/a'}", static, lin])
     if "mlp-attn-qkv" in config.models:
-        lines.append("| mlp-attn-qkv | " + " | ".join("n/a" for _ in shown) + " | — | — | n/a | n/a |")
+        table.append(["mlp-attn-qkv", *["n/a" for _ in shown], "—", "—", "n/a", "n/a"])
+    lines.append(markdown_table(header, table))
+    if "mlp-attn-qkv" in config.models:
         lines += ["", "MLP-Attn-QKV has no NTK distance: its query/key/value maps are trained and not width-scaled, so "
                   "their share of the empirical NTK does not vanish and there is no infinite-width kernel f_NTK to "
                   "compare with (the paper does not say which limit it used for this row)."]
@@ -410,20 +422,21 @@ def _table4(config, data: Dataset, family: str, result: Reproduction, trained: d
                                extra={"training": "pgd-adversarial"})
     result.rows += rows
     lines = [f"## Table 4: PGD flip rate (%) after PGD adversarial training (ART AdversarialTrainer, ratio 1, "
-             f"{config.adv_max_iter} steps, {config.adv_epochs} epochs), ε = {config.eps}", "",
-             "| model | standard | clean acc. | adversarial | clean acc. | paper (standard → adversarial) |",
-             "|---|---|---|---|---|---|"]
+             f"{config.adv_max_iter} steps, {config.adv_epochs} epochs), ε = {config.eps}", ""]
+    table = []
     for model in models:
         cells = []
         for training in ("standard", "pgd-adversarial"):
             sel = [r for r in rows if r["model"] == model and r["training"] == training]
             cells += [fmt_ci(*pooled(sel, "flip_rate")[:3], 1), _acc_cell(sel)]
         paper = PAPER["table4"][family].get(model)
-        lines.append(f"| {model} | " + " | ".join(cells) + f" | {paper[0]} → {paper[1]} |")
+        table.append([model, *cells, f"{paper[0]} → {paper[1]}"])
+    lines.append(markdown_table(["model", "standard", "clean acc.", "adversarial", "clean acc.",
+                                 "paper (standard → adversarial)"], table))
     result.tables["table4"] = "\n".join(lines)
 
 
-def _ablation(config, data: Dataset, result: Reproduction, trained: dict, out: Path) -> None:
+def _ablation(config, data: Dataset, result: Reproduction, trained: dict) -> None:
     models = _paper_models(config)
     rows = []
     for model in models:
@@ -433,17 +446,14 @@ def _ablation(config, data: Dataset, result: Reproduction, trained: dict, out: P
                 report = audit(config, clf, data, ATTACKS, eps, seed)
                 rows += flip_rows("ablation", model, seed, acc, report, data, extra={"eps": eps})
     result.rows += rows
+    table = [[model, attack, *[fmt_ci(*pooled([r for r in rows if r["model"] == model and r["attack"] == attack
+                                                 and r["eps"] == e], "flip_rate")[:3], 1) for e in config.eps_grid]]
+             for model in models for attack in ATTACKS]
     lines = ["## ε ablation: flip rates (%) by attack budget", "",
-             "| model | attack | " + " | ".join(f"ε={e}" for e in config.eps_grid) + " |",
-             "|---|---|" + "---|" * len(config.eps_grid)]
-    for model in models:
-        for attack in ATTACKS:
-            cells = [fmt_ci(*pooled([r for r in rows if r["model"] == model and r["attack"] == attack
-                                       and r["eps"] == e], "flip_rate")[:3], 1) for e in config.eps_grid]
-            lines.append(f"| {model} | {attack} | " + " | ".join(cells) + " |")
-    lines += ["", "![ε ablation](ablation.png)"]
+             markdown_table(["model", "attack", *[f"ε={e}" for e in config.eps_grid]], table),
+             "", "![ε ablation](ablation.png)"]
     result.tables["ablation"] = "\n".join(lines)
-    _plot_ablation(rows, models, config.eps_grid, out / "ablation.png")
+    result.files["ablation.png"] = figure_png(_ablation_figure(rows, models, config.eps_grid))
 
 
 def _spectral(config, family: str, result: Reproduction) -> None:
@@ -454,12 +464,13 @@ def _spectral(config, family: str, result: Reproduction) -> None:
     result.rows.append({"table": "spectral", **{k: v for k, v in report.to_dict().items() if k != "eigenvalues"}})
     result.tables["spectral"] = "\n".join([
         f"## Spectral numbers (n = {report.n}, unit-normalised inputs)", "",
-        "| quantity | measured | paper |", "|---|---|---|",
-        f"| κ(G) | {report.kappa:.4g} | — |",
-        f"| κ_d ({report.kappa_d_rule}) | {report.kappa_d:.4g} | {paper['kappa']:.3g} |",
-        f"| log10 κ_d(G³) = 3 log10 κ_d | {report.log10_kappa_d_g3:.2f} | {3 * np.log10(paper['kappa']):.2f} |",
-        f"| log10 required width, v1 (κ⁶) | {report.log10_width_v1:.1f} | — |",
-        f"| log10 required width, v2 (κ_d⁶ n ln n) | {report.log10_width_v2:.1f} | ≫ {paper['log10_width']:.0f} |",
+        markdown_table(["quantity", "measured", "paper"], [
+            ["κ(G)", f"{report.kappa:.4g}", "—"],
+            [f"κ_d ({report.kappa_d_rule})", f"{report.kappa_d:.4g}", f"{paper['kappa']:.3g}"],
+            ["log10 κ_d(G³) = 3 log10 κ_d", f"{report.log10_kappa_d_g3:.2f}", f"{3 * np.log10(paper['kappa']):.2f}"],
+            ["log10 required width, v1 (κ⁶)", f"{report.log10_width_v1:.1f}", "—"],
+            ["log10 required width, v2 (κ_d⁶ n ln n)", f"{report.log10_width_v2:.1f}", f"≫ {paper['log10_width']:.0f}"],
+        ]),
     ] + [f"\n{flag}" for flag in report.flags])
 
 
@@ -555,9 +566,8 @@ def _flip_table(title: str, rows: list[dict], models, paper: dict, family: str) 
              "queries]; "
              "*above floor*: flips between scores distinguishable from zero; *control*: the same examples moved by "
              "random signs at ±ε; *excess*: attack minus control, in percentage points. Paper values from its "
-             f"{family} runs.", "",
-             "| model | attack | clean acc. | flip rate | above floor | control | excess (pts) | paper |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"{family} runs.", ""]
+    table = []
     means: dict[str, dict[str, float]] = {}
     excess: dict[tuple[str, str], tuple[float, np.ndarray | None]] = {}
     for model in models:
@@ -570,11 +580,11 @@ def _flip_table(title: str, rows: list[dict], models, paper: dict, family: str) 
                                                                  "excess_flip_rate"))
             excess[(model, attack)] = (extra[0], extra[3])
             target = paper.get(model, {}).get(attack)
-            lines.append(
-                f"| {model} | {attack} | {_acc_cell(model_rows)} | {fmt_ci(*flip[:3], 1)} | "
-                f"{fmt_ci(*floor[:3], 1)} | {fmt_ci(*control[:3], 1)} | {fmt_ci(*extra[:3], 1, (-100.0, 100.0))} | "
-                f"{'—' if target is None else target} |"
-            )
+            table.append([model, attack, _acc_cell(model_rows), fmt_ci(*flip[:3], 1), fmt_ci(*floor[:3], 1),
+                          fmt_ci(*control[:3], 1), fmt_ci(*extra[:3], 1, (-100.0, 100.0)),
+                          "—" if target is None else target])
+    lines.append(markdown_table(["model", "attack", "clean acc.", "flip rate", "above floor", "control",
+                                 "excess (pts)", "paper"], table))
     if "2l-relu" in means and "mlp-attn" in means:
         ratios, gaps = [], []
         for attack in ATTACKS:
@@ -642,7 +652,8 @@ def progress(config, items, desc: str):
     return progress_bar(items, desc=desc, verbose=config.verbose, leave=False)
 
 
-def _plot_ablation(rows: list[dict], models, eps_grid, path: Path) -> None:
+def _ablation_figure(rows: list[dict], models, eps_grid) -> Any:
+    """:return: The ablation figure: flip rate against ε per attack, one line per model with its interval."""
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(1, len(ATTACKS), figsize=(10, 3), sharey=True)
@@ -660,8 +671,7 @@ def _plot_ablation(rows: list[dict], models, eps_grid, path: Path) -> None:
     axes[0].set_ylabel("influence flip rate (%)")
     axes[0].legend(fontsize=7)
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    return figure
 
 
 __all__ = ["PAPER", "Reproduction", "ReproductionConfig", "run_reproduction"]
