@@ -185,10 +185,18 @@ class InfluenceEstimator(abc.ABC):
         dtype: torch.dtype = torch.float64,
         batch_size: int = 256,
     ) -> None:
-        self.loss = loss
-        self.device = device
-        self.dtype = dtype
-        self.batch_size = batch_size
+        self._init_params(locals())
+
+    def _init_params(self, values: Mapping[str, Any]) -> None:
+        """
+        The one way every estimator's constructor stores its arguments: each of ``values`` (the constructor's
+        ``locals()``) becomes an attribute of the same name, then all are checked (:meth:`_check_params`).
+
+        :param values: The constructor's arguments by name (``self`` is skipped).
+        """
+        for name, value in values.items():
+            if name not in ("self", "__class__"):
+                setattr(self, name, value)
         self.model_: nn.Module | None = None
         self._check_params()
 

@@ -131,10 +131,7 @@ class CaptumInfluence(InfluenceEstimator):
         batch_size: int = 64,
         sample_wise_grads_per_batch: bool | str = "auto",
     ) -> None:
-        self.checkpoints = checkpoints
-        self.learning_rates = learning_rates
-        self.sample_wise_grads_per_batch = sample_wise_grads_per_batch
-        super().__init__(loss=loss, device=device, dtype=dtype, batch_size=batch_size)
+        self._init_params(locals())
 
     def _check_params(self) -> None:
         super()._check_params()

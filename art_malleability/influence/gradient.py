@@ -138,10 +138,7 @@ class GradientInfluence(InfluenceEstimator):
         batch_size: int = 256,
         method: str = "auto",
     ) -> None:
-        self.checkpoints = checkpoints
-        self.learning_rates = learning_rates
-        self.method = method
-        super().__init__(loss=loss, device=device, dtype=dtype, batch_size=batch_size)
+        self._init_params(locals())
 
     def _check_params(self) -> None:
         super()._check_params()
