@@ -210,16 +210,17 @@ class MalleabilityEstimator:
         k = top_k_count(source.n, self.top_fraction)
         if k < 1:
             raise ValueError(
-                f"x has {source.n} training examples, too few for top_fraction={self.top_fraction}: the influential "
-                f"set would be empty; pass at least {int(np.ceil(1 / self.top_fraction))} examples"
+                f"x must hold at least {int(np.ceil(1 / self.top_fraction))} examples for "
+                f"top_fraction={self.top_fraction}, got {source.n}; with fewer the influential set is empty"
             )
         if (x_test is None) != (y_test is None) and not is_torch_data(x_test):
-            raise ValueError("x_test and y_test must be given together (both or neither)")
+            given = "x_test" if y_test is None else "y_test"
+            raise ValueError(f"x_test and y_test must be given together (both or neither), got {given} alone")
         shard = current_shard(self.distributed)
         if shard is not None and shard.world_size > source.n:
             raise ValueError(
-                f"the process group has {shard.world_size} processes but x has only {source.n} examples; "
-                "every process needs at least one"
+                f"x must hold at least one example per process, got {source.n} examples for the "
+                f"{shard.world_size} processes of the process group"
             )
         if shard is not None:
             shard.agree((source.n, weights_digest(clf.model)), "the classifier's weights and the size of x")
@@ -232,7 +233,9 @@ class MalleabilityEstimator:
             (x_q, y_q), self_pairs, queries = test.take(rows, self.batch_size), None, test
         else:
             if source.n < 2:
-                raise ValueError("x needs at least 2 examples when queries are drawn from it (x_test is None)")
+                raise ValueError(
+                    f"x must hold at least 2 examples when the queries are drawn from it (x_test=None), got {source.n}"
+                )
             rows = np.sort(rng.choice(source.n, min(self.n_queries, source.n), replace=False))
             (x_q, y_q), self_pairs, queries = source.take(rows, self.batch_size), rows, source
 
@@ -280,8 +283,8 @@ class MalleabilityEstimator:
         named = any(isinstance(a, str) for a in self.attacks)
         if clip is not None and named and self.eps >= float(np.max(np.asarray(clip[1]) - np.asarray(clip[0]))):
             raise ValueError(
-                f"eps={self.eps:g} covers the classifier's whole input range clip_values={tuple(map(float, clip))}: "
-                "every input could become any other; give eps in the input's units (e.g. 8/255, not 8)"
+                f"eps must be smaller than the classifier's whole input range clip_values={tuple(map(float, clip))}, "
+                f"got {self.eps:g}; give eps in the input's units (e.g. 8/255, not 8)"
             )
 
     def _check_outputs(self, source: ExampleSource) -> list[str]:
@@ -295,13 +298,14 @@ class MalleabilityEstimator:
                                         dtype=None if param is None else param.dtype))
         if not isinstance(out, torch.Tensor):
             raise TypeError(
-                f"the classifier's model must return one tensor of logits (n, nb_classes), got {type(out).__name__}; "
+                f"classifier.model must return one tensor of logits (n, nb_classes), got {type(out).__name__}; "
                 "wrap it so that forward returns the logits alone"
             )
         if out.ndim != 2 or out.shape[1] != int(self.classifier.nb_classes):
             raise ValueError(
-                f"the classifier's model returns outputs of shape {tuple(out.shape)} but the classifier has "
-                f"nb_classes={self.classifier.nb_classes}; build the PyTorchClassifier with the model's output width"
+                f"classifier.model must return outputs of shape (n, {self.classifier.nb_classes}) for the classifier's "
+                f"nb_classes={self.classifier.nb_classes}, got {tuple(out.shape)}; build the PyTorchClassifier with "
+                "the model's output width"
             )
         labels = source.labels(self.batch_size * 8)
         present = np.unique(labels)
@@ -377,8 +381,10 @@ def influence_flip_rate(
              helpful before and after).
     """
     if "attacks" in kwargs:
-        raise TypeError("influence_flip_rate measures one attack: pass it as attack=..., not attacks=...; use "
-                        "MalleabilityEstimator(classifier, attacks=[...]).evaluate(x, y) for several")
+        raise TypeError(
+            "attacks must not be given to influence_flip_rate, which measures one attack, got attacks=...; pass "
+            "attack=..., or use MalleabilityEstimator(classifier, attacks=[...]).evaluate(x, y) for several"
+        )
     kwargs.setdefault("verbose", False)
     kwargs.setdefault("n_bootstrap", 1)
     report = MalleabilityEstimator(classifier, attacks=(attack,), **kwargs).evaluate(x, y, x_test, y_test)

@@ -173,15 +173,15 @@ class NTKInfluence(InfluenceEstimator):
         if self.projection_dim is None:
             if shard is not None:
                 raise ValueError(
-                    "projection_dim=None (exact NTK influence) runs in one process; "
-                    "pass a projection_dim (or 'auto') to shard over torch.distributed"
+                    "projection_dim must be 'auto' or an integer to shard over torch.distributed, got None (the "
+                    "exact NTK influence runs in one process)"
                 )
             need = exact_bytes(n, self.device_)
             if need > budget:
                 raise ValueError(
-                    f"exact NTK influence on {n} training examples needs about {need / _GIB:.1f} GiB "
-                    f"({n} x {n} float64 matrices and the kernel engine's buffers), more than the "
-                    f"{budget / _GIB:.1f} GiB budget; use projection_dim='auto' or an integer projection dimension"
+                    f"projection_dim must be 'auto' or an integer on {n} training examples within the "
+                    f"{budget / _GIB:.1f} GiB budget, got None: the exact NTK influence needs about "
+                    f"{need / _GIB:.1f} GiB ({n} x {n} float64 matrices and the kernel engine's buffers)"
                 )
             return "exact"
         fits = exact_bytes(n, self.device_) <= budget
@@ -307,9 +307,9 @@ class NTKInfluence(InfluenceEstimator):
         need = projected_bytes(stop - start, n, dim)
         if need > self._budget:
             raise ValueError(
-                f"projected NTK influence with projection_dim={dim} on {n} training examples needs about "
-                f"{need / _GIB:.1f} GiB, more than the {self._budget / _GIB:.1f} GiB budget; lower "
-                "projection_dim" + (" or shard over more processes" if n > dim else "")
+                f"projection_dim must fit {n} training examples in the {self._budget / _GIB:.1f} GiB budget, got "
+                f"{dim}, which needs about {need / _GIB:.1f} GiB; lower projection_dim"
+                + (" or shard over more processes" if n > dim else "")
             )
         phi = torch.empty((stop - start, dim), dtype=torch.float64, device=self.device_)
         y = np.empty(stop - start, dtype=np.int64)
