@@ -170,10 +170,14 @@ class MalleabilityEstimator:
     def _configure(self) -> None:
         """Validate the parameters, then build the attacks and the influence estimator from them."""
         object.__setattr__(self, "_configured", False)
-        check_params(self)
+        self._check_params()
         self._attacks = build_attacks(self)
         self._influence = build_influence(self)
         object.__setattr__(self, "_configured", True)
+
+    def _check_params(self) -> None:
+        """ART's parameter check (see :func:`~art_malleability._estimator_params.check_params`)."""
+        check_params(self)
 
     def evaluate(
         self,
