@@ -50,9 +50,7 @@ def check_params(est: Any) -> None:
     est.attacks = _check_attacks(est.attacks)
     est.eps = _positive_number("eps", est.eps)
     if not isinstance(est.influence, (str, InfluenceEstimator)):
-        raise TypeError(
-            f"influence must be one of {INFLUENCE_NAMES} or an InfluenceEstimator, got {est.influence!r}"
-        )
+        raise TypeError(f"influence must be one of {INFLUENCE_NAMES} or an InfluenceEstimator, got {est.influence!r}")
     if isinstance(est.top_fraction, bool) or not 0.0 < float(est.top_fraction) <= 1.0:
         raise ValueError(f"top_fraction must lie in (0, 1], got {est.top_fraction!r}")
     if est.strategy not in STRATEGIES:
