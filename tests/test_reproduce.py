@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from art_malleability.paper.reproduce import PAPER, ReproductionConfig, mean_ci, run_reproduction
+from art_malleability.paper.common import mean_ci
+from art_malleability.paper.reproduce import PAPER, ReproductionConfig, run_reproduction
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,7 +43,7 @@ def test_every_table_runs_on_tiny_sizes(tmp_path):
 
 
 def test_pooled_interval_covers_seeds_and_queries():
-    from art_malleability.paper.reproduce import REPLICATES, pooled
+    from art_malleability.paper.common import REPLICATES, pooled
 
     rng = np.random.default_rng(0)
     rows = [{"flip_rate": p, REPLICATES: {"flip_rate": p + 0.01 * rng.normal(size=200)}} for p in (0.1, 0.3, 0.5)]

@@ -44,19 +44,8 @@ from art_malleability._state import preserved_rng
 from art_malleability.datasets import Dataset, load_dataset
 from art_malleability.influence import NTKInfluence
 from art_malleability.models import is_transductive
-from art_malleability.paper.reproduce import (
-    ATTACKS,
-    PAPER,
-    REPLICATES,
-    Reproduction,
-    ReproductionConfig,
-    audit,
-    flip_rows,
-    fmt_ci,
-    pooled,
-    progress,
-    train,
-)
+from art_malleability.paper.common import ATTACKS, REPLICATES, audit, flip_rows, fmt_ci, pooled, progress, train
+from art_malleability.paper.reproduce import PAPER, Reproduction, ReproductionConfig
 
 logger = logging.getLogger(__name__)
 
