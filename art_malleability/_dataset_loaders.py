@@ -65,8 +65,8 @@ def check_folder(name: str, root: Path) -> None:
         if not _cifar_splits(root):
             raise FileNotFoundError(
                 f"root must hold CIFAR-10's {_CIFAR_FOLDER}/ with data_batch_1..5 and/or test_batch and batches.meta, "
-                f"got {str(root)!r}{_near_misses([root, root / _CIFAR_FOLDER], ('batch',))}; pass download=True to "
-                "let torchvision download them, or load an .npz file with arrays x and y"
+                f"got {str(root)!r}{_cifar_misses(root)}; pass download=True to let torchvision download them, or "
+                "load an .npz file with arrays x and y"
             )
         return
     processed = root / _IDX_FOLDERS[name][0] / "processed"
@@ -86,6 +86,15 @@ def _near_misses(folders: list[Path], words: tuple[str, ...]) -> str:
     """`` (found 'a', 'b' there)`` for files whose names hold one of ``words``, or nothing."""
     found = sorted({p.name for f in folders if f.is_dir() for p in f.iterdir() if any(w in p.name for w in words)})
     return f" (found {', '.join(repr(n) for n in found[:4])}{', ...' if len(found) > 4 else ''} there)" if found else ""
+
+
+def _cifar_misses(root: Path) -> str:
+    """`` (cifar-10-batches-py/ there lacks ...)`` when the folder is there, or nothing."""
+    folder = root / _CIFAR_FOLDER
+    if not folder.is_dir():
+        return ""
+    files = ["batches.meta", *_CIFAR_SPLITS["test"], *_CIFAR_SPLITS["train"]]
+    return f" ({_CIFAR_FOLDER}/ there lacks {', '.join(f for f in files if not (folder / f).is_file())})"
 
 
 def _idx_folders(name: str, root: Path) -> list[Path]:
@@ -260,8 +269,8 @@ def _images_to_nchw(x: np.ndarray, path: Path) -> np.ndarray:
         if first:
             return x
     raise ValueError(
-        f"array x of {str(path)!r} must have shape (n, d), (n, h, w), (n, h, w, c) or (n, c, h, w) with c in (1, 3), "
-        f"got {x.shape}"
+        f"name_or_path must hold an array x of shape (n, d), (n, h, w), (n, h, w, c) or (n, c, h, w) with c in (1, 3), "
+        f"got {x.shape} in {str(path)!r}"
     )
 
 
@@ -271,21 +280,24 @@ def _labels_from_array(y: np.ndarray, n: int, path: Path) -> np.ndarray:
     if y.ndim == 2 and y.shape[1] > 1 and np.all((y == 0) | (y == 1)) and np.all(y.sum(axis=1) == 1):
         y = np.argmax(y, axis=1)
     if y.ndim != 1:
-        raise ValueError(f"array y of {str(path)!r} must hold class indices (n,) or one-hot labels, got {y.shape}")
+        raise ValueError(
+            f"name_or_path must hold an array y of class indices (n,) or one-hot labels, got shape {y.shape} in "
+            f"{str(path)!r}"
+        )
     if y.shape[0] != n:
         raise ValueError(
-            f"array y of {str(path)!r} must have the length of x ({n}), got {y.shape[0]}; x and y have different "
-            "lengths"
+            f"name_or_path must hold arrays x and y of one length, got different lengths {n} and {y.shape[0]} in "
+            f"{str(path)!r}"
         )
     integral = np.issubdtype(y.dtype, np.integer) or (
         np.issubdtype(y.dtype, np.floating) and np.all(np.isfinite(y)) and np.all(np.mod(y, 1) == 0)
     )
     if not integral:
         raise ValueError(
-            f"array y of {str(path)!r} must hold integer class labels, got dtype {y.dtype} with non-integers"
+            f"name_or_path must hold integer class labels in y, got dtype {y.dtype} with non-integers in {str(path)!r}"
         )
     if y.size and y.min() < 0:
-        raise ValueError(f"array y of {str(path)!r} must hold non-negative class labels, got minimum {y.min()}")
+        raise ValueError(f"name_or_path must hold non-negative labels in y, got minimum {y.min()} in {str(path)!r}")
     y = y.astype(np.int64)
     present = np.unique(y)
     if len(present) < 2:
@@ -306,17 +318,20 @@ def _pixels(x: np.ndarray, path: Path) -> np.ndarray:
         x = x.astype(np.float32)
         if not np.all(np.isfinite(x)):
             raise ValueError(
-                f"array x of {str(path)!r} must hold finite values, got {int((~np.isfinite(x)).sum())} NaN or infinite"
+                f"name_or_path must hold finite values in x, got {int((~np.isfinite(x)).sum())} NaN or infinite in "
+                f"{str(path)!r}"
             )
         if x.min() < 0.0 or x.max() > 1.0:
             raise ValueError(
-                f"array x of {str(path)!r} must lie in [0, 1] when it is float, got range [{x.min()}, {x.max()}]; "
+                f"name_or_path must hold a float x in [0, 1], got range [{x.min()}, {x.max()}] in {str(path)!r}; "
                 "rescale it or store uint8 pixels (0..255)"
             )
         return x
     if x.dtype == np.bool_:
         return x.astype(np.float32)
-    raise ValueError(f"array x of {str(path)!r} must be uint8 (0..255) or float in [0, 1], got dtype {x.dtype}")
+    raise ValueError(
+        f"name_or_path must hold x as uint8 (0..255) or float in [0, 1], got dtype {x.dtype} in {str(path)!r}"
+    )
 
 
 def load_npz_source(path: Path) -> Source:
@@ -339,7 +354,9 @@ def load_npz_source(path: Path) -> Source:
         y = archive["y"]
         names = tuple(str(c) for c in archive["class_names"]) if "class_names" in archive.files else ()
     if x.ndim < 2 or x.shape[0] < 1:
-        raise ValueError(f"array x of {str(path)!r} must have shape (n, ...) with n >= 1, got {x.shape}")
+        raise ValueError(
+            f"name_or_path must hold an array x of shape (n, ...) with n >= 1, got {x.shape} in {str(path)!r}"
+        )
     y = _labels_from_array(y, x.shape[0], path)
     x = _images_to_nchw(_pixels(x, path), path)
     nb_classes = max(int(y.max()) + 1, 2)

@@ -355,7 +355,7 @@ def _draw_from_one_pool(
     if n_train < 1 or n_test < 1 or n_train + n_test > total:
         raise ValueError(
             f"n_train and n_test must each be >= 1 and together at most the {total} examples of {name!r}, got "
-            f"n_train={n_train} and n_test={n_test}"
+            f"{n_train} and {n_test}"
         )
     train_idx, test_idx = _split_one_pool(y_pool, n_train, n_test, seed)
     return (x_pool[train_idx], y_pool[train_idx]), (x_pool[test_idx], y_pool[test_idx])
