@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from art_malleability._cli_checks import build_model, clear_owned, load_data, load_weights, model_names, validation_for
 from art_malleability._cli_options import (
@@ -19,6 +20,13 @@ from art_malleability._io import atomic_write
 from art_malleability.attacks import ATTACK_NAMES, STRATEGIES
 from art_malleability.influence import INFLUENCE_NAMES
 from art_malleability.metrics import RANK_BY
+
+if TYPE_CHECKING:
+    import torch
+
+    from art_malleability.datasets import Dataset
+    from art_malleability.distributed import Shard
+    from art_malleability.report import MalleabilityReport
 
 
 def add_audit(sub: argparse._SubParsersAction, run: Runner) -> None:
@@ -110,7 +118,9 @@ def run_audit(args: argparse.Namespace) -> int:
     return 0
 
 
-def _audit_model(args: argparse.Namespace, name: str, data, shard, first: bool):
+def _audit_model(
+    args: argparse.Namespace, name: str, data: Dataset, shard: Shard | None, first: bool
+) -> MalleabilityReport:
     """Train (or load) one model, audit it, and on the lead process save and print its report."""
     from art_malleability.estimator import MalleabilityEstimator
     from art_malleability.report import slugify
@@ -142,7 +152,9 @@ def _audit_model(args: argparse.Namespace, name: str, data, shard, first: bool):
     return report
 
 
-def _train_or_load(args: argparse.Namespace, name: str, data, shard, lead: bool):
+def _train_or_load(
+    args: argparse.Namespace, name: str, data: Dataset, shard: Shard | None, lead: bool
+) -> tuple[torch.nn.Module, str]:
     """:return: The model of ``--model name`` with ``--weights`` loaded or trained on rank 0, and what was done."""
     from art_malleability.training import train_model
 

@@ -14,10 +14,14 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from art_malleability._cli_options import DEFAULT_MODELS
+
+if TYPE_CHECKING:
+    from art_malleability.datasets import Dataset
 
 #: Parameters of :func:`~art_malleability.datasets.load_dataset` and the options that set them.
 _DATA_OPTIONS = {
@@ -106,7 +110,7 @@ def message_of(err: BaseException) -> str:
     return message.replace("pass download=True to let torchvision download them", "place the files there first")
 
 
-def load_data(args: argparse.Namespace):
+def load_data(args: argparse.Namespace) -> Dataset:
     """:return: The :class:`~art_malleability.datasets.Dataset` of the data options."""
     from art_malleability.datasets import load_dataset
 

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from art_malleability import _cli_options as options
 from art_malleability._cli_checks import build_model, clear_owned, load_data, model_names
 from art_malleability._io import atomic_write
-from art_malleability.influence import INFLUENCE_NAMES
+from art_malleability.influence import INFLUENCE_NAMES, InfluenceEstimator
 from art_malleability.validation import OUTCOMES
+
+if TYPE_CHECKING:
+    from art_malleability.datasets import Dataset
+    from art_malleability.validation.lds import TrainFn
 
 #: ``art-malleability validate``'s line in the command's help and its own help.
 _SUMMARY = "measure how well each influence estimator predicts retraining (LDS, leave-one-out signs)"
@@ -95,7 +99,7 @@ def run_validate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _estimators(args: argparse.Namespace) -> list:
+def _estimators(args: argparse.Namespace) -> list[InfluenceEstimator]:
     """The influence estimators of ``--estimators``: the NTK once per ``--projection-dim`` mode."""
     from art_malleability.influence import get_influence
 
@@ -111,7 +115,7 @@ def _estimators(args: argparse.Namespace) -> list:
     return estimators
 
 
-def _train_fn(args: argparse.Namespace, name: str, data) -> Callable:
+def _train_fn(args: argparse.Namespace, name: str, data: Dataset) -> TrainFn:
     """``train_fn(x, y, seed)`` of :func:`~art_malleability.validation.validate`: a fresh ``--model name``, trained."""
     from art_malleability.training import train_model
 
