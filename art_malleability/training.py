@@ -33,7 +33,7 @@ from torch import nn
 
 from art_malleability._io import progress_bar
 from art_malleability._torch_utils import resolve_device
-from art_malleability._validation import check_loss, labels_to_indices
+from art_malleability._validation import check_input_shape, check_loss, labels_to_indices
 from art_malleability.models import is_transductive
 
 logger = logging.getLogger(__name__)
@@ -197,16 +197,7 @@ def make_classifier(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     loss_name = check_loss(loss)
-    if isinstance(input_shape, (int, np.integer)) and not isinstance(input_shape, bool):
-        shape: tuple[int, ...] = (int(input_shape),)
-    elif isinstance(input_shape, (tuple, list, torch.Size)) and all(
-        isinstance(s, (int, np.integer)) and s >= 1 for s in input_shape
-    ):
-        shape = tuple(int(s) for s in input_shape)
-    else:
-        raise ValueError(
-            f"input_shape must be a positive int or a tuple of positive ints, got {input_shape!r}"
-        )
+    shape = check_input_shape(input_shape)
     if isinstance(nb_classes, bool) or not isinstance(nb_classes, (int, np.integer)) or nb_classes < 2:
         raise ValueError(f"nb_classes must be an int >= 2, got {nb_classes!r}")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
