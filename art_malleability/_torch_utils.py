@@ -49,7 +49,7 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
     else:
         raise TypeError(f"device must be 'auto', a device string or a torch.device, got {type(device).__name__}")
     if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} asks for CUDA, but CUDA is not available")
+        raise ValueError(f"device must name an available device, got {device!r}; CUDA is not available")
     return resolved
 
 

@@ -33,29 +33,17 @@ def check_loss(loss: str) -> str:
     return loss
 
 
-def labels_to_indices(y: np.ndarray, name: str = "y") -> np.ndarray:
+def labels_to_indices(y: object, name: str = "y") -> np.ndarray:
     """
-    Class indices from labels given as indices ``(n,)`` or one-hot / scores ``(n, C)`` (argmax).
+    Class indices from labels given as indices ``(n,)`` or one-hot / scores ``(n, C)`` (argmax): :func:`check_labels`
+    when neither the number of examples nor the number of classes is known.
 
-    :param y: Labels.
+    :param y: Labels (an array or anything :func:`numpy.asarray` takes).
     :param name: Argument name used in error messages.
     :return: ``int64`` array of shape ``(n,)``.
     :raises ValueError: If ``y`` has another shape, or non-integer or negative values.
     """
-    y = np.asarray(y)
-    if y.ndim == 2:
-        return np.argmax(y, axis=1).astype(np.int64)
-    if y.ndim != 1:
-        raise ValueError(f"{name} must be class indices (n,) or one-hot (n, C), got shape {y.shape}")
-    if y.size and not np.issubdtype(y.dtype, np.integer):
-        if not np.all(np.isfinite(y)) or not np.all(y == np.round(y)):
-            raise ValueError(f"{name} must hold integer class indices, got non-integer values")
-    y = y.astype(np.int64)
-    if y.size and y.min() < 0:
-        raise ValueError(f"{name} must hold non-negative class indices, got {int(y.min())}")
-    return y
-
-
+    return check_labels(np.asarray(y), name)
 
 
 def loss_name(classifier: PyTorchClassifier) -> str | Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -96,14 +84,14 @@ def check_features(x: object, name: str, input_shape: tuple[int, ...]) -> np.nda
     if not np.issubdtype(x.dtype, np.number) or np.issubdtype(x.dtype, np.complexfloating):
         raise TypeError(f"{name} must hold real numbers, got dtype {x.dtype}")
     if x.ndim < 1 or x.shape[0] == 0:
-        raise ValueError(f"{name} is empty (shape {x.shape}); at least one example is needed")
+        raise ValueError(f"{name} must hold at least one example, got shape {x.shape}")
     if tuple(x.shape[1:]) != tuple(input_shape):
         raise ValueError(
             f"{name} must have shape (n, {_shape(input_shape)}) to match the classifier's input_shape, "
             f"got {x.shape}"
         )
     if not np.all(np.isfinite(x)):
-        raise ValueError(f"{name} contains NaN or infinite values ({int((~np.isfinite(x)).sum())} entries)")
+        raise ValueError(f"{name} must hold finite values, got {int((~np.isfinite(x)).sum())} NaN or infinite entries")
     return np.array(x, dtype=np.float32, copy=True)
 
 
@@ -123,47 +111,58 @@ def check_range(x: np.ndarray, name: str, clip_values: tuple | None) -> None:
     margin = 1e-6 * max(1.0, float(np.max(np.abs(high))))
     if np.any(x < low - margin) or np.any(x > high + margin):
         raise ValueError(
-            f"{name} has values in [{float(x.min()):g}, {float(x.max()):g}] outside the classifier's clip_values "
-            f"({float(np.min(low)):g}, {float(np.max(high)):g}); scale the data to that range (e.g. divide uint8 "
+            f"{name} must lie in the classifier's clip_values ({float(np.min(low)):g}, {float(np.max(high)):g}), got "
+            f"values in [{float(x.min()):g}, {float(x.max()):g}]; scale the data to that range (e.g. divide uint8 "
             "pixels by 255) or build the classifier with the data's range"
         )
 
 
-def check_labels(y: object, name: str, n: int, nb_classes: int) -> np.ndarray:
+def check_labels(y: object, name: str = "y", n: int | None = None, nb_classes: int | None = None) -> np.ndarray:
     """
-    Validate labels (class indices of shape (n,) or one-hot of shape (n, nb_classes)) and return indices.
+    Validate labels and return class indices: the one check of labels in the package. ART's
+    :func:`~art.utils.check_and_transform_label_format` turns them into indices; this checks what it does not (the
+    type, the number of rows, integer values, one-hot rows, the range) and names the argument in every error.
 
-    :param y: Candidate labels.
+    :param y: Candidate labels: class indices ``(n,)`` or ``(n, 1)``, or one-hot rows ``(n, nb_classes)``; boolean
+        labels are read as 0 and 1. With ``nb_classes=None``, rows ``(n, C)`` of any scores give their argmax.
     :param name: Argument name used in error messages.
-    :param n: Number of examples the labels must describe.
-    :param nb_classes: Number of classes.
-    :return: A new int64 array of class indices.
+    :param n: Number of examples the labels must describe (``None``: any).
+    :param nb_classes: Number of classes (``None``: not known; indices need only be non-negative).
+    :return: A new ``int64`` array of class indices, shape ``(n,)``.
+    :raises TypeError: If ``y`` is not a numpy array or holds no numbers.
+    :raises ValueError: On any other invalid label.
     """
     if not isinstance(y, np.ndarray):
         raise TypeError(f"{name} must be a numpy array of class indices or one-hot rows, got {type(y).__name__}")
-    if y.shape[0:1] != (n,):
+    if n is not None and y.shape[0:1] != (n,):
         raise ValueError(f"{name} must have {n} rows to match the inputs, got shape {y.shape}")
     if not (np.issubdtype(y.dtype, np.integer) or np.issubdtype(y.dtype, np.floating) or y.dtype == bool):
         raise TypeError(f"{name} must hold integer class indices or one-hot rows, got dtype {y.dtype}")
     values = y.astype(np.float64)
     if not np.all(np.isfinite(values)):
-        raise ValueError(f"{name} contains NaN or infinite values")
-    if y.ndim == 2 and y.shape[1] == nb_classes:
+        raise ValueError(f"{name} must hold finite values, got NaN or infinite values")
+    rows = y.ndim == 2 and y.shape[1] > 1 and (nb_classes is None or y.shape[1] == nb_classes)
+    if rows and nb_classes is not None:
         if not (np.all((values == 0) | (values == 1)) and np.all(values.sum(axis=1) == 1)):
-            raise ValueError(f"{name} looks one-hot (shape {y.shape}) but its rows are not one-hot")
-        return values.argmax(axis=1).astype(np.int64)
-    if y.ndim == 2 and y.shape[1] == 1:
-        values = values[:, 0]
-    elif y.ndim != 1:
-        raise ValueError(f"{name} must have shape ({n},) or ({n}, {nb_classes}) (one-hot), got {y.shape}")
-    if not np.all(values == np.round(values)):
-        raise ValueError(f"{name} must hold integer class indices, got non-integer values")
-    if values.min() < 0 or values.max() >= nb_classes:
-        raise ValueError(
-            f"{name} must hold class indices in [0, {nb_classes - 1}], got values in "
-            f"[{int(values.min())}, {int(values.max())}]"
-        )
-    return values.astype(np.int64)
+            raise ValueError(f"{name} must have one-hot rows at shape {y.shape}, got rows that are not one-hot")
+    elif not rows:
+        if y.ndim == 2 and y.shape[1] == 1:
+            values = values[:, 0]
+        elif y.ndim != 1:
+            raise ValueError(f"{name} must have shape (n,) or (n, {nb_classes or 'C'}) (one-hot), got {y.shape}")
+        if not np.all(values == np.round(values)):
+            raise ValueError(f"{name} must hold integer class indices, got non-integer values")
+    from art.utils import check_and_transform_label_format
+
+    try:
+        indices = check_and_transform_label_format(values, nb_classes=nb_classes, return_one_hot=False)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{name} must be class indices or one-hot rows, got shape {y.shape}; {error}") from error
+    indices = indices.reshape(-1).astype(np.int64)
+    if indices.size and (indices.min() < 0 or (nb_classes is not None and indices.max() >= nb_classes)):
+        expected = "non-negative class indices" if nb_classes is None else f"class indices in [0, {nb_classes - 1}]"
+        raise ValueError(f"{name} must hold {expected}, got values in [{indices.min()}, {indices.max()}]")
+    return indices
 
 
 def one_hot(y: np.ndarray, nb_classes: int) -> np.ndarray:
@@ -182,3 +181,32 @@ def one_hot(y: np.ndarray, nb_classes: int) -> np.ndarray:
 
 def _shape(input_shape: tuple[int, ...]) -> str:
     return ", ".join(str(s) for s in input_shape)
+
+
+def check_input_shape(input_shape: object, name: str = "input_shape", image: bool = False) -> tuple[int, ...]:
+    """
+    The package's one reading of a user's ``input_shape``: the shape of one input as a tuple of positive ints
+    (its flat width is the product, ``math.prod``).
+
+    :param input_shape: Shape of one input (a tuple, list or ``torch.Size`` of positive ints) or its number of
+                        features (a positive int, read as ``(n,)``).
+    :param name: Argument name used in error messages.
+    :param image: Require an image shape ``(channels, height, width)``.
+    :return: The shape as a tuple of Python ints.
+    :raises TypeError: For a bool, a non-int entry or another type.
+    :raises ValueError: For an empty shape, a size below 1, or (with ``image``) a shape of another length.
+    """
+    expected = "a positive int or a non-empty tuple of positive ints"
+    if isinstance(input_shape, (int, np.integer)) and not isinstance(input_shape, bool):
+        shape: tuple = (input_shape,)
+    elif isinstance(input_shape, (tuple, list, torch.Size)):
+        shape = tuple(input_shape)
+    else:
+        raise TypeError(f"{name} must be {expected}, got {input_shape!r}")
+    if any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) for s in shape):
+        raise TypeError(f"{name} must be {expected}, got {input_shape!r}")
+    if not shape or min(shape) < 1:
+        raise ValueError(f"{name} must be {expected}, got {input_shape!r}")
+    if image and len(shape) != 3:
+        raise ValueError(f"{name} must be an image shape (channels, height, width), got {input_shape!r}")
+    return tuple(int(s) for s in shape)

@@ -14,16 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from art_malleability._validation import check_input_shape
+
 logger = logging.getLogger(__name__)
 
 ARCHITECTURES: tuple[str, ...] = ("cnn", "resnet20")
-
-
-def _image_shape(input_shape: tuple[int, ...]) -> tuple[int, int, int]:
-    shape = tuple(int(s) for s in input_shape)
-    if len(shape) != 3 or min(shape) < 1:
-        raise ValueError(f"input_shape must be an image shape (channels, height, width), got {input_shape!r}")
-    return shape  # type: ignore[return-value]
 
 
 def _seeded_init(model: nn.Module, seed: int) -> nn.Module:
@@ -53,7 +48,7 @@ class SmallCNN(nn.Module):
 
     def __init__(self, input_shape: tuple[int, ...], nb_classes: int, seed: int = 0) -> None:
         super().__init__()
-        c, h, w = _image_shape(input_shape)
+        c, h, w = check_input_shape(input_shape, image=True)
         self.features = nn.Sequential(
             nn.Conv2d(c, 16, 3, padding=1),
             nn.BatchNorm2d(16),
@@ -106,7 +101,7 @@ class ResNet20(nn.Module):
 
     def __init__(self, input_shape: tuple[int, ...], nb_classes: int, seed: int = 0) -> None:
         super().__init__()
-        c, _, _ = _image_shape(input_shape)
+        c, _, _ = check_input_shape(input_shape, image=True)
         self.conv = nn.Conv2d(c, 16, 3, padding=1, bias=False)
         self.bn = nn.BatchNorm2d(16)
         blocks, c_in = [], 16

@@ -56,8 +56,8 @@ def make_attack(
         raise ValueError(f"attacks must name one of {ATTACK_NAMES} or be ART EvasionAttack instances, got {name!r}")
     if classifier.clip_values is None:
         raise ValueError(
-            f"attack {name!r} needs the classifier's clip_values (the valid input range, e.g. (0.0, 1.0)); "
-            "the classifier has clip_values=None"
+            f"classifier.clip_values must be set for attack {name!r} (the valid input range, e.g. (0.0, 1.0)), "
+            "got None"
         )
     eps = float(eps)  # ART rejects numpy scalars
     if name == "fgsm":

@@ -22,17 +22,24 @@ restricted to the split's files (CIFAR-10); the log says which splits were found
 
 from __future__ import annotations
 
-import gzip
 import logging
 import os
-import shutil
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 from sklearn.model_selection import train_test_split
+
+from art_malleability._dataset_loaders import (
+    Source,
+    check_folder,
+    check_npz,
+    load_cifar10_source,
+    load_digits_source,
+    load_idx_source,
+    load_npz_source,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +56,6 @@ _ALIASES = {
     "cifar10": "cifar10",
     "cifar-10": "cifar10",
 }
-_IDX_FOLDERS = {"mnist": ("MNIST", "mnist"), "fashion-mnist": ("FashionMNIST", "fashion-mnist")}
 
 
 @dataclass
@@ -89,239 +95,6 @@ class Dataset:
     def n_test(self) -> int:
         """Number of test examples."""
         return int(self.x_test.shape[0])
-
-
-# ----------------------------------------------------------------------------------------------------
-# Sources: the available splits (train and/or test) as (x, y) pools, plus metadata.
-# ----------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Source:
-    train: tuple[np.ndarray, np.ndarray] | None
-    test: tuple[np.ndarray, np.ndarray] | None
-    nb_classes: int
-    class_names: tuple[str, ...]
-    description: str
-
-
-def _load_digits_source() -> _Source:
-    from sklearn.datasets import load_digits
-
-    bunch = load_digits()
-    x = (bunch.images / 16.0).astype(np.float32)[:, None, :, :]
-    y = bunch.target.astype(np.int64)
-    names = tuple(str(c) for c in bunch.target_names)
-    return _Source(None, (x, y), 10, names, "sklearn.datasets.load_digits")
-
-
-def _find_idx_file(folders: Sequence[Path], stem: str) -> Path | None:
-    for folder in folders:
-        for candidate in (folder / stem, folder / f"{stem}.gz"):
-            if candidate.is_file():
-                return candidate
-    return None
-
-
-def _read_idx(path: Path, reader) -> np.ndarray:
-    """
-    Read an IDX file with one of torchvision's readers, decompressing ``.gz`` files into a temporary folder.
-
-    :param path: The IDX file (uncompressed or ``.gz``).
-    :param reader: ``torchvision.datasets.mnist.read_image_file`` or ``read_label_file``.
-    :return: The array.
-    """
-    if path.suffix != ".gz":
-        return reader(str(path)).numpy()
-    with tempfile.TemporaryDirectory(prefix="art-malleability-idx-") as tmp:
-        target = Path(tmp) / path.stem
-        with gzip.open(path, "rb") as src, open(target, "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        return reader(str(target)).numpy()
-
-
-def _load_idx_source(name: str, root: Path, download: bool) -> _Source:
-    from torchvision.datasets import MNIST, FashionMNIST
-    from torchvision.datasets.mnist import read_image_file, read_label_file
-
-    dataset_class = MNIST if name == "mnist" else FashionMNIST
-    class_names = tuple(dataset_class.classes)
-    splits: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-    description = f"torchvision.datasets.{dataset_class.__name__}"
-    try:
-        # The torchvision route: needs both splits (or torchvision's legacy processed files).
-        for split in ("train", "test"):
-            ds = dataset_class(str(root), train=split == "train", download=download)
-            splits[split] = (ds.data.numpy(), ds.targets.numpy())
-    except RuntimeError:
-        if download:
-            raise
-        splits = {}
-    if not splits:
-        folders = [root / dataset_class.__name__ / "raw", root] + [root / sub for sub in _IDX_FOLDERS[name]]
-        for split, prefix in (("train", "train"), ("test", "t10k")):
-            images = _find_idx_file(folders, f"{prefix}-images-idx3-ubyte")
-            labels = _find_idx_file(folders, f"{prefix}-labels-idx1-ubyte")
-            if images is not None and labels is not None:
-                splits[split] = (_read_idx(images, read_image_file), _read_idx(labels, read_label_file))
-                logger.info("Read the %s %s split from %s.", name, split, images.parent)
-        if not splits:
-            raise FileNotFoundError(
-                f"No {name} IDX files found under root={str(root)!r}: looked for "
-                "'{train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]' in "
-                f"{[str(f) for f in folders]}. Pass download=True to let torchvision download them."
-            )
-        description = f"{description} IDX files ({'+'.join(splits)})"
-        if "train" not in splits:
-            logger.info(
-                "Only the %s test split is present under %s; train and test are drawn from it.", name, root
-            )
-    pools = {
-        k: ((v[0].astype(np.float32) / 255.0)[:, None, :, :], v[1].astype(np.int64))
-        for k, v in splits.items()
-    }
-    return _Source(pools.get("train"), pools.get("test"), 10, class_names, description)
-
-
-def _load_cifar10_source(root: Path, download: bool) -> _Source:
-    from torchvision.datasets import CIFAR10
-
-    class _SplitCIFAR10(CIFAR10):
-        """CIFAR10 that checks only the files of the requested split (and the metadata)."""
-
-        def _check_integrity(self) -> bool:
-            from torchvision.datasets.utils import check_integrity
-
-            files = self.train_list if self.train else self.test_list
-            files = [*files, [self.meta["filename"], self.meta["md5"]]]
-            return all(check_integrity(os.path.join(self.root, self.base_folder, f), md5) for f, md5 in files)
-
-    if download:
-        CIFAR10(str(root), train=True, download=True)
-    splits: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-    class_names: tuple[str, ...] = ()
-    for split in ("train", "test"):
-        try:
-            ds = _SplitCIFAR10(str(root), train=split == "train", download=False)
-        except RuntimeError:
-            continue
-        x = (ds.data.astype(np.float32) / 255.0).transpose(0, 3, 1, 2)
-        splits[split] = (np.ascontiguousarray(x), np.asarray(ds.targets, dtype=np.int64))
-        class_names = tuple(ds.classes)
-    if not splits:
-        raise FileNotFoundError(
-            f"No CIFAR-10 batches found under root={str(root)!r} (expected {CIFAR10.base_folder}/ with "
-            "data_batch_* and/or test_batch and batches.meta). Pass download=True to let torchvision "
-            "download them, or load an .npz file with arrays x and y."
-        )
-    if "train" not in splits:
-        logger.info(
-            "Only the CIFAR-10 test split is present under %s; train and test are drawn from it.", root
-        )
-    return _Source(
-        splits.get("train"),
-        splits.get("test"),
-        10,
-        class_names,
-        f"torchvision.datasets.CIFAR10 ({'+'.join(splits)})",
-    )
-
-
-def _images_to_nchw(x: np.ndarray, path: Path) -> np.ndarray:
-    if x.ndim == 2:
-        return x
-    if x.ndim == 3:
-        return x[:, None, :, :]
-    if x.ndim == 4:
-        last, first = x.shape[-1] in (1, 3), x.shape[1] in (1, 3)
-        if last:
-            if first:
-                logger.warning("x in %s has shape %s; reading it as NHWC (channels last).", path, x.shape)
-            return np.ascontiguousarray(x.transpose(0, 3, 1, 2))
-        if first:
-            return x
-    raise ValueError(
-        f"Array x in {path} must have shape (n, d), (n, h, w), (n, h, w, c) or (n, c, h, w) with c in "
-        f"(1, 3), got {x.shape}."
-    )
-
-
-def _labels_from_array(y: np.ndarray, n: int, path: Path) -> np.ndarray:
-    if y.ndim == 2 and y.shape[1] == 1:
-        y = y[:, 0]
-    if y.ndim == 2 and y.shape[1] > 1 and np.all((y == 0) | (y == 1)) and np.all(y.sum(axis=1) == 1):
-        y = np.argmax(y, axis=1)
-    if y.ndim != 1:
-        raise ValueError(
-            f"Array y in {path} must hold class indices of shape (n,) or one-hot labels, got {y.shape}."
-        )
-    if y.shape[0] != n:
-        raise ValueError(f"Arrays x and y in {path} have different lengths: {n} and {y.shape[0]}.")
-    if np.issubdtype(y.dtype, np.integer):
-        pass
-    elif np.issubdtype(y.dtype, np.floating) and np.all(np.isfinite(y)) and np.all(np.mod(y, 1) == 0):
-        pass
-    else:
-        raise ValueError(
-            f"Array y in {path} must hold integer class labels, got dtype {y.dtype} with non-integers."
-        )
-    if y.size and y.min() < 0:
-        raise ValueError(f"Array y in {path} must hold non-negative class labels, got minimum {y.min()}.")
-    y = y.astype(np.int64)
-    present = np.unique(y)
-    if len(present) < 2:
-        logger.warning("Array y in %s holds a single class (%d): a classifier of it learns nothing.", path,
-                       int(present[0]) if present.size else -1)
-    elif len(present) < int(present.max()) + 1:
-        empty = sorted(set(range(int(present.max()) + 1)) - set(present.tolist()))
-        logger.warning("Array y in %s has no example of class(es) %s of 0..%d (labels 1..C instead of 0..C-1?).",
-                       path, empty[:10], int(present.max()))
-    return y
-
-
-def _load_npz_source(path: Path) -> _Source:
-    import zipfile
-
-    try:
-        archive = np.load(path, allow_pickle=False)
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as err:
-        raise ValueError(
-            f"{path} is not a readable .npz archive; expected the output of numpy.savez with arrays x and y"
-        ) from err
-    if not isinstance(archive, np.lib.npyio.NpzFile):
-        raise ValueError(f"{path} holds a single array (an .npy file); save x and y together with numpy.savez")
-    with archive:
-        missing = [key for key in ("x", "y") if key not in archive.files]
-        if missing:
-            raise ValueError(
-                f"{path} must hold arrays 'x' and 'y'; missing {missing} (found {archive.files})."
-            )
-        x = archive["x"]
-        y = archive["y"]
-        names = tuple(str(c) for c in archive["class_names"]) if "class_names" in archive.files else ()
-    if x.ndim < 2 or x.shape[0] < 1:
-        raise ValueError(f"Array x in {path} must have shape (n, ...) with n >= 1, got {x.shape}.")
-    y = _labels_from_array(y, x.shape[0], path)
-    if x.dtype == np.uint8:
-        x = x.astype(np.float32) / 255.0
-    elif np.issubdtype(x.dtype, np.floating):
-        x = x.astype(np.float32)
-        if not np.all(np.isfinite(x)):
-            raise ValueError(f"Float array x in {path} holds {int((~np.isfinite(x)).sum())} NaN or infinite values.")
-        if x.min() < 0.0 or x.max() > 1.0:
-            raise ValueError(
-                f"Float array x in {path} must lie in [0, 1], got range [{x.min()}, {x.max()}]; "
-                "rescale it or store uint8 pixels (0..255)."
-            )
-    elif x.dtype == np.bool_:
-        x = x.astype(np.float32)
-    else:
-        raise ValueError(f"Array x in {path} must be uint8 (0..255) or float in [0, 1], got dtype {x.dtype}.")
-    x = _images_to_nchw(x, path)
-    nb_classes = max(int(y.max()) + 1, 2)
-    if len(names) != nb_classes:
-        names = tuple(str(c) for c in range(nb_classes))
-    return _Source(None, (x, y), nb_classes, names, f"npz file {path.name}")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -377,9 +150,9 @@ def _check_size(value: int | None, name: str) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int or None, got {type(value).__name__}.")
+        raise TypeError(f"{name} must be an int or None, got {type(value).__name__}")
     if value < 1:
-        raise ValueError(f"{name} must be >= 1 (or None), got {value}.")
+        raise ValueError(f"{name} must be >= 1 (or None), got {value}")
     return int(value)
 
 
@@ -412,39 +185,45 @@ def resolve_source(
     :param download: Whether a missing torchvision folder may be created by a download.
     :return: ``(name, folder)`` of a named dataset (``folder`` ``None`` for digits) or ``(None, file)`` of an
         ``.npz`` file.
-    :raises ValueError: On an unknown name or a torchvision dataset without ``root``.
-    :raises FileNotFoundError: When the folder or the file does not exist.
+    :raises ValueError: On an unknown name, a torchvision dataset without ``root`` or a file that is no ``.npz``
+        archive.
+    :raises FileNotFoundError: When the folder or the file does not exist, or the folder holds no split of the
+        dataset (file names only: the files are not read).
     """
     if not isinstance(name_or_path, (str, os.PathLike)):
-        raise TypeError(f"name_or_path must be a dataset name or a path, got {type(name_or_path).__name__}.")
+        raise TypeError(f"name_or_path must be a dataset name or a path, got {type(name_or_path).__name__}")
     key = _ALIASES.get(str(name_or_path).strip().lower().replace("_", "-"))
     if key is not None and not (isinstance(name_or_path, os.PathLike) or str(name_or_path).endswith(".npz")):
         if key == "digits":
             return key, None
         if root is None:
             raise ValueError(
-                f"root is required for {key!r}: pass the local data folder (torchvision layout), e.g. "
-                f"load_dataset({key!r}, root='data')."
+                f"root must be the local data folder of {key!r} (torchvision layout), got None; pass the folder that "
+                "holds its files"
             )
         root_path = Path(root).expanduser()
-        if not root_path.is_dir() and not download:
-            raise FileNotFoundError(f"root={str(root)!r} is not an existing folder.")
+        if not download:
+            if not root_path.is_dir():
+                what = "a file" if root_path.exists() else "no existing folder"
+                raise FileNotFoundError(f"root must be an existing folder, got {str(root)!r}, which is {what}")
+            check_folder(key, root_path)
         return key, root_path
     path = Path(name_or_path).expanduser()
     if root is not None and not path.is_absolute():
         path = Path(root).expanduser() / path
-    if not path.is_file():
-        if path.is_dir():
-            raise FileNotFoundError(
-                f"Dataset {str(path)!r} is a folder; a dataset path must be an .npz file with arrays x and y (a "
-                f"torchvision folder is given as root with a dataset name, one of {DATASET_NAMES})."
-            )
-        if path.suffix == ".npz" or os.sep in str(name_or_path):
-            raise FileNotFoundError(f"Dataset file {str(path)!r} does not exist.")
-        raise ValueError(
-            f"Unknown dataset name {str(name_or_path)!r}; expected one of {DATASET_NAMES} or the path of "
-            "an .npz file with arrays x and y."
+    if path.is_dir():
+        raise FileNotFoundError(
+            f"name_or_path must be a dataset name or an .npz file with arrays x and y, got {str(path)!r}, which is a "
+            f"folder; a torchvision folder is given as root with a dataset name, one of {DATASET_NAMES}"
         )
+    if not path.is_file() and (path.suffix == ".npz" or os.sep in str(name_or_path)):
+        raise FileNotFoundError(f"name_or_path must be an existing .npz file, got {str(path)!r}, which does not exist")
+    if not path.is_file():
+        raise ValueError(
+            f"name_or_path must be one of {DATASET_NAMES} or the path of an .npz file with arrays x and y, got "
+            f"{str(name_or_path)!r}"
+        )
+    check_npz(path)
     return None, path
 
 
@@ -490,72 +269,17 @@ def load_dataset(
     n_train = _check_size(n_train, "n_train")
     n_test = _check_size(n_test, "n_test")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-        raise TypeError(f"seed must be an int, got {type(seed).__name__}.")
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
     key, location = resolve_source(name_or_path, root, download)
-    if key == "digits":
-        source = _load_digits_source()
-    elif key == "cifar10":
-        source = _load_cifar10_source(location, download)
-    elif key is not None:
-        source = _load_idx_source(key, location, download)
-    else:
-        source = _load_npz_source(location)
+    source = _read_source(key, location, download)
     name = key if key is not None else location.stem
-
-    nb_classes = source.nb_classes
-    class_names = source.class_names
-    description = source.description
     if classes is not None:
-        classes = [int(c) for c in classes]
-        if len(classes) < 2 or len(set(classes)) != len(classes):
-            raise ValueError(f"classes must list at least two distinct labels, got {classes}.")
-        out_of_range = [c for c in classes if not 0 <= c < nb_classes]
-        if out_of_range:
-            raise ValueError(f"classes holds labels {out_of_range} outside 0..{nb_classes - 1} of {name!r}.")
-        source.train = _filter_classes(source.train, classes)
-        source.test = _filter_classes(source.test, classes)
-        for pool in (source.train, source.test):
-            if pool is not None and pool[1].size == 0:
-                raise ValueError(f"No examples of classes {classes} found in {name!r}.")
-        class_names = tuple(class_names[c] for c in classes) if class_names else ()
-        nb_classes = len(classes)
-        description += f", classes {classes}"
-
+        _keep_classes(source, [int(c) for c in classes], name)
     if source.train is not None and source.test is not None:
-        (x_tr_pool, y_tr_pool), (x_te_pool, y_te_pool) = source.train, source.test
-        for arg_name, value, pool_size in (
-            ("n_train", n_train, y_tr_pool.shape[0]),
-            ("n_test", n_test, y_te_pool.shape[0]),
-        ):
-            if value is not None and value > pool_size:
-                raise ValueError(
-                    f"{arg_name}={value} exceeds the {pool_size} examples available in that split."
-                )
-        train_idx = subsample(y_tr_pool, n_train or y_tr_pool.shape[0], seed, "training")
-        test_idx = subsample(y_te_pool, n_test or y_te_pool.shape[0], seed, "test")
-        x_train, y_train = x_tr_pool[train_idx], y_tr_pool[train_idx]
-        x_test, y_test = x_te_pool[test_idx], y_te_pool[test_idx]
+        (x_train, y_train), (x_test, y_test) = _draw_from_splits(source, n_train, n_test, seed)
     else:
-        x_pool, y_pool = source.test if source.test is not None else source.train
-        total = y_pool.shape[0]
-        if name == "digits":
-            n_train, n_test = _digits_sizes(n_train, n_test, total)
-        if n_train is None and n_test is None:
-            n_test = max(1, int(round(_SINGLE_SPLIT_TEST_FRACTION * total)))
-        if n_train is None:
-            n_train = total - n_test
-        if n_test is None:
-            n_test = total - n_train
-        if n_train < 1 or n_test < 1 or n_train + n_test > total:
-            raise ValueError(
-                f"n_train={n_train} and n_test={n_test} do not fit the {total} examples of {name!r} "
-                "(n_train + n_test must not exceed them and each must be >= 1)."
-            )
-        train_idx, test_idx = _split_one_pool(y_pool, n_train, n_test, seed)
-        x_train, y_train = x_pool[train_idx], y_pool[train_idx]
-        x_test, y_test = x_pool[test_idx], y_pool[test_idx]
-
-    description += f", seed {seed}: {x_train.shape[0]} train / {x_test.shape[0]} test"
+        (x_train, y_train), (x_test, y_test) = _draw_from_one_pool(source, n_train, n_test, seed, name)
+    description = f"{source.description}, seed {seed}: {x_train.shape[0]} train / {x_test.shape[0]} test"
     logger.info("Loaded %s: %s.", name, description)
     return Dataset(
         name=name,
@@ -564,8 +288,74 @@ def load_dataset(
         x_test=np.ascontiguousarray(x_test, dtype=np.float32),
         y_test=np.ascontiguousarray(y_test, dtype=np.int64),
         input_shape=tuple(int(s) for s in x_train.shape[1:]),
-        nb_classes=int(nb_classes),
+        nb_classes=int(source.nb_classes),
         clip_values=(0.0, 1.0),
-        class_names=tuple(class_names),
+        class_names=tuple(source.class_names),
         source=description,
     )
+
+
+def _read_source(key: str | None, location: Path | None, download: bool) -> Source:
+    if key == "digits":
+        return load_digits_source()
+    if key == "cifar10":
+        return load_cifar10_source(location, download)
+    if key is not None:
+        return load_idx_source(key, location, download)
+    return load_npz_source(location)
+
+
+def _keep_classes(source: Source, classes: list[int], name: str) -> None:
+    """Keep the examples of ``classes`` in the source's pools, relabelled ``0 .. k-1`` in that order."""
+    if len(classes) < 2 or len(set(classes)) != len(classes):
+        raise ValueError(f"classes must list at least two distinct labels, got {classes}")
+    out_of_range = [c for c in classes if not 0 <= c < source.nb_classes]
+    if out_of_range:
+        raise ValueError(f"classes must lie in 0..{source.nb_classes - 1} of {name!r}, got {out_of_range}")
+    source.train = _filter_classes(source.train, classes)
+    source.test = _filter_classes(source.test, classes)
+    for pool in (source.train, source.test):
+        if pool is not None and pool[1].size == 0:
+            raise ValueError(f"classes must have examples in {name!r}, got {classes} with none")
+    source.class_names = tuple(source.class_names[c] for c in classes) if source.class_names else ()
+    source.nb_classes = len(classes)
+    source.description += f", classes {classes}"
+
+
+def _draw_from_splits(
+    source: Source, n_train: int | None, n_test: int | None, seed: int
+) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """The training subset from the training split, the test subset from the test split."""
+    drawn = []
+    for arg_name, value, (x, y), what in (
+        ("n_train", n_train, source.train, "training"),
+        ("n_test", n_test, source.test, "test"),
+    ):
+        if value is not None and value > y.shape[0]:
+            raise ValueError(f"{arg_name} must not exceed the {y.shape[0]} examples of the {what} split, got {value}")
+        rows = subsample(y, value or y.shape[0], seed, what)
+        drawn.append((x[rows], y[rows]))
+    return drawn[0], drawn[1]
+
+
+def _draw_from_one_pool(
+    source: Source, n_train: int | None, n_test: int | None, seed: int, name: str
+) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """Disjoint training and test subsets of a source with one split."""
+    x_pool, y_pool = source.test if source.test is not None else source.train
+    total = y_pool.shape[0]
+    if name == "digits":
+        n_train, n_test = _digits_sizes(n_train, n_test, total)
+    if n_train is None and n_test is None:
+        n_test = max(1, int(round(_SINGLE_SPLIT_TEST_FRACTION * total)))
+    if n_train is None:
+        n_train = total - n_test
+    if n_test is None:
+        n_test = total - n_train
+    if n_train < 1 or n_test < 1 or n_train + n_test > total:
+        raise ValueError(
+            f"n_train and n_test must each be >= 1 and together at most the {total} examples of {name!r}, got "
+            f"{n_train} and {n_test}"
+        )
+    train_idx, test_idx = _split_one_pool(y_pool, n_train, n_test, seed)
+    return (x_pool[train_idx], y_pool[train_idx]), (x_pool[test_idx], y_pool[test_idx])

@@ -121,7 +121,7 @@ class Shard:
         digest = torch.tensor([code], dtype=torch.int64)
         low, high = self.all_reduce(digest, "max"), -self.all_reduce(-digest, "max")
         if int(low) != int(high):
-            raise ValueError(f"{what} differs between the processes; every rank must pass the same {what}")
+            raise ValueError(f"{what} must be the same on every process, got different values between the ranks")
 
 
 def raise_if_any(shard: Shard | None, error: BaseException | None) -> None:
@@ -155,8 +155,9 @@ def current_shard(distributed: bool | str = "auto") -> Shard | None:
     if not ready:
         if distributed is True:
             raise ValueError(
-                "distributed=True needs an initialised torch.distributed process group: launch with torchrun "
-                "and call torch.distributed.init_process_group (or art_malleability.distributed.init_from_env)"
+                "distributed must be 'auto' or False without an initialised torch.distributed process group, got True; "
+                "launch with torchrun and call torch.distributed.init_process_group (or "
+                "art_malleability.distributed.init_from_env)"
             )
         return None
     world = dist.get_world_size()

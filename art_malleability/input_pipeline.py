@@ -51,7 +51,7 @@ def pipeline_operations(classifier: Any) -> list[Any]:
     for op in operations:
         if not isinstance(op, (StandardisationMeanStd, StandardisationMeanStdPyTorch, PreprocessorPyTorch)):
             raise ValueError(
-                f"classifier's preprocessing {type(op).__name__} is not a PyTorch preprocessor; the influence "
+                f"classifier.preprocessing must hold PyTorch preprocessors, got {type(op).__name__}; the influence "
                 "estimators must see the inputs the model sees, so pass the defence's PyTorch version "
                 "(art.defences.preprocessor ...PyTorch) or apply it to the data before the audit"
             )

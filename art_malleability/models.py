@@ -37,6 +37,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from art_malleability._attention import _NORM_EPS, LinearizedAttention, _flatten_normalise
+from art_malleability._validation import check_input_shape
+
+__all__ = [
+    "Transductive",
+    "is_transductive",
+    "REFERENCE_MODELS",
+    "LinearizedAttention",
+    "TwoLayerReLU",
+    "MLPAttn",
+    "MLPAttnQKV",
+    "build_reference_model",
+]
+
 logger = logging.getLogger(__name__)
 
 
@@ -55,147 +69,8 @@ def is_transductive(model: object) -> bool:
     """:return: Whether ``model`` has a callable ``set_context`` (see :class:`Transductive`)."""
     return isinstance(model, Transductive) and callable(model.set_context)
 
+
 REFERENCE_MODELS: tuple[str, ...] = ("2l-relu", "mlp-attn", "mlp-attn-qkv")
-
-_NORM_EPS = 1e-12
-_CONTEXT_CHUNK = 4096
-
-
-def _input_dim(input_shape: int | tuple[int, ...]) -> int:
-    """
-    Number of features of one (flattened) input.
-
-    :param input_shape: Shape of one input, or its number of features.
-    :return: Product of the entries of `input_shape`.
-    """
-    if isinstance(input_shape, bool):
-        raise TypeError("input_shape must be a positive int or a tuple of positive ints, got a bool.")
-    if isinstance(input_shape, (int, np.integer)):
-        dims: tuple[int, ...] = (int(input_shape),)
-    elif isinstance(input_shape, (tuple, list, torch.Size)):
-        if len(input_shape) == 0:
-            raise ValueError("input_shape must not be empty.")
-        if not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) for s in input_shape):
-            raise TypeError(f"input_shape must contain only ints, got {tuple(input_shape)!r}.")
-        dims = tuple(int(s) for s in input_shape)
-    else:
-        raise TypeError(
-            "input_shape must be a positive int or a tuple of positive ints, "
-            f"got {type(input_shape).__name__}."
-        )
-    if any(s < 1 for s in dims):
-        raise ValueError(f"input_shape must contain only positive sizes, got {dims}.")
-    return math.prod(dims)
-
-
-def _flatten_normalise(x: torch.Tensor) -> torch.Tensor:
-    """
-    Flatten each input and scale it to unit :math:`\\ell_2` norm (all-zero inputs stay zero).
-
-    :param x: Batch of shape `(n, ...)`.
-    :return: Tensor of shape `(n, d)`.
-    """
-    return F.normalize(x.reshape(x.shape[0], -1), p=2.0, dim=1, eps=_NORM_EPS)
-
-
-class LinearizedAttention(nn.Module):
-    """
-    Linearised self-attention with identity query, key and value maps.
-
-    With softmax linearised, attention over the row-normalised training matrix :math:`X` (`n x d`) is
-    :math:`X X^\\top X`; row :math:`i` equals :math:`C x_i` with :math:`C = X^\\top X` (`d x d`, symmetric).
-    The module stores :math:`C` as the buffer ``context`` (so ``state_dict`` and deep copies carry it) and
-    maps each row :math:`x` to :math:`x C`. The forward pass does not normalise its input; :class:`MLPAttn`
-    does.
-
-    :math:`C` is computed in float64 and stored in the dtype of the ``context`` buffer, which follows
-    ``module.to(dtype)``.
-    """
-
-    context: torch.Tensor
-    context_size: torch.Tensor
-
-    def __init__(self, dim: int | None = None) -> None:
-        """
-        Create the attention map without a context; call :meth:`set_context` before the forward pass.
-
-        :param dim: Number of input features `d`. When given, ``context`` is allocated with shape `(d, d)` so
-                    that a ``state_dict`` holding a context can be loaded; when `None`, the shape is set by
-                    :meth:`set_context`.
-        """
-        super().__init__()
-        if dim is not None:
-            dim = _input_dim(dim)
-        self.dim = dim
-        shape = (dim, dim) if dim is not None else (0, 0)
-        self.register_buffer("context", torch.zeros(shape))
-        # Number of training examples behind the context; 0 means "no context set yet".
-        self.register_buffer("context_size", torch.zeros((), dtype=torch.int64))
-
-    @property
-    def has_context(self) -> bool:
-        """
-        Whether a context has been set (directly or through ``load_state_dict``).
-
-        :return: `True` once :meth:`set_context` was called.
-        """
-        return bool(self.context_size.item() > 0)
-
-    @torch.no_grad()
-    def set_context(self, x_train: np.ndarray | torch.Tensor) -> None:
-        """
-        Store :math:`C = X^\\top X` of the training set, with each row of :math:`X` flattened and scaled to
-        unit :math:`\\ell_2` norm. The input is not modified.
-
-        :param x_train: Training inputs of shape `(n, ...)` (numpy array or tensor).
-        """
-        if isinstance(x_train, np.ndarray):
-            x_t = torch.from_numpy(x_train)
-        elif isinstance(x_train, torch.Tensor):
-            x_t = x_train.detach()
-        else:
-            raise TypeError(f"x_train must be a numpy array or a torch tensor, got {type(x_train).__name__}.")
-        if x_t.ndim < 2 or x_t.shape[0] < 1:
-            raise ValueError(f"x_train must have shape (n, ...) with n >= 1, got {tuple(x_t.shape)}.")
-        n = int(x_t.shape[0])
-        d = int(np.prod(x_t.shape[1:]))
-        if self.dim is not None and d != self.dim:
-            raise ValueError(
-                f"x_train has {d} features per example, expected {self.dim} (the attention's dim)."
-            )
-        device = self.context.device
-        c = torch.zeros((d, d), dtype=torch.float64, device=device)
-        x_flat = x_t.reshape(n, d)
-        for start in range(0, n, _CONTEXT_CHUNK):
-            rows = x_flat[start : start + _CONTEXT_CHUNK].to(device=device, dtype=torch.float64)
-            rows = F.normalize(rows, p=2.0, dim=1, eps=_NORM_EPS)
-            c += rows.T @ rows
-        self.context = c.to(self.context.dtype)
-        self.context_size = torch.tensor(n, dtype=torch.int64, device=device)
-        logger.debug("Linearised-attention context set from %d examples of dimension %d.", n, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """
-        Map each flattened row :math:`x` to :math:`x C`.
-
-        :param x: Batch of shape `(b, ...)` with `d` features per example.
-        :return: Tensor of shape `(b, d)`.
-        """
-        if not self.has_context:
-            raise RuntimeError(
-                "LinearizedAttention has no context: "
-                "call set_context(x_train) with the training inputs first."
-            )
-        x = x.reshape(x.shape[0], -1)
-        if x.shape[1] != self.context.shape[0]:
-            raise ValueError(
-                f"Input has {x.shape[1]} features per example, "
-                f"but the context was set for {self.context.shape[0]}."
-            )
-        return x.to(self.context.dtype) @ self.context
-
-    def extra_repr(self) -> str:
-        return f"dim={self.dim}"
 
 
 class _TwoLayerNTK(nn.Module):
@@ -225,17 +100,11 @@ class _TwoLayerNTK(nn.Module):
                           own, seeded by `seed`, to continue drawing from it after :math:`W` and :math:`A`).
         """
         super().__init__()
-        d = _input_dim(input_shape)
-        _check_width_classes(width, nb_classes)
-        _check_seed(seed)
-        self.input_shape = (
-            (int(input_shape),) if isinstance(input_shape, (int, np.integer)) else tuple(input_shape)
-        )
-        self.input_dim = d
+        self.input_shape = check_input_shape(input_shape)
+        self.input_dim = d = math.prod(self.input_shape)
+        self.width, self.nb_classes = _check_width_classes(width, nb_classes)
+        self.seed = _check_int(seed, "seed")
         self.feature_dim = d if feature_dim is None else int(feature_dim)
-        self.width = int(width)
-        self.nb_classes = int(nb_classes)
-        self.seed = int(seed)
         self.scale = self.width**-0.5
 
         if generator is None:
@@ -269,9 +138,7 @@ class _TwoLayerNTK(nn.Module):
         return (hidden @ self.output_signs) * self.scale
 
     def extra_repr(self) -> str:
-        return (
-            f"input_dim={self.input_dim}, width={self.width}, nb_classes={self.nb_classes}, seed={self.seed}"
-        )
+        return f"input_dim={self.input_dim}, width={self.width}, nb_classes={self.nb_classes}, seed={self.seed}"
 
 
 class TwoLayerReLU(_TwoLayerNTK):
@@ -284,9 +151,7 @@ class TwoLayerReLU(_TwoLayerNTK):
     ``output_signs`` and are never trained.
     """
 
-    def __init__(
-        self, input_shape: int | tuple[int, ...], width: int, nb_classes: int, seed: int = 0
-    ) -> None:
+    def __init__(self, input_shape: int | tuple[int, ...], width: int, nb_classes: int, seed: int = 0) -> None:
         """
         :param input_shape: Shape of one input (e.g. `(1, 28, 28)`) or its number of features.
         :param width: Hidden width `m` (>= 1).
@@ -316,9 +181,7 @@ class MLPAttn(_TwoLayerNTK):
     lives in ``attention.context`` and is part of the ``state_dict``.
     """
 
-    def __init__(
-        self, input_shape: int | tuple[int, ...], width: int, nb_classes: int, seed: int = 0
-    ) -> None:
+    def __init__(self, input_shape: int | tuple[int, ...], width: int, nb_classes: int, seed: int = 0) -> None:
         """
         :param input_shape: Shape of one input (e.g. `(1, 28, 28)`) or its number of features.
         :param width: Hidden width `m` (>= 1).
@@ -331,10 +194,9 @@ class MLPAttn(_TwoLayerNTK):
 
     def set_context(self, x_train: np.ndarray | torch.Tensor) -> None:
         """
-        Set the attention context :math:`C = X^\\top X` from the training inputs (rows flattened and
-        normalised).
+        Set the attention context :math:`C = X^\\top X` from the training inputs.
 
-        :param x_train: Training inputs of shape `(n, *input_shape)`.
+        :param x_train: Training inputs `(n, *input_shape)`; their rows are flattened and normalised.
         """
         self.attention.set_context(x_train)
 
@@ -417,20 +279,13 @@ class MLPAttnQKV(_TwoLayerNTK):
                            initial query, key and value maps; 0 gives exactly the identity (the model is then
                            :class:`MLPAttn` at initialisation).
         """
-        d = _input_dim(input_shape)
-        _check_seed(seed)
-        if qkv_dim is None:
-            p = d
-        elif isinstance(qkv_dim, bool) or not isinstance(qkv_dim, (int, np.integer)):
-            raise TypeError(f"qkv_dim must be an int or None, got {type(qkv_dim).__name__}.")
-        elif qkv_dim < 1:
-            raise ValueError(f"qkv_dim must be >= 1, got {qkv_dim}.")
-        else:
-            p = int(qkv_dim)
+        d = math.prod(check_input_shape(input_shape))
+        _check_int(seed, "seed")
+        p = d if qkv_dim is None else _check_int(qkv_dim, "qkv_dim", minimum=1)
         if isinstance(init_noise, bool) or not isinstance(init_noise, (int, float, np.integer, np.floating)):
-            raise TypeError(f"init_noise must be a float, got {type(init_noise).__name__}.")
+            raise TypeError(f"init_noise must be a float, got {type(init_noise).__name__}")
         if not (math.isfinite(init_noise) and init_noise >= 0):
-            raise ValueError(f"init_noise must be a finite float >= 0, got {init_noise!r}.")
+            raise ValueError(f"init_noise must be a finite float >= 0, got {init_noise!r}")
 
         generator = torch.Generator().manual_seed(int(seed))
         super().__init__(input_shape, width, nb_classes, seed, feature_dim=p, generator=generator)
@@ -451,49 +306,33 @@ class MLPAttnQKV(_TwoLayerNTK):
         self.attention = LinearizedAttention(dim=d)
 
     @property
-    def query_weight(self) -> torch.Tensor:
-        """
-        Query map :math:`W_q` (a view of ``query.weight``).
-
-        :return: Tensor of shape `(qkv_dim, d)`.
-        """
-        return self.query.weight
-
-    @property
-    def key_weight(self) -> torch.Tensor:
-        """
-        Key map :math:`W_k` (a transposed view of ``key.weight``).
-
-        :return: Tensor of shape `(qkv_dim, d)`.
-        """
-        return self.key.weight.T
-
-    @property
-    def value_weight(self) -> torch.Tensor:
-        """
-        Value map :math:`W_v` (a view of ``value.weight``).
-
-        :return: Tensor of shape `(qkv_dim, d)`.
-        """
-        return self.value.weight
-
-    @property
     def has_context(self) -> bool:
-        """
-        Whether the attention context has been set (directly or through ``load_state_dict``).
-
-        :return: `True` once :meth:`set_context` was called.
-        """
+        """Whether :meth:`set_context` was called (or a ``state_dict`` holding a context was loaded)."""
         return self.attention.has_context
 
     def set_context(self, x_train: np.ndarray | torch.Tensor) -> None:
         """
-        Set the attention context :math:`S = X^\\top X` from the training inputs (rows flattened and
-        normalised). The query, key and value maps are not touched.
+        Set the attention context :math:`S = X^\\top X` from the training inputs; the query, key and value maps
+        are not touched.
 
-        :param x_train: Training inputs of shape `(n, *input_shape)`.
+        :param x_train: Training inputs `(n, *input_shape)`; their rows are flattened and normalised.
         """
         self.attention.set_context(x_train)
+
+    @property
+    def query_weight(self) -> torch.Tensor:
+        """Query map :math:`W_q` of shape `(qkv_dim, d)` (a view of ``query.weight``)."""
+        return self.query.weight
+
+    @property
+    def key_weight(self) -> torch.Tensor:
+        """Key map :math:`W_k` of shape `(qkv_dim, d)` (a transposed view of ``key.weight``)."""
+        return self.key.weight.T
+
+    @property
+    def value_weight(self) -> torch.Tensor:
+        """Value map :math:`W_v` of shape `(qkv_dim, d)` (a view of ``value.weight``)."""
+        return self.value.weight
 
     def attention_map(self) -> torch.Tensor:
         """
@@ -504,7 +343,7 @@ class MLPAttnQKV(_TwoLayerNTK):
         :return: Tensor of shape `(qkv_dim, d)`.
         """
         if not self.attention.has_context:
-            raise RuntimeError("MLPAttnQKV has no context: call set_context(x_train) with the training inputs first.")
+            raise RuntimeError("MLPAttnQKV has no context: call set_context(x_train) with the training inputs first")
         s = self.attention.context.to(self.query.weight.dtype)
         return self.value_weight @ s @ self.key.weight @ self.query_weight
 
@@ -524,20 +363,18 @@ class MLPAttnQKV(_TwoLayerNTK):
         return f"{super().extra_repr()}, qkv_dim={self.qkv_dim}, init_noise={self.init_noise}"
 
 
-def _check_seed(seed: int) -> None:
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-        raise TypeError(f"seed must be an int, got {type(seed).__name__}.")
+def _check_int(value: object, name: str, minimum: int | None = None) -> int:
+    """:return: ``value`` as an int; :raises TypeError: unless an int; :raises ValueError: below ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
 
 
-def _check_width_classes(width: int, nb_classes: int) -> None:
-    if isinstance(width, bool) or not isinstance(width, (int, np.integer)):
-        raise TypeError(f"width must be an int, got {type(width).__name__}.")
-    if width < 1:
-        raise ValueError(f"width must be >= 1, got {width}.")
-    if isinstance(nb_classes, bool) or not isinstance(nb_classes, (int, np.integer)):
-        raise TypeError(f"nb_classes must be an int, got {type(nb_classes).__name__}.")
-    if nb_classes < 2:
-        raise ValueError(f"nb_classes must be >= 2, got {nb_classes}.")
+def _check_width_classes(width: int, nb_classes: int) -> tuple[int, int]:
+    """:return: ``(width, nb_classes)`` as ints, checked (``width >= 1``, ``nb_classes >= 2``)."""
+    return _check_int(width, "width", minimum=1), _check_int(nb_classes, "nb_classes", minimum=2)
 
 
 def build_reference_model(
@@ -557,10 +394,10 @@ def build_reference_model(
     :return: The freshly initialised model (float32, on CPU, in training mode).
     """
     if not isinstance(name, str):
-        raise TypeError(f"name must be a str, one of {REFERENCE_MODELS}, got {type(name).__name__}.")
+        raise TypeError(f"name must be a str, one of {REFERENCE_MODELS}, got {type(name).__name__}")
     key = name.strip().lower().replace("_", "-")
     if key not in REFERENCE_MODELS:
-        raise ValueError(f"Unknown reference model name {name!r}; expected one of {REFERENCE_MODELS}.")
+        raise ValueError(f"name must be one of {REFERENCE_MODELS}, got {name!r}")
     _check_width_classes(width, nb_classes)
     model_class = _MODEL_CLASSES[key]
     return model_class(input_shape, width=width, nb_classes=nb_classes, seed=seed)

@@ -8,17 +8,15 @@ report``.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from dataclasses import asdict, dataclass, field, fields
 from functools import partial
-from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
-from art_malleability._io import atomic_write_files, figure_png, json_ready, read_report_json
+from art_malleability._io import json_ready
+from art_malleability._report_base import SavedReport, markdown_table, text_table
 
 logger = logging.getLogger(__name__)
 
@@ -91,9 +89,10 @@ class AttackResult:
 
 
 @dataclass
-class MalleabilityReport:
+class MalleabilityReport(SavedReport):
     """
-    The result of :meth:`art_malleability.MalleabilityEstimator.evaluate`.
+    The result of :meth:`art_malleability.MalleabilityEstimator.evaluate`. :meth:`save` writes ``report.json``,
+    ``report.md``, ``flip_rates.png`` and one ``scatter_<attack>.png`` per attack; :meth:`load` reads it back.
 
     :param model: Name of the audited model.
     :param config: The estimator's parameters.
@@ -138,6 +137,10 @@ class MalleabilityReport:
     noise_floor: dict[str, Any] = field(default_factory=dict)
     fidelity: dict[str, Any] | None = None
 
+    json_name: ClassVar[str] = "report.json"
+    markdown_name: ClassVar[str] = "report.md"
+    owned: ClassVar[tuple[str, ...]] = ("flip_rates.png", "scatter_*.png")
+
     def __post_init__(self) -> None:
         self.results = [r if isinstance(r, AttackResult) else AttackResult(**r) for r in self.results]
         for f in fields(self):
@@ -154,7 +157,7 @@ class MalleabilityReport:
         for r in self.results:
             if r.attack == attack:
                 return r
-        raise KeyError(f"attack {attack!r} not in this report; it holds {[r.attack for r in self.results]}")
+        raise KeyError(f"attack must be one of {[r.attack for r in self.results]}, got {attack!r}")
 
     def to_dict(self) -> dict[str, Any]:
         """:return: A JSON-ready dict of the whole report (bootstrap replicates left out)."""
@@ -163,26 +166,12 @@ class MalleabilityReport:
             result.pop("replicates", None)
         return data
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> MalleabilityReport:
-        """
-        :param data: A dict written by :meth:`to_dict`.
-        :return: The report.
-        """
-        return cls(**data)
-
     def summary(self) -> str:
         """
         :return: A plain-text table: attack, flip rate [CI], flip rate above the noise floor, the random control's
                  flip rate, the excess flip rate [CI], Spearman, top-k overlap, attack success.
         """
-        rows = [self._header()] + [_row(r) for r in self.results]
-        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        lines = [self._title()]
-        for i, row in enumerate(rows):
-            lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
-            if i == 0:
-                lines.append("  ".join("-" * w for w in widths))
+        lines = [self._title(), *text_table(self._header(), [_row(r) for r in self.results])]
         if self.fidelity is not None:
             lines.append(self._fidelity_line())
         lines += [f"WARNING: {w}" for w in self.warnings]
@@ -214,22 +203,19 @@ class MalleabilityReport:
             "budget, and *excess* is the attack's flip rate minus the control's (paired bootstrap over queries). "
             "Intervals: bootstrap over queries, percentile interval moved onto the estimate (it always contains it).",
             "",
-            "| " + " | ".join(header) + " |",
-            "|" + "---|" * len(header),
+            markdown_table(header, [_row(r) for r in self.results]),
         ]
-        lines += ["| " + " | ".join(_row(r)) + " |" for r in self.results]
         controls = [r for r in self.results if r.control is not None]
         if controls:
             lines += ["", "## Random-perturbation controls", ""]
-            lines += ["| beside | eps | flip rate | above floor | Spearman | top-k Jaccard |", "|---" * 6 + "|"]
-            for r in controls:
-                c = r.control
-                lines.append(
-                    f"| {r.attack} | {c['eps']:g} | {format_percent_ci(c['flip_rate'], c['flip_rate_ci'])} | "
-                    f"{format_percent_ci(c['flip_rate_above_floor'], c['flip_rate_above_floor_ci'])} | "
-                    f"{format_number_ci(c['spearman'], c['spearman_ci'])} | "
-                    f"{format_number_ci(c['top_k_jaccard'], c['top_k_jaccard_ci'])} |"
-                )
+            lines.append(markdown_table(
+                ["beside", "eps", "flip rate", "above floor", "Spearman", "top-k Jaccard"],
+                [[r.attack, f"{r.control['eps']:g}",
+                  format_percent_ci(r.control["flip_rate"], r.control["flip_rate_ci"]),
+                  format_percent_ci(r.control["flip_rate_above_floor"], r.control["flip_rate_above_floor_ci"]),
+                  format_number_ci(r.control["spearman"], r.control["spearman_ci"]),
+                  format_number_ci(r.control["top_k_jaccard"], r.control["top_k_jaccard_ci"])] for r in controls],
+            ))
         lines += ["", "Per-query flip rates (each query's own top set): "
                   + ", ".join(f"{r.attack} {format_percent(r.per_query_flip_rate)}" for r in self.results)]
         if self.fidelity is not None:
@@ -254,38 +240,11 @@ class MalleabilityReport:
         return ["attack", f"flip rate [{conf}% CI]", "above floor", "control", "excess [CI]", "Spearman",
                 "top-k Jaccard", "success"]
 
-    def save(self, directory: str | os.PathLike) -> Path:
-        """
-        Write ``report.json``, ``report.md`` and the figures into a folder. Everything is rendered
-        and written to temporary files first, then renamed into place (``report.json`` last), so a
-        save interrupted while rendering or writing leaves the previous report in the folder intact.
-
-        :param directory: Output folder (created if missing).
-        :return: The folder.
-        """
-
-
-        out = Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
-        files: dict[str, str | bytes] = {"report.md": self.to_markdown()}
-        figures = [("flip_rates.png", self.plot_flip_rates)]
-        figures += [
-            (f"scatter_{slugify(r.attack)}.png", partial(self.plot_influence_scatter, r.attack)) for r in self.results
-        ]
-        for name, draw in figures:
-            files[name] = figure_png(draw())
-        files["report.json"] = json.dumps(self.to_dict(), indent=2, allow_nan=False)  # renamed last
-        atomic_write_files(out, files)
-        logger.info("Report written to %s", out)
-        return out
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> MalleabilityReport:
-        """
-        :param path: A ``report.json`` file or the folder holding it.
-        :return: The report.
-        """
-        return cls.from_dict(read_report_json(path, "report.json"))
+    def _figures(self) -> dict[str, Any]:
+        figures = {"flip_rates.png": self.plot_flip_rates}
+        figures.update({f"scatter_{slugify(r.attack)}.png": partial(self.plot_influence_scatter, r.attack)
+                        for r in self.results})
+        return figures
 
     def plot_flip_rates(self, ax: Any = None) -> Any:
         """
@@ -377,13 +336,11 @@ def comparison_table(reports: list[MalleabilityReport]) -> str:
     :return: Markdown table.
     """
     attacks = [r.attack for r in reports[0].results] if reports else []
-    lines = ["| model | clean acc. | " + " | ".join(f"{a} flip rate" for a in attacks) + " |"]
-    lines.append("|---|---|" + "---|" * len(attacks))
-    for rep in reports:
-        acc = "n/a" if rep.clean_accuracy is None else f"{100 * rep.clean_accuracy:.1f}%"
-        cells = [_flip_and_excess(rep.result(a)) for a in attacks]
-        lines.append(f"| {rep.model} | {acc} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return markdown_table(
+        ["model", "clean acc.", *[f"{a} flip rate" for a in attacks]],
+        [[rep.model, "n/a" if rep.clean_accuracy is None else f"{100 * rep.clean_accuracy:.1f}%",
+          *[_flip_and_excess(rep.result(a)) for a in attacks]] for rep in reports],
+    )
 
 
 def _row(r: AttackResult) -> list[str]:

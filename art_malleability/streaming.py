@@ -86,11 +86,11 @@ class ExampleSource:
         self.x = None
         self.n = len(x)
         if self.n == 0:
-            raise ValueError(f"{name} is an empty dataset; at least one example is needed")
+            raise ValueError(f"{name} must hold at least one example, got an empty dataset")
         if input_shape is None:
             first = x[0]
             if not isinstance(first, (tuple, list)) or len(first) < 2:
-                raise ValueError(f"{name} must yield (x, y) pairs; example 0 gave {type(first).__name__}")
+                raise ValueError(f"{name} must yield (x, y) pairs, got {type(first).__name__} for example 0")
             input_shape = tuple(np.shape(first[0]))
         self.input_shape = tuple(input_shape)
 
@@ -143,7 +143,7 @@ class ExampleSource:
     def _check_batch(self, batch: Any, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         if not isinstance(batch, (tuple, list)) or len(batch) < 2:
             raise ValueError(
-                f"{self.name} must yield (x, y) pairs; example {int(rows[0])} gave {type(batch).__name__}"
+                f"{self.name} must yield (x, y) pairs, got {type(batch).__name__} for example {int(rows[0])}"
             )
         x, y = batch[0], batch[1]
         x = x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)

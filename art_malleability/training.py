@@ -33,7 +33,7 @@ from torch import nn
 
 from art_malleability._io import progress_bar
 from art_malleability._torch_utils import resolve_device
-from art_malleability._validation import check_loss, labels_to_indices
+from art_malleability._validation import check_input_shape, check_loss, labels_to_indices
 from art_malleability.models import is_transductive
 
 logger = logging.getLogger(__name__)
@@ -78,23 +78,7 @@ def train_model(
     :param verbose: Show a progress bar over epochs.
     :return: The trained model, in eval mode, on the training device.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
-    loss_name = check_loss(loss)
-    if not isinstance(x, np.ndarray):
-        raise TypeError(f"x must be a numpy array of shape (n, *input_shape), got {type(x).__name__}.")
-    if x.ndim < 2 or x.shape[0] < 1:
-        raise ValueError(f"x must have shape (n, *input_shape) with n >= 1, got {x.shape}.")
-    y_idx = labels_to_indices(y, "y")
-    if y_idx.shape[0] != x.shape[0]:
-        raise ValueError(f"x and y must have the same number of examples, got {x.shape[0]} and {y_idx.shape[0]}.")
-    for arg_name, value, minimum in (("epochs", epochs, 1), ("batch_size", batch_size, 1)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-            raise ValueError(f"{arg_name} must be an int >= {minimum}, got {value!r}.")
-    if not lr > 0:
-        raise ValueError(f"lr must be > 0, got {lr!r}.")
-    if not weight_decay >= 0:
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}.")
+    loss_name, y_idx = _check_training(model, x, y, loss, epochs, batch_size, lr, weight_decay)
     torch_device = resolve_device(device)
 
     model.to(torch_device)
@@ -107,31 +91,66 @@ def train_model(
 
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
-        raise ValueError("model has no parameter with requires_grad=True to train.")
+        raise ValueError("model must have a parameter with requires_grad=True to train, got none")
 
     with torch.no_grad():
         nb_outputs = model(x_t[:1]).shape[-1]
     if int(y_t.max()) >= nb_outputs:
-        raise ValueError(
-            f"y holds class index {int(y_t.max())}, but the model has only {nb_outputs} outputs."
-        )
+        raise ValueError(f"y must hold class indices below the model's {nb_outputs} outputs, got {int(y_t.max())}")
     if np.asarray(y).ndim == 2 and np.asarray(y).shape[1] not in (1, nb_outputs):
         raise ValueError(
-            f"One-hot y has {np.asarray(y).shape[1]} columns, but the model has {nb_outputs} outputs."
+            f"y must have one column per output of the model ({nb_outputs} outputs) when one-hot, got "
+            f"{np.asarray(y).shape[1]} columns"
         )
     targets = y_t if loss_name == "cross_entropy" else F.one_hot(y_t, nb_outputs).to(dtype)
-
     optimizer = torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
-    generator = torch.Generator().manual_seed(int(seed))
-    n = x_t.shape[0]
+    mean_loss = _fit(model, x_t, targets, loss_name, optimizer, int(epochs), int(batch_size), int(seed), verbose)
+    logger.info(
+        "Trained %s for %d epochs, final mean training loss %.4g.", type(model).__name__, epochs, mean_loss
+    )
+    return model.eval()
 
+
+def _check_training(
+    model: nn.Module, x: np.ndarray, y: np.ndarray, loss: str, epochs: int, batch_size: int, lr: float,
+    weight_decay: float,
+) -> tuple[str, np.ndarray]:
+    """:return: The loss name and the labels as class indices, once the arguments of :func:`train_model` hold."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    loss_name = check_loss(loss)
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"x must be a numpy array of shape (n, *input_shape), got {type(x).__name__}")
+    if x.ndim < 2 or x.shape[0] < 1:
+        raise ValueError(f"x must have shape (n, *input_shape) with n >= 1, got {x.shape}")
+    y_idx = labels_to_indices(y, "y")
+    if y_idx.shape[0] != x.shape[0]:
+        raise ValueError(f"y must have the same number of examples as x ({x.shape[0]}), got {y_idx.shape[0]}")
+    for arg_name, value, minimum in (("epochs", epochs, 1), ("batch_size", batch_size, 1)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+            raise ValueError(f"{arg_name} must be an int >= {minimum}, got {value!r}")
+    if not lr > 0:
+        raise ValueError(f"lr must be > 0, got {lr!r}")
+    if not weight_decay >= 0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
+    return loss_name, y_idx
+
+
+def _fit(
+    model: nn.Module, x_t: torch.Tensor, targets: torch.Tensor, loss_name: str, optimizer: torch.optim.Optimizer,
+    epochs: int, batch_size: int, seed: int, verbose: bool,
+) -> float:
+    """Shuffled mini-batch epochs of ``optimizer``; :return: the mean training loss of the last epoch."""
+    generator = torch.Generator().manual_seed(seed)
+    n = x_t.shape[0]
     model.train()
-    progress = progress_bar(range(int(epochs)), desc=f"Training {type(model).__name__}", verbose=verbose)
+    progress = progress_bar(range(epochs), desc=f"Training {type(model).__name__}", verbose=verbose)
+    total = 0.0
     for _ in progress:
-        order = torch.randperm(n, generator=generator).to(torch_device)
+        order = torch.randperm(n, generator=generator).to(x_t.device)
         total = 0.0
-        for start in range(0, n, int(batch_size)):
-            batch = order[start : start + int(batch_size)]
+        for start in range(0, n, batch_size):
+            batch = order[start : start + batch_size]
             outputs = model(x_t[batch])
             if loss_name == "cross_entropy":
                 batch_loss = F.cross_entropy(outputs, targets[batch])
@@ -142,10 +161,7 @@ def train_model(
             optimizer.step()
             total += float(batch_loss.detach()) * batch.shape[0]
         progress.set_postfix(loss=f"{total / n:.4f}")
-    logger.info(
-        "Trained %s for %d epochs, final mean training loss %.4g.", type(model).__name__, epochs, total / n
-    )
-    return model.eval()
+    return total / n
 
 
 def make_classifier(
@@ -179,22 +195,13 @@ def make_classifier(
     :return: The ART classifier; the module is moved to its device.
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     loss_name = check_loss(loss)
-    if isinstance(input_shape, (int, np.integer)) and not isinstance(input_shape, bool):
-        shape: tuple[int, ...] = (int(input_shape),)
-    elif isinstance(input_shape, (tuple, list, torch.Size)) and all(
-        isinstance(s, (int, np.integer)) and s >= 1 for s in input_shape
-    ):
-        shape = tuple(int(s) for s in input_shape)
-    else:
-        raise ValueError(
-            f"input_shape must be a positive int or a tuple of positive ints, got {input_shape!r}."
-        )
+    shape = check_input_shape(input_shape)
     if isinstance(nb_classes, bool) or not isinstance(nb_classes, (int, np.integer)) or nb_classes < 2:
-        raise ValueError(f"nb_classes must be an int >= 2, got {nb_classes!r}.")
+        raise ValueError(f"nb_classes must be an int >= 2, got {nb_classes!r}")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}.")
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
     torch_device = resolve_device(device)
     loss_fn: nn.Module = nn.CrossEntropyLoss() if loss_name == "cross_entropy" else nn.MSELoss()
     return PyTorchClassifier(

@@ -200,7 +200,7 @@ def test_a_rerun_replaces_what_the_last_run_wrote_and_nothing_else(tmp_path):
 @pytest.mark.parametrize(
     ("factory", "message"),
     [("wrong_input", "cannot take the data's inputs of shape (1, 8, 8)"),
-     ("wrong_classes", "expected logits of shape (2, 10)")],
+     ("wrong_classes", "must return logits of shape (2, 10)")],
 )
 def test_a_factory_model_that_does_not_fit_the_data_fails_before_training(tmp_path, capsys, monkeypatch, factory,
                                                                           message):
@@ -215,3 +215,76 @@ def test_a_factory_model_that_does_not_fit_the_data_fails_before_training(tmp_pa
     captured = capsys.readouterr()
     assert message in captured.err and len(captured.err.strip().splitlines()) == 1
     assert "Training" not in captured.err and not (tmp_path / "out").exists()
+
+
+def _data_folders(tmp_path):
+    """Folders a new user might pass as --data-root or --dataset, each wrong in its own way."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "images").mkdir()
+    (tmp_path / "images" / "cat.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    (tmp_path / "a-file").write_text("")
+    kaggle = tmp_path / "kaggle" / "MNIST" / "raw"  # the IDX files under other names
+    kaggle.mkdir(parents=True)
+    for name in ("train-images.idx3-ubyte", "train-labels.idx1-ubyte"):
+        (kaggle / name).write_bytes(b"")
+    broken = tmp_path / "broken"  # the right names, not IDX files
+    broken.mkdir()
+    for name in ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"):
+        (broken / name).write_text("not an IDX file")
+    damaged = tmp_path / "damaged" / "cifar-10-batches-py"  # the right names, failing their checksums
+    damaged.mkdir(parents=True)
+    for name in ("batches.meta", "test_batch"):
+        (damaged / name).write_text("not a batch")
+    return {name: str(tmp_path / name) for name in ("empty", "images", "a-file", "kaggle", "broken", "damaged")}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--dataset", "mnist"], "--data-root must be the local data folder of 'mnist'"),
+        (["--dataset", "mnist", "--data-root", "nowhere"], "--data-root must be an existing folder, got 'nowhere'"),
+        (["--dataset", "mnist", "--data-root", "a-file"], "which is a file"),
+        (["--dataset", "fashion-mnist", "--data-root", "empty"], "--data-root must hold the fashion-mnist IDX files"),
+        (["--dataset", "cifar10", "--data-root", "images"], "--data-root must hold CIFAR-10's cifar-10-batches-py/"),
+        (["--dataset", "mnist", "--data-root", "kaggle"], "(found 'train-images.idx3-ubyte'"),
+        (["--dataset", "images"], "--dataset must be a dataset name or an .npz file"),
+        (["--dataset", "images/cat.png"], "--dataset must be an .npz archive"),
+        (["--dataset", "mnist-test"], "--dataset must be one of"),
+    ],
+)
+def test_a_data_folder_that_cannot_be_used_fails_before_any_work(tmp_path, capsys, monkeypatch, args, message):
+    folders = _data_folders(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    args = [folders.get(a, a) for a in args]
+    for command in ("audit", "validate", "ntk-check", "spectrum", "reproduce"):
+        assert main([command, *args, "--output", str(tmp_path / "out")]) == 2, command
+        err = capsys.readouterr().err
+        assert err.startswith(f"art-malleability {command}: error: --") and message in err, err
+        assert len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("command", "dataset", "folder", "message"),
+    [
+        ("audit", "mnist", "broken", "--data-root must hold readable IDX files, got '"),
+        ("spectrum", "mnist", "broken", "t10k-images-idx3-ubyte', which cannot be read"),
+        ("audit", "cifar10", "damaged", "--data-root must hold intact CIFAR-10 batches"),
+    ],
+)
+def test_unreadable_data_files_are_one_line_naming_the_option(tmp_path, capsys, command, dataset, folder, message):
+    root = _data_folders(tmp_path)[folder]
+    assert main([command, "--dataset", dataset, "--data-root", root, "--output", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["audit", "--weights", "w.pt"], "--weights must come with exactly one --model, got no --model"),
+        (["reproduce", "--classes", "3", "8"], "--classes must not be given to reproduce"),
+    ],
+)
+def test_options_that_do_not_go_together_exit_2(tmp_path, capsys, args, message):
+    assert main([*args, "--output", str(tmp_path / "out")]) == 2
+    assert message in capsys.readouterr().err

@@ -83,7 +83,7 @@ def test_an_influence_estimator_that_does_not_shard_is_refused(tmp_path):
 def test_more_processes_than_training_examples_is_refused(tmp_path):
     done = _torchrun(str(WORKER), str(tmp_path), "tiny")
     assert done.returncode != 0
-    assert "the process group has 2 processes but x has only 1 examples" in done.stderr
+    assert "x must hold at least one example per process, got 1 examples for the 2 processes" in done.stderr
 
 
 def test_cli_under_torchrun_writes_the_single_process_report(tmp_path):

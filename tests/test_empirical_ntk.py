@@ -419,7 +419,7 @@ def test_bad_parameters() -> None:
     frozen = nn.Linear(5, 2).requires_grad_(False)
     with pytest.raises(ValueError, match="trainable"):
         empirical_ntk(frozen, x)
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(ValueError, match="at least one example"):
         empirical_ntk(model, x[:0])
 
 

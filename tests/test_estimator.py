@@ -327,9 +327,9 @@ def test_bad_data(relu_clf):
         ((x, y.astype(str)), TypeError, "y must hold integer"),
         ((x, y + 0.5), ValueError, "non-integer"),
         ((x, np.ones((200, 10))), ValueError, "not one-hot"),
-        ((nan_x, y), ValueError, "x contains NaN"),
-        ((x[:0], y[:0]), ValueError, "x is empty"),
-        ((x[:9], y[:9]), ValueError, "too few for top_fraction"),
+        ((nan_x, y), ValueError, "x must hold finite values, got 1 NaN"),
+        ((x[:0], y[:0]), ValueError, "x must hold at least one example"),
+        ((x[:9], y[:9]), ValueError, "x must hold at least 10 examples for top_fraction"),
         ((x, y, data.x_test), ValueError, "x_test and y_test"),
         ((x, y, data.x_test[:, :, :4], data.y_test), ValueError, "x_test must have shape"),
     ]
@@ -547,13 +547,13 @@ class TupleNet(torch.nn.Module):
 @pytest.mark.parametrize(
     ("case", "error", "match"),
     [
-        ("pixels 0-255", ValueError, r"x has values in \[0, 255\] outside the classifier's clip_values \(0, 1\)"),
-        ("centred", ValueError, "outside the classifier's clip_values"),
-        ("eps in pixel units", ValueError, "eps=8 covers the classifier's whole input range"),
-        ("eps the whole range", ValueError, "eps=1 covers"),
-        ("nb_classes", ValueError, r"returns outputs of shape \(1, 10\) but the classifier has nb_classes=5"),
+        ("pixels 0-255", ValueError, r"x must lie in the classifier's clip_values \(0, 1\), got values in \[0, 255\]"),
+        ("centred", ValueError, "must lie in the classifier's clip_values"),
+        ("eps in pixel units", ValueError, r"eps must be smaller than the classifier's whole input range .*got 8;"),
+        ("eps the whole range", ValueError, r"eps must be smaller .*got 1;"),
+        ("nb_classes", ValueError, r"classifier.model must return outputs of shape \(n, 5\) .*got \(1, 10\)"),
         ("tuple output", TypeError, "must return one tensor of logits"),
-        ("attacks= in the one-off", TypeError, "pass it as attack="),
+        ("attacks= in the one-off", TypeError, "attacks must not be given to influence_flip_rate"),
     ],
 )
 def test_what_a_new_user_gets_wrong_is_named_and_changes_nothing(relu_clf, case, error, match):

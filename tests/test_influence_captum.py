@@ -217,5 +217,5 @@ def test_auto_uses_sample_wise_gradients_only_where_they_are_exact(make, sample_
     reference = GradientInfluence(device="cpu", method="jacobian").fit(model, x, y).scores(xq, yq)
     assert _rel(est.scores(xq, yq), reference) < 1e-6
     if not sample_wise:
-        with pytest.raises(ValueError, match="sample_wise_grads_per_batch=True needs"):
+        with pytest.raises(ValueError, match="sample_wise_grads_per_batch must be False or 'auto' for this model"):
             CaptumInfluence(device="cpu", sample_wise_grads_per_batch=True).fit(model, x, y)

@@ -201,7 +201,7 @@ def test_bad_projection_dim_is_refused(bad):
 def test_allocations_that_cannot_fit_stop_before_the_work():
     model = _mlp()
     x, y = np.random.default_rng(0).normal(size=(200, 4)).astype(np.float32), np.arange(200) % 3
-    with pytest.raises(ValueError, match="exact NTK influence on 200 training examples needs"):
+    with pytest.raises(ValueError, match="projection_dim must be 'auto' or an integer on 200 training examples"):
         NTKInfluence(projection_dim=None, memory_limit_gb=1e-6, device="cpu").fit(model, x, y)
     with pytest.raises(ValueError, match="lower projection_dim"):
         NTKInfluence(projection_dim=40, memory_limit_gb=1e-6, device="cpu").fit(model, x, y)

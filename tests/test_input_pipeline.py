@@ -95,6 +95,6 @@ def test_a_preprocessor_the_influence_cannot_follow_is_refused_before_any_work()
     clf = PyTorchClassifier(copy.deepcopy(trained.model), nn.CrossEntropyLoss(), data.input_shape, data.nb_classes,
                             clip_values=(0.0, 1.0), preprocessing_defences=[jpeg], device_type="cpu")
     x = data.x_train.copy()
-    with pytest.raises(ValueError, match="classifier's preprocessing JpegCompression is not a PyTorch preprocessor"):
+    with pytest.raises(ValueError, match="classifier.preprocessing must hold PyTorch .*, got JpegCompression"):
         MalleabilityEstimator(clf, verbose=False).evaluate(x, data.y_train)
     np.testing.assert_array_equal(x, data.x_train)

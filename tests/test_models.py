@@ -190,7 +190,7 @@ def test_set_context_leaves_input_unchanged_and_accepts_tensors(x_train):
 
 def test_set_context_checks_dimension(rng):
     model = MLPAttn(INPUT_SHAPE, width=8, nb_classes=2, seed=0)
-    with pytest.raises(ValueError, match="expected 64"):
+    with pytest.raises(ValueError, match="x_train must have 64 features"):
         model.set_context(rng.random((5, 1, 4, 4), dtype=np.float32))
     with pytest.raises(TypeError, match="x_train"):
         model.set_context([[0.0] * 64])

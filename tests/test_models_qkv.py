@@ -200,7 +200,7 @@ def test_argument_errors(rng):
         MLPAttnQKV(INPUT_SHAPE, width=4, nb_classes=2, seed="0")
     with pytest.raises(ValueError, match="width"):
         MLPAttnQKV(INPUT_SHAPE, width=0, nb_classes=2)
-    with pytest.raises(ValueError, match="expected 64"):
+    with pytest.raises(ValueError, match="x_train must have 64 features"):
         MLPAttnQKV(INPUT_SHAPE, width=4, nb_classes=2).set_context(rng.random((5, 1, 4, 4), dtype=np.float32))
 
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
 from art_malleability.cli import main
 from art_malleability.datasets import load_dataset
+from art_malleability.influence.ridge import kernel_ridge_predict
 from art_malleability.models import build_reference_model
 from art_malleability.ntk.analytic import analytic_ntk
 from art_malleability.ntk.convergence import (
@@ -81,6 +84,31 @@ def test_report_round_trip_and_files(report, tmp_path):
         assert (folder / name).stat().st_size > 0
     assert ConvergenceReport.load(folder) == report
     assert "kernel_error" in report.summary() and "| 2l-relu | static |" in report.to_markdown()
+
+
+def test_a_rerun_with_fewer_levels_leaves_no_stale_figure(report, tmp_path):
+    report.save(tmp_path)
+    (tmp_path / "notes.txt").write_text("kept")
+    static_only = dataclasses.replace(report, fits=[f for f in report.fits if f.level == "static"])
+    static_only.save(tmp_path)
+    assert {p.name for p in tmp_path.iterdir()} == {"convergence.json", "convergence.md", "static.png", "notes.txt"}
+    assert "dynamic.png" not in (tmp_path / "convergence.md").read_text()
+    assert ConvergenceReport.load(tmp_path) == static_only
+
+
+def test_limit_predictor_matches_a_plain_solve(small_digits):
+    d = small_digits
+    model = build_reference_model("2l-relu", d.input_shape, 10, width=64, seed=0).double()
+    x_tr = torch.as_tensor(d.x_train, dtype=torch.float64)
+    x_te = torch.as_tensor(d.x_test, dtype=torch.float64)
+    limit = _Limit(analytic_ntk, model, x_tr, x_te, d.y_train, 1e-3)
+    eye = torch.eye(len(x_tr), dtype=torch.float64)
+    expected = limit.k_test @ torch.linalg.solve(limit.k_train + 1e-3 * eye, limit.targets)
+    assert float((limit.krr_test - expected).abs().max() / expected.abs().max()) < 1e-10
+    k0, k0_test = empirical_ntk(model, x_tr).double(), empirical_ntk(model, x_te, x_tr).double()
+    expected = k0_test @ torch.linalg.solve(k0 + 1e-3 * eye, limit.targets)
+    ours = kernel_ridge_predict(k0, k0_test, limit.targets, 1e-3)
+    assert float((ours - expected).abs().max() / expected.abs().max()) < 1e-10
 
 
 def test_linearised_gd_matches_explicit_linear_dynamics(small_digits):

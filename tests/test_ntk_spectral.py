@@ -2,7 +2,6 @@
 
 import json
 import math
-import time
 
 import numpy as np
 import pytest
@@ -208,14 +207,12 @@ def test_save_load_roundtrip(tmp_path):
 
 
 def test_digits_spectrum():
-    start = time.perf_counter()
     report = spectral_analysis_of_dataset("digits", n=1000)
     assert report.n == 1000 and report.d == 64
     assert 55 <= report.rank < 64  # a few pixels are (almost) always blank
     assert report.kappa_d_rule == "numerical rank" and math.isinf(report.kappa)
     assert 1e5 < report.kappa_d < 1e9  # the 1e7 territory of the paper's discussion
     assert report.log10_width_v2 > 24
-    assert time.perf_counter() - start < 10
 
 
 def test_digits_attention_features_are_the_models_features():
@@ -232,7 +229,6 @@ def test_digits_attention_features_are_the_models_features():
 
 
 def test_mnist_spectrum(shared_data):
-    start = time.perf_counter()
     full = spectral_analysis_of_dataset("mnist", root=shared_data / "mnist", n=1000)
     assert (full.n, full.d) == (1000, 784)
     assert 500 < full.rank < 700 and full.rank_deficient  # always-zero pixels
@@ -243,11 +239,9 @@ def test_mnist_spectrum(shared_data):
     assert small.rank == 300 and math.isfinite(small.kappa)
     assert 1e4 < small.kappa < 1e7
     assert small.g3_check.startswith("skipped")
-    assert time.perf_counter() - start < 10
 
 
 def test_cifar10_spectrum(shared_data):
-    start = time.perf_counter()
     path = shared_data / "cifar10" / "cifar10_test_jpeg.npz"
     report = spectral_analysis_of_dataset(path, n=1000)
     assert (report.n, report.d) == (1000, 3072)
@@ -256,7 +250,6 @@ def test_cifar10_spectrum(shared_data):
     assert 1e6 < report.kappa < 1e9
     assert report.log10_kappa_g3 == pytest.approx(3 * math.log10(report.kappa))
     assert report.log10_width_v2 > 29
-    assert time.perf_counter() - start < 10
 
 
 def test_direct_check_on_a_real_well_conditioned_subset(shared_data):

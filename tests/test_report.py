@@ -105,6 +105,38 @@ def test_lookup_and_missing_file(tmp_path):
         MalleabilityReport.load(tmp_path)
 
 
+def test_a_rerun_replaces_what_the_last_save_wrote_and_nothing_else(tmp_path):
+    report = _report()
+    report.save(tmp_path)
+    for name in ("notes.txt", "scatter.png", "summary.md"):  # not written by a MalleabilityReport
+        (tmp_path / name).write_text("kept")
+    fewer = _report()
+    fewer.results = fewer.results[:1]  # the pgd result is gone, and with it its figure
+    fewer.save(tmp_path)
+    assert {p.name for p in tmp_path.iterdir()} == {
+        "report.json", "report.md", "flip_rates.png", "scatter_fgsm.png", "notes.txt", "scatter.png", "summary.md"
+    }
+    assert MalleabilityReport.load(tmp_path) == fewer
+
+
+def test_a_reproduction_rerun_drops_its_stale_files(tmp_path):
+    from art_malleability.paper.reproduce import Reproduction
+
+    first = Reproduction({"dataset": "digits"}, "mnist", tables={"ablation": "| a |"}, files={"ablation.png": b"png"})
+    first.save(tmp_path)
+    (tmp_path / "notes.txt").write_text("kept")
+    assert (tmp_path / "ablation.png").read_bytes() == b"png"
+    Reproduction({"dataset": "digits"}, "mnist").save(tmp_path)
+    assert {p.name for p in tmp_path.iterdir()} == {"reproduction.json", "reproduction.md", "notes.txt"}
+    assert Reproduction.load(tmp_path).tables == {}
+
+
+def test_markdown_table():
+    from art_malleability._report_base import markdown_table
+
+    assert markdown_table(["a", "b"], [[1, "x"], ["y", 2.5]]) == "| a | b |\n|---|---|\n| 1 | x |\n| y | 2.5 |"
+
+
 def test_an_interrupted_save_leaves_the_old_report_intact(tmp_path, monkeypatch):
     import art_malleability._io as io_module
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from art_malleability.paper.reproduce import PAPER, ReproductionConfig, mean_ci, run_reproduction
+from art_malleability.paper.common import mean_ci
+from art_malleability.paper.reproduce import PAPER, ReproductionConfig, run_reproduction
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,7 +43,7 @@ def test_every_table_runs_on_tiny_sizes(tmp_path):
 
 
 def test_pooled_interval_covers_seeds_and_queries():
-    from art_malleability.paper.reproduce import REPLICATES, pooled
+    from art_malleability.paper.common import REPLICATES, pooled
 
     rng = np.random.default_rng(0)
     rows = [{"flip_rate": p, REPLICATES: {"flip_rate": p + 0.01 * rng.normal(size=200)}} for p in (0.1, 0.3, 0.5)]
@@ -100,3 +101,19 @@ def test_table1_points_cover_every_class_of_a_class_sorted_source(tmp_path):
     assert len(tr) == 30 and len(te) == 20 and len(set(tr)) == 30
     assert np.bincount(data.y_train[tr], minlength=10).tolist() == [3] * 10
     assert np.bincount(data.y_test[te], minlength=10).tolist() == [2] * 10
+
+
+def test_a_rerun_without_table1_removes_the_stale_sweep_and_nothing_else(tmp_path):
+    sweep = tmp_path / "table1_ntk"
+    sweep.mkdir()
+    for name in ("convergence.json", "convergence.md", "static.png", "dynamic.png", "notes.txt"):
+        (sweep / name).write_text("old")
+    (tmp_path / "ablation.png").write_bytes(b"old")
+    config = ReproductionConfig(n_train=60, n_test=30, tables=("spectral",), device="cpu", verbose=False)
+    run_reproduction(config, tmp_path)
+    assert [p.name for p in sweep.iterdir()] == ["notes.txt"]
+    assert {p.name for p in tmp_path.iterdir()} == {"reproduction.json", "reproduction.md", "table1_ntk"}
+    (sweep / "notes.txt").unlink()
+    (sweep / "convergence.json").write_text("old")
+    run_reproduction(config, tmp_path)
+    assert not sweep.exists()  # a folder that held only the sweep goes with it

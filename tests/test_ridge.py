@@ -4,7 +4,13 @@ import numpy as np
 import pytest
 import torch
 
-from art_malleability.influence.ridge import DualRidge, PrimalRidge, inverse_cholesky_, loo_scores
+from art_malleability.influence.ridge import (
+    DualRidge,
+    PrimalRidge,
+    inverse_cholesky_,
+    kernel_ridge_predict,
+    loo_scores,
+)
 
 
 def _rel(a, b):
@@ -56,7 +62,7 @@ def test_inverse_cholesky_in_place_on_cpu():
     assert linv.data_ptr() == ptr  # no second buffer
     chol = np.linalg.cholesky(g @ g.T + np.eye(30))
     assert _rel(linv.numpy(), np.linalg.inv(chol)) < 1e-10
-    with pytest.raises(ValueError, match="not positive definite"):
+    with pytest.raises(ValueError, match="must be positive definite"):
         inverse_cholesky_(torch.tensor(-np.eye(3)), 1e-3)
 
 
@@ -176,3 +182,17 @@ def test_failed_updates_leave_the_solvers_as_they_were():
         dual.update(np.array([5, 6, 7]), torch.full((3, n), float("nan"), dtype=torch.float64))
     for a, b in zip(dual.loo_parts(k_q), before, strict=True):
         assert _rel(a.numpy(), b.numpy()) < 1e-12
+
+
+@pytest.mark.parametrize("n, k", [(40, 100), (60, 20)])  # full rank, and rank-deficient (n > k) as NTKs often are
+def test_kernel_ridge_predict_matches_a_plain_solve(n, k):
+    phi, phi_q, targets = _problem(n, k)
+    k_train, k_test = torch.tensor(phi @ phi.T), torch.tensor(phi_q @ phi.T)
+    targets = torch.tensor(targets)
+    ridge = 1e-3
+    expected = k_test @ torch.linalg.solve(k_train + ridge * torch.eye(n, dtype=torch.float64), targets)
+    assert _rel(kernel_ridge_predict(k_train, k_test, targets, ridge), expected) < 1e-10
+    with pytest.raises(ValueError, match="k_train \\+ ridge\\*I must be positive definite"):
+        kernel_ridge_predict(-k_train, k_test, targets, ridge)
+    with pytest.raises(ValueError, match="must be finite"):
+        kernel_ridge_predict(k_train * float("nan"), k_test, targets, ridge)

@@ -23,7 +23,12 @@ from art_malleability._torch_utils import (
     trainable_parameters,
     working_copy,
 )
-from art_malleability._validation import LOSS_NAMES, check_loss, labels_to_indices
+from art_malleability._validation import (  # noqa: F401 - labels_to_indices: public path of the influence package
+    LOSS_NAMES,
+    check_labels,
+    check_loss,
+    labels_to_indices,
+)
 from art_malleability.models import is_transductive
 from art_malleability.streaming import ExampleSource, is_torch_data
 
@@ -120,12 +125,7 @@ def check_data(x: np.ndarray, y: np.ndarray, x_name: str, y_name: str) -> tuple[
         )
     if isinstance(y, torch.Tensor):
         y = y.detach().cpu().numpy()
-    y = labels_to_indices(y, y_name)
-    if y.shape[0] != x.shape[0]:
-        raise ValueError(
-            f"{y_name} must have one label per row of {x_name}: got {y.shape[0]} labels for {x.shape[0]}"
-        )
-    return x, y
+    return x, check_labels(np.asarray(y), y_name, n=x.shape[0])
 
 
 class KMostInfluential(NamedTuple):
@@ -185,10 +185,18 @@ class InfluenceEstimator(abc.ABC):
         dtype: torch.dtype = torch.float64,
         batch_size: int = 256,
     ) -> None:
-        self.loss = loss
-        self.device = device
-        self.dtype = dtype
-        self.batch_size = batch_size
+        self._init_params(locals())
+
+    def _init_params(self, values: Mapping[str, Any]) -> None:
+        """
+        The one way every estimator's constructor stores its arguments: each of ``values`` (the constructor's
+        ``locals()``) becomes an attribute of the same name, then all are checked (:meth:`_check_params`).
+
+        :param values: The constructor's arguments by name (``self`` is skipped).
+        """
+        for name, value in values.items():
+            if name not in ("self", "__class__"):
+                setattr(self, name, value)
         self.model_: nn.Module | None = None
         self._check_params()
 
@@ -243,7 +251,7 @@ class InfluenceEstimator(abc.ABC):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not trainable_parameters(model):
-            raise ValueError("model has no trainable parameters (none with requires_grad=True)")
+            raise ValueError("model must have trainable parameters (requires_grad=True), got none")
         if is_torch_data(x_train):
             source = ExampleSource(x_train, y_train, name="x_train")
         else:
@@ -260,7 +268,8 @@ class InfluenceEstimator(abc.ABC):
         self.n_outputs_ = int(out.shape[1])
         if self.loss == "cross_entropy" and self.n_outputs_ < 2:
             raise ValueError(
-                "loss 'cross_entropy' needs a model with at least 2 outputs (logits); use loss='mse'"
+                f"loss must be 'mse' for a model with {self.n_outputs_} output, got 'cross_entropy' (it needs at least "
+                "2 logits)"
             )
         source.nb_classes = max(self.n_outputs_, 2)
         if source.is_array:  # before any expensive pass
@@ -321,11 +330,11 @@ class InfluenceEstimator(abc.ABC):
                 f"got {x_changed.shape}"
             )
         if not np.issubdtype(x_changed.dtype, np.number) or not np.all(np.isfinite(x_changed)):
-            raise ValueError("x_changed must hold finite real numbers; it has NaN, infinite or non-numeric values")
+            raise ValueError("x_changed must hold finite real numbers, got NaN, infinite or non-numeric values")
         if is_transductive(self.model_):
             raise ValueError(
-                "refit is not valid for a transductive model (one with set_context): its features depend on the "
-                "whole training set; set the new context on the model and call fit again"
+                f"model must not be transductive (with set_context) for refit, got {type(self.model_).__name__}: its "
+                "features depend on the whole training set; set the new context on the model and call fit again"
             )
         self._refit(changed, x_changed)
         return self
@@ -388,11 +397,14 @@ class InfluenceEstimator(abc.ABC):
         self._check_fitted("self_influence")
         if x is not None or y is not None:
             raise ValueError(
-                f"x must be None for {type(self).__name__}.self_influence: the self-influence of examples outside "
-                "the training set is defined for the gradient estimators (TracIn) only"
+                f"x must be None for {type(self).__name__}.self_influence, got inputs; the self-influence of examples "
+                "outside the training set is defined for the gradient estimators (TracIn) only"
             )
         if getattr(self, "x_train_", None) is None:
-            raise ValueError(f"{type(self).__name__} fitted from a dataset keeps no inputs to score on themselves")
+            raise ValueError(
+                f"x must be given to the self_influence of a {type(self).__name__} fitted from a dataset, got None; "
+                "it keeps no training inputs to score on themselves"
+            )
         out = np.empty(self.n_train_, dtype=np.float64)
         for start in range(0, self.n_train_, self.batch_size):
             rows = np.arange(start, min(start + self.batch_size, self.n_train_))
@@ -420,10 +432,8 @@ class InfluenceEstimator(abc.ABC):
         return x_query, y_query
 
     def _check_labels(self, y: np.ndarray, name: str) -> None:
-        if self.n_outputs_ > 1 and y.size and y.max() >= self.n_outputs_:
-            raise ValueError(
-                f"{name} holds class index {int(y.max())} but the model has {self.n_outputs_} outputs"
-            )
+        """Class indices must name one of the model's outputs (any index for a single-output model)."""
+        check_labels(y, name, nb_classes=self.n_outputs_ if self.n_outputs_ > 1 else None)
 
     @abc.abstractmethod
     def _fit(self, model: nn.Module, x_train: np.ndarray, y_train: np.ndarray) -> None:

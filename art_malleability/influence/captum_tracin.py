@@ -131,10 +131,7 @@ class CaptumInfluence(InfluenceEstimator):
         batch_size: int = 64,
         sample_wise_grads_per_batch: bool | str = "auto",
     ) -> None:
-        self.checkpoints = checkpoints
-        self.learning_rates = learning_rates
-        self.sample_wise_grads_per_batch = sample_wise_grads_per_batch
-        super().__init__(loss=loss, device=device, dtype=dtype, batch_size=batch_size)
+        self._init_params(locals())
 
     def _check_params(self) -> None:
         super()._check_params()
@@ -162,7 +159,9 @@ class CaptumInfluence(InfluenceEstimator):
         frozen_parameters_to_buffers(model)
         problem = _sample_wise_problem(model, x_train[:1], self.dtype, self.device_)
         if self.sample_wise_grads_per_batch is True and problem is not None:
-            raise ValueError(f"sample_wise_grads_per_batch=True needs {problem}")
+            raise ValueError(
+                f"sample_wise_grads_per_batch must be False or 'auto' for this model, got True; it needs {problem}"
+            )
         self.sample_wise_ = self.sample_wise_grads_per_batch is True or (
             self.sample_wise_grads_per_batch == "auto" and problem is None
         )

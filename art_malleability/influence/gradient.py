@@ -47,8 +47,9 @@ def check_checkpoints(
         ckpts: list[Mapping[str, torch.Tensor] | None] = [None]
     else:
         if isinstance(checkpoints, Mapping) or not isinstance(checkpoints, Sequence) or len(checkpoints) == 0:
+            given = "an empty list" if isinstance(checkpoints, Sequence) else type(checkpoints).__name__
             raise ValueError(
-                "checkpoints must be None or a non-empty list of state dicts (one per checkpoint)"
+                f"checkpoints must be None or a non-empty list of state dicts (one per checkpoint), got {given}"
             )
         for k, sd in enumerate(checkpoints):
             if not isinstance(sd, Mapping):
@@ -61,8 +62,7 @@ def check_checkpoints(
             raise ValueError(f"learning_rates must be None or a list of floats, got {learning_rates!r}")
         if len(learning_rates) != len(ckpts):
             raise ValueError(
-                f"learning_rates must have one value per checkpoint: got {len(learning_rates)} "
-                f"learning rate(s) for {len(ckpts)} checkpoint(s)"
+                f"learning_rates must have one value per checkpoint ({len(ckpts)}), got {len(learning_rates)}"
             )
         lrs = []
         for lr in learning_rates:
@@ -100,7 +100,7 @@ def validate_checkpoints(model: nn.Module, checkpoints: list[Mapping[str, torch.
             try:
                 model.load_state_dict(sd)
             except (RuntimeError, KeyError) as err:
-                raise ValueError(f"checkpoints[{k}] does not match the model: {err}") from err
+                raise ValueError(f"checkpoints[{k}] must match the model's state dict, got: {err}") from err
     finally:
         model.load_state_dict(final)
 
@@ -138,10 +138,7 @@ class GradientInfluence(InfluenceEstimator):
         batch_size: int = 256,
         method: str = "auto",
     ) -> None:
-        self.checkpoints = checkpoints
-        self.learning_rates = learning_rates
-        self.method = method
-        super().__init__(loss=loss, device=device, dtype=dtype, batch_size=batch_size)
+        self._init_params(locals())
 
     def _check_params(self) -> None:
         super()._check_params()

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -47,8 +46,15 @@ import torch
 from torch import nn
 
 from art_malleability._io import progress_bar
-from art_malleability._torch_utils import available_memory, tensor_digest
+from art_malleability._torch_utils import tensor_digest
 from art_malleability.distributed import Shard, current_shard, raise_if_any
+from art_malleability.influence._ntk_memory import (  # noqa: F401 - MEMORY_SHARE: its public path
+    _GIB,
+    MEMORY_SHARE,
+    exact_bytes,
+    memory_budget,
+    projected_bytes,
+)
 from art_malleability.influence.base import InfluenceEstimator, regression_targets
 from art_malleability.influence.ridge import DualRidge, PrimalRidge, loo_scores
 from art_malleability.ntk.empirical import DEFAULT_CHUNK_MB, NTK_METHODS, JacobianGram, KeptFactors
@@ -65,27 +71,6 @@ DEFAULT_MAX_EXACT_N = 10_000
 #: ``2 n² D`` for the kernel (``D`` elements of Jacobian factors per example) plus ``n³`` for the solve;
 #: about five minutes on two CPU cores.
 EXACT_MAX_FLOPS = 1e13
-#: Share of the available memory the large matrices may take when no ``memory_limit_gb`` is set.
-MEMORY_SHARE = 0.8
-_GIB = 2**30
-
-
-def exact_bytes(n: int, device: torch.device | None = None) -> int:
-    """
-    Bytes of the exact mode's large buffers: two ``n × n`` float64 matrices on the CPU (five on
-    other devices, where the factorisation needs temporaries) and the kernel engine's chunks.
-    """
-    matrices = 2 if device is None or device.type == "cpu" else 5
-    return 8 * matrices * n * n + 3 * int(DEFAULT_CHUNK_MB * 2**20)
-
-
-def projected_bytes(n_local: int, n_total: int, k: int) -> int:
-    """Bytes of the projected mode's large buffers (primal: ``Φ``, four ``k × k``; dual: two ``Φ``, two ``n × n``)."""
-    if n_total <= k:
-        return 16 * n_total * k + 16 * n_total * n_total + int(DEFAULT_CHUNK_MB * 2**20)
-    return 8 * n_local * k + 32 * k * k + 8 * 8192 * k + int(DEFAULT_CHUNK_MB * 2**20)
-
-
 class NTKInfluence(InfluenceEstimator):
     """
     Leave-one-out influence of kernel ridge regression on the empirical NTK of the model.
@@ -153,15 +138,7 @@ class NTKInfluence(InfluenceEstimator):
         distributed: bool | str = "auto",
         verbose: bool = False,
     ) -> None:
-        self.ridge = ridge
-        self.method = method
-        self.projection_dim = projection_dim
-        self.projection_seed = projection_seed
-        self.max_exact_n = max_exact_n
-        self.memory_limit_gb = memory_limit_gb
-        self.distributed = distributed
-        self.verbose = verbose
-        super().__init__(loss=loss, device=device, dtype=dtype, batch_size=batch_size)
+        self._init_params(locals())
 
     def _check_params(self) -> None:
         super()._check_params()
@@ -191,35 +168,20 @@ class NTKInfluence(InfluenceEstimator):
             raise ValueError(f"distributed must be 'auto', True or False, got {self.distributed!r}")
 
     # ------------------------------------------------------------------ mode and memory
-    def _memory_budget(self, shard: Shard | None = None) -> int:
-        """
-        Bytes the large matrices may take: ``memory_limit_gb``, or 80 % of the memory available on
-        the device when the fit starts. In a sharded run the processes of one machine share it
-        (``LOCAL_WORLD_SIZE``, set by ``torchrun``), and every process uses the smallest budget of all.
-        """
-        if self.memory_limit_gb is not None:
-            budget = int(float(self.memory_limit_gb) * _GIB)
-        else:
-            budget = int(MEMORY_SHARE * available_memory(self.device_))
-        if shard is not None:
-            budget //= max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-            budget = -int(shard.all_reduce(torch.tensor([-budget], dtype=torch.int64), "max")[0])
-        return budget
-
     def _choose_mode(self, n: int, shard: Shard | None, model: nn.Module, probe: np.ndarray) -> str:
         budget = self._budget
         if self.projection_dim is None:
             if shard is not None:
                 raise ValueError(
-                    "projection_dim=None (exact NTK influence) runs in one process; "
-                    "pass a projection_dim (or 'auto') to shard over torch.distributed"
+                    "projection_dim must be 'auto' or an integer to shard over torch.distributed, got None (the "
+                    "exact NTK influence runs in one process)"
                 )
             need = exact_bytes(n, self.device_)
             if need > budget:
                 raise ValueError(
-                    f"exact NTK influence on {n} training examples needs about {need / _GIB:.1f} GiB "
-                    f"({n} x {n} float64 matrices and the kernel engine's buffers), more than the "
-                    f"{budget / _GIB:.1f} GiB budget; use projection_dim='auto' or an integer projection dimension"
+                    f"projection_dim must be 'auto' or an integer on {n} training examples within the "
+                    f"{budget / _GIB:.1f} GiB budget, got None: the exact NTK influence needs about "
+                    f"{need / _GIB:.1f} GiB ({n} x {n} float64 matrices and the kernel engine's buffers)"
                 )
             return "exact"
         fits = exact_bytes(n, self.device_) <= budget
@@ -260,62 +222,49 @@ class NTKInfluence(InfluenceEstimator):
         shard = current_shard(self.distributed)
         if shard is not None and shard.world_size > n:
             raise ValueError(
-                f"the process group has {shard.world_size} processes but x_train has only {n} examples; "
-                "every process needs at least one"
+                f"x_train must hold at least one example per process, got {n} examples for the "
+                f"{shard.world_size} processes of the process group"
             )
         self.shard_ = shard
         self.seconds_ = dict.fromkeys(("features", "solve", "communication", "scores"), 0.0)
         self._jacobian_gram = None
         self._kept = None
         self._query_features = None
-        self._budget = self._memory_budget(shard)
+        self._budget = memory_budget(self.memory_limit_gb, self.device_, shard)
         probe, _ = source.take(np.arange(min(n, 64)), self.batch_size)
         self.mode_ = self._choose_mode(n, shard, model, probe)
         self._prev_local = np.zeros(0, dtype=np.int64)
         if self.mode_ == "exact":
-            self.projector_, self.projection_dim_ = None, None
-            x, y = source.arrays(self.batch_size)
-            self._check_labels(y, "y_train")
-            self.x_train_, self.y_train_ = np.array(x, copy=True), y
-            self._x_base = self.x_train_
-            with self._clock("features"):
-                kernel = self._exact_fit_kernel(model, x)
-            with self._clock("solve"):
-                self.solver_ = DualRidge(float(self.ridge)).fit(kernel, self._targets(y))
-            logger.debug("NTK influence (exact): kernel %s, ridge %g", tuple(kernel.shape), self.ridge)
-            return
-        k = DEFAULT_PROJECTION_DIM if self.projection_dim == "auto" else int(self.projection_dim)
+            self._fit_exact(model, source)
+        else:
+            self._fit_projected(model, source, probe)
+
+    def _fit_exact(self, model: nn.Module, source: ExampleSource) -> None:
+        """The exact mode: the ``n × n`` eNTK of the training set and its dual solve."""
+        self.projector_, self.projection_dim_ = None, None
+        x, y = source.arrays(self.batch_size)
+        self._check_labels(y, "y_train")
+        self.x_train_, self.y_train_ = np.array(x, copy=True), y
+        self._x_base = self.x_train_
+        with self._clock("features"):
+            kernel = self._exact_fit_kernel(model, x)
+        with self._clock("solve"):
+            self.solver_ = DualRidge(float(self.ridge)).fit(kernel, self._targets(y))
+        logger.debug("NTK influence (exact): kernel %s, ridge %g", tuple(kernel.shape), self.ridge)
+
+    def _fit_projected(self, model: nn.Module, source: ExampleSource, probe: np.ndarray) -> None:
+        """The projected mode: this process's block of the features ``Φ``, then the primal or dual solve."""
+        n, shard = source.n, self.shard_
         start, stop = shard.bounds(n) if shard is not None else (0, n)
         previous = getattr(self, "projector_", None) if self._warm_start else None
         self.projector_, self.projection_dim_, self.x_train_ = None, None, None
         error: BaseException | None = None
         try:  # every process plans, checks its memory and computes its features before any collective
-            projector = ProjectedNTK(
-                model, k, seed=int(self.projection_seed), batch_size=self.batch_size, max_bytes=self._budget // 2,
-                like=previous,
-            )
-            projector.plan(probe)
-            dim = projector.dim
-            need = projected_bytes(stop - start, n, dim)
-            if need > self._budget:
-                raise ValueError(
-                    f"projected NTK influence with projection_dim={dim} on {n} training examples needs about "
-                    f"{need / _GIB:.1f} GiB, more than the {self._budget / _GIB:.1f} GiB budget; lower "
-                    "projection_dim" + (" or shard over more processes" if n > dim else "")
-                )
-            phi = torch.empty((stop - start, dim), dtype=torch.float64, device=self.device_)
-            y = np.empty(stop - start, dtype=np.int64)
-            with self._clock("features"), progress_bar(
-                total=stop - start, desc="NTK features", unit="ex", verbose=self.verbose
-            ) as bar:
-                for off, xb, yb in source.batches(self.batch_size, start, stop):
-                    phi[off : off + len(xb)] = projector.features(xb)
-                    y[off : off + len(yb)] = yb
-                    bar.update(len(xb))
-            self._check_labels(y, "y_train")
+            projector, phi, y = self._projected_features(model, source, probe, previous, start, stop)
         except Exception as failure:  # noqa: BLE001 - handed to every process below
             error = failure
         raise_if_any(shard, error)
+        dim = projector.dim
         self.projector_, self.projection_dim_ = projector, dim
         self.y_train_ = y
         self._bounds = (start, stop)
@@ -336,6 +285,43 @@ class NTKInfluence(InfluenceEstimator):
             "NTK influence (projected, k=%d of %d, %s): %d examples here of %d",
             dim, projector.full_dim, type(self.solver_).__name__, stop - start, n,
         )
+
+    def _projected_features(
+        self, model: nn.Module, source: ExampleSource, probe: np.ndarray, previous: ProjectedNTK | None,
+        start: int, stop: int,
+    ) -> tuple[ProjectedNTK, torch.Tensor, np.ndarray]:
+        """
+        Plan the projection (like ``previous`` when warm-started), check the memory, and compute the features of
+        the training rows ``start:stop``.
+
+        :return: ``(projector, Φ rows, their labels)``.
+        """
+        n = source.n
+        k = DEFAULT_PROJECTION_DIM if self.projection_dim == "auto" else int(self.projection_dim)
+        projector = ProjectedNTK(
+            model, k, seed=int(self.projection_seed), batch_size=self.batch_size,
+            max_bytes=self._budget // 2, like=previous,
+        )
+        projector.plan(probe)
+        dim = projector.dim
+        need = projected_bytes(stop - start, n, dim)
+        if need > self._budget:
+            raise ValueError(
+                f"projection_dim must fit {n} training examples in the {self._budget / _GIB:.1f} GiB budget, got "
+                f"{dim}, which needs about {need / _GIB:.1f} GiB; lower projection_dim"
+                + (" or shard over more processes" if n > dim else "")
+            )
+        phi = torch.empty((stop - start, dim), dtype=torch.float64, device=self.device_)
+        y = np.empty(stop - start, dtype=np.int64)
+        with self._clock("features"), progress_bar(
+            total=stop - start, desc="NTK features", unit="ex", verbose=self.verbose
+        ) as bar:
+            for off, xb, yb in source.batches(self.batch_size, start, stop):
+                phi[off : off + len(xb)] = projector.features(xb)
+                y[off : off + len(yb)] = yb
+                bar.update(len(xb))
+        self._check_labels(y, "y_train")
+        return projector, phi, y
 
     def _exact_fit_kernel(self, model: nn.Module, x: np.ndarray) -> torch.Tensor:
         """

@@ -72,6 +72,42 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _check_finite(a: torch.Tensor, what: str) -> None:
+    """Refuse a matrix with NaN or infinite entries, checked in row blocks (no temporary of ``a``'s size)."""
+    step = _row_block(a.shape[1])
+    for s in range(0, a.shape[0], step):
+        if not bool(torch.isfinite(a[s : s + step]).all()):
+            raise ValueError(
+                f"{what} must be finite, got NaN or infinite values; check the inputs and the model's outputs"
+            )
+
+
+def _not_positive_definite(what: str, ridge: float, scale: float) -> ValueError:
+    return ValueError(f"{what} must be positive definite, got ridge={ridge!r} at scale {scale:.3g}; increase ridge")
+
+
+def kernel_ridge_predict(
+    k_train: torch.Tensor, k_test: torch.Tensor, targets: torch.Tensor, ridge: float
+) -> torch.Tensor:
+    """
+    Predictions of kernel ridge regression, ``K_test (K_train + λI)⁻¹ Y``, through a Cholesky factorisation.
+
+    :param k_train: ``n × n`` symmetric kernel of the training points.
+    :param k_test: ``n_q × n`` kernel between the query and the training points.
+    :param targets: ``n × C`` regression targets.
+    :param ridge: Ridge ``λ > 0``.
+    :return: ``(n_q, C)`` predictions, in ``k_train``'s dtype.
+    :raises ValueError: If ``K_train + λI`` has non-finite entries or is not positive definite.
+    """
+    a = k_train + ridge * torch.eye(k_train.shape[0], dtype=k_train.dtype, device=k_train.device)
+    _check_finite(a, "k_train + ridge*I")
+    chol, info = torch.linalg.cholesky_ex(a)
+    if int(info) != 0:
+        scale = float(a.diagonal().abs().max()) if a.numel() else 0.0
+        raise _not_positive_definite("k_train + ridge*I", ridge, scale)
+    return k_test.to(a.dtype) @ torch.cholesky_solve(targets.to(a.dtype), chol)
+
+
 def inverse_cholesky_(a: torch.Tensor, ridge: float, what: str = "K + ridge*I") -> torch.Tensor:
     """
     Overwrite the symmetric positive definite matrix ``a`` with ``L⁻¹`` where ``a = LLᵀ``.
@@ -85,17 +121,8 @@ def inverse_cholesky_(a: torch.Tensor, ridge: float, what: str = "K + ridge*I") 
     :return: ``L⁻¹``, lower triangular (on the CPU a transposed view of ``a``'s memory).
     :raises ValueError: If ``a`` has non-finite entries or is not positive definite.
     """
-    step = _row_block(a.shape[1])
-    for s in range(0, a.shape[0], step):  # in row blocks: no n × n temporary
-        if not bool(torch.isfinite(a[s : s + step]).all()):
-            raise ValueError(f"{what} contains NaN or infinite values; check the inputs and the model's outputs")
+    _check_finite(a, what)
     scale = float(a.diagonal().abs().max()) if a.numel() else 0.0
-
-    def fail() -> ValueError:
-        return ValueError(
-            f"{what} is not positive definite (ridge={ridge!r}, scale {scale:.3g}); increase ridge"
-        )
-
     if a.shape[0] == 0:
         return a
     if a.device.type == "cpu" and a.dtype == torch.float64 and a.is_contiguous():
@@ -103,14 +130,14 @@ def inverse_cholesky_(a: torch.Tensor, ridge: float, what: str = "K + ridge*I") 
         # arr.T is Fortran-ordered and equal to arr (symmetric): LAPACK works on it in place
         factor, info = lapack.dpotrf(arr.T, lower=1, overwrite_a=1, clean=1)
         if info != 0:
-            raise fail()
+            raise _not_positive_definite(what, ridge, scale)
         inverse, info = lapack.dtrtri(factor, lower=1, overwrite_c=1)
         if info != 0 or not np.shares_memory(inverse, arr):  # pragma: no cover - LAPACK contract
-            raise RuntimeError("in-place triangular inverse failed")
+            raise RuntimeError(f"the triangular inverse must be computed in place, got LAPACK info {info}")
         return a.T
     chol, info = torch.linalg.cholesky_ex(a)
     if int(info) != 0:
-        raise fail()
+        raise _not_positive_definite(what, ridge, scale)
     eye = torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
     a.copy_(torch.linalg.solve_triangular(chol, eye, upper=False))
     return a

@@ -66,18 +66,18 @@ def _as_matrix(x: np.ndarray | torch.Tensor, name: str, device: torch.device | N
         t = to_tensor(x, x.device if device is None else device, torch.float64)
     elif isinstance(x, np.ndarray):
         if not np.issubdtype(x.dtype, np.number) or np.iscomplexobj(x):
-            raise TypeError(f"{name} must hold real numbers, got dtype {x.dtype}.")
+            raise TypeError(f"{name} must hold real numbers, got dtype {x.dtype}")
         t = to_tensor(x, torch.device("cpu") if device is None else device, torch.float64)
     else:
-        raise TypeError(f"{name} must be a numpy array or a torch tensor, got {type(x).__name__}.")
+        raise TypeError(f"{name} must be a numpy array or a torch tensor, got {type(x).__name__}")
     if t.ndim == 1:
         t = t.unsqueeze(0)
     if t.ndim != 2:
-        raise ValueError(f"{name} must have shape (n, d) (or (d,)), got {tuple(t.shape)}.")
+        raise ValueError(f"{name} must have shape (n, d) (or (d,)), got {tuple(t.shape)}")
     if t.shape[0] == 0 or t.shape[1] == 0:
-        raise ValueError(f"{name} must not be empty, got shape {tuple(t.shape)}.")
+        raise ValueError(f"{name} must not be empty, got shape {tuple(t.shape)}")
     if not bool(torch.isfinite(t).all()):
-        raise ValueError(f"{name} holds NaN or infinite values.")
+        raise ValueError(f"{name} must be finite, got NaN or infinite values")
     return t
 
 
@@ -136,15 +136,15 @@ def unit_angle(u: np.ndarray | torch.Tensor, v: np.ndarray | torch.Tensor | None
     u_t = _as_matrix(u, "u")
     v_t = u_t if v is None else _as_matrix(v, "v", device=u_t.device)
     if v_t.shape[1] != u_t.shape[1]:
-        raise ValueError(f"u and v must have the same number of columns, got {u_t.shape[1]} and {v_t.shape[1]}.")
+        raise ValueError(f"u and v must have the same number of columns, got {u_t.shape[1]} and {v_t.shape[1]}")
     for name, t in (("u", u_t), ("v", v_t)):
         norms = torch.linalg.vector_norm(t, dim=1)
         bad = (norms - 1.0).abs() > _UNIT_RTOL
         if bool(bad.any()):
             row = int(bad.nonzero()[0, 0])
             raise ValueError(
-                f"{name} must have rows of unit l2 norm, but row {row} has norm {float(norms[row]):.6g}; "
-                "normalise the rows first (relu_ntk accepts any norms)."
+                f"{name} must have rows of unit l2 norm, got norm {float(norms[row]):.6g} in row {row}; "
+                "normalise the rows first (relu_ntk accepts any norms)"
             )
     a, b = _chords(u_t, v_t, symmetric=v is None)
     return 2.0 * torch.atan2(a, b)
@@ -152,7 +152,7 @@ def unit_angle(u: np.ndarray | torch.Tensor, v: np.ndarray | torch.Tensor | None
 
 def _check_trained(trained: str) -> str:
     if not isinstance(trained, str) or trained not in TRAINED_LAYERS:
-        raise ValueError(f"trained must be one of {TRAINED_LAYERS}, got {trained!r}.")
+        raise ValueError(f"trained must be one of {TRAINED_LAYERS}, got {trained!r}")
     return trained
 
 
@@ -190,9 +190,7 @@ def relu_ntk(
     symmetric = z2 is None
     z2_t = z1_t if symmetric else _as_matrix(z2, "z2", device=z1_t.device)
     if z2_t.shape[1] != z1_t.shape[1]:
-        raise ValueError(
-            f"z1 and z2 must have the same number of columns, got {z1_t.shape[1]} and {z2_t.shape[1]}."
-        )
+        raise ValueError(f"z1 and z2 must have the same number of columns, got {z1_t.shape[1]} and {z2_t.shape[1]}")
     norms1 = torch.linalg.vector_norm(z1_t, dim=1)
     norms2 = norms1 if symmetric else torch.linalg.vector_norm(z2_t, dim=1)
     u = z1_t / torch.where(norms1 > 0, norms1, 1.0).unsqueeze(1)
@@ -208,6 +206,21 @@ def relu_ntk(
         outer = norms1.unsqueeze(1) * norms2.unsqueeze(0)
         kernel = kernel + (outer * sin_theta + dots * complement) / (2.0 * math.pi)
     return kernel
+
+
+def _model_input(x: np.ndarray | torch.Tensor, name: str, device: torch.device) -> torch.Tensor:
+    """
+    :param x: Model inputs `(n, *input_shape)`.
+    :param name: Argument name for error messages.
+    :param device: Target device.
+    :return: A float64 copy on `device`.
+    """
+    if not isinstance(x, (np.ndarray, torch.Tensor)):
+        raise TypeError(f"{name} must be a numpy array or a torch tensor, got {type(x).__name__}")
+    x_t = to_tensor(x, device, torch.float64)
+    if x_t.ndim < 1 or x_t.shape[0] == 0:
+        raise ValueError(f"{name} must have shape (n, *input_shape) with n >= 1, got {tuple(x_t.shape)}")
+    return x_t
 
 
 def _count_outputs(model: nn.Module, x: torch.Tensor) -> int:
@@ -254,19 +267,20 @@ def analytic_ntk(
     :raises ValueError: On an unknown `trained`, empty inputs, or trained parameters besides ``hidden.weight``.
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not callable(getattr(model, "features", None)):
         raise TypeError(
-            f"model ({type(model).__name__}) has no features(x) method: analytic_ntk needs the first-layer "
-            "inputs of a reference model (TwoLayerReLU or MLPAttn)."
+            f"model must have a features(x) method, got {type(model).__name__} without one; analytic_ntk needs "
+            "the first-layer inputs of a reference model (TwoLayerReLU or MLPAttn)"
         )
     trained = _check_trained(trained)
     extra = [n for n, p in model.named_parameters() if p.requires_grad and n != "hidden.weight"]
     if extra:
         raise ValueError(
-            f"model ({type(model).__name__}) trains parameters besides the first layer ({', '.join(extra)}): "
-            "their share of the empirical NTK is not width-scaled and does not vanish, so the two-layer ReLU "
-            "limit does not apply (e.g. MLP-Attn-QKV's trained attention has no infinite-width kernel here)."
+            f"model must train the first layer only (hidden.weight), got {type(model).__name__} training "
+            f"{', '.join(extra)}; their share of the empirical NTK is not width-scaled and does not vanish, so the "
+            "two-layer ReLU limit does not apply (e.g. MLP-Attn-QKV's trained attention has no infinite-width "
+            "kernel here)"
         )
     if not isinstance(model, (TwoLayerReLU, MLPAttn)):
         logger.warning(
@@ -275,17 +289,7 @@ def analytic_ntk(
         )
     device, _ = model_device_dtype(model)
     clone = working_copy(model, device, torch.float64)
-    inputs = []
-    for name, x in (("x1", x1), ("x2", x2)):
-        if x is None:
-            inputs.append(None)
-            continue
-        if not isinstance(x, (np.ndarray, torch.Tensor)):
-            raise TypeError(f"{name} must be a numpy array or a torch tensor, got {type(x).__name__}.")
-        x_t = to_tensor(x, device, torch.float64)
-        if x_t.ndim < 1 or x_t.shape[0] == 0:
-            raise ValueError(f"{name} must have shape (n, *input_shape) with n >= 1, got {tuple(x_t.shape)}.")
-        inputs.append(x_t)
+    inputs = [None if x is None else _model_input(x, name, device) for name, x in (("x1", x1), ("x2", x2))]
     with torch.no_grad():
         nb_outputs = _count_outputs(clone, inputs[0])
         z1 = clone.features(inputs[0])
@@ -293,6 +297,9 @@ def analytic_ntk(
     kernel = relu_ntk(z1, z2, trained=trained)
     logger.debug(
         "Analytic NTK (%s layer(s) trained) of %s: %s x %d outputs.",
-        trained, type(model).__name__, tuple(kernel.shape), nb_outputs,
+        trained,
+        type(model).__name__,
+        tuple(kernel.shape),
+        nb_outputs,
     )
     return kernel * float(nb_outputs)

@@ -37,32 +37,31 @@ else ``"no convergence over the tested widths"``; ``lambda_min_ratio``, ``cond_e
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from art_malleability._io import atomic_write, json_ready, progress_bar, read_report_json
+from art_malleability._io import json_ready, progress_bar
 from art_malleability._torch_utils import no_tf32, resolve_device
 from art_malleability._validation import labels_to_indices
+from art_malleability.influence.ridge import kernel_ridge_predict
 from art_malleability.metrics import percentile_interval
 from art_malleability.models import is_transductive
 from art_malleability.ntk.analytic import analytic_ntk
+from art_malleability.ntk.convergence_report import LEVELS as LEVELS  # public path
+from art_malleability.ntk.convergence_report import PRIMARY as PRIMARY  # public path
+from art_malleability.ntk.convergence_report import ConvergenceReport, WidthFit
 from art_malleability.ntk.empirical import empirical_ntk
 
 logger = logging.getLogger(__name__)
 
 PROTOCOLS = ("gd", "adam")
-LEVELS = ("static", "spectral", "dynamic")
 STATIC_METRICS = ("kernel_error", "alignment_distance")
 SPECTRAL_METRICS = ("lambda_min_error", "lambda_min_ratio", "lambda_max_error", "cond_empirical", "predictor_error")
 DYNAMIC_METRICS = (
@@ -73,7 +72,6 @@ DYNAMIC_METRICS = (
     "weight_movement",
     "test_accuracy",
 )
-PRIMARY = {"static": "kernel_error", "spectral": "lambda_min_error", "dynamic": "kernel_movement"}
 CONVERGES = "converges"
 NO_CONVERGENCE = "no convergence over the tested widths"
 DESCRIPTIVE = "descriptive"
@@ -83,192 +81,6 @@ DESCRIPTIVE_METRICS = ("lambda_min_ratio", "cond_empirical", "test_accuracy")
 CONVERGENCE_EXPONENT = -0.1
 
 ModelFactory = Callable[[int, int], nn.Module]
-
-
-@dataclass
-class WidthFit:
-    """
-    Width exponent of one metric for one model (and protocol, for dynamic metrics).
-
-    :param model: Model name.
-    :param level: ``"static"``, ``"spectral"`` or ``"dynamic"``.
-    :param metric: Metric name.
-    :param protocol: Training protocol for dynamic metrics, else ``None``.
-    :param exponent: Least-squares slope of log(mean metric over seeds) against log(width).
-    :param interval: Percentile bootstrap interval of the slope over seeds.
-    :param verdict: ``"converges"`` or ``"no convergence over the tested widths"``.
-    :param means: Mean of the metric over seeds at each width.
-    """
-
-    model: str
-    level: str
-    metric: str
-    protocol: str | None
-    exponent: float | None
-    interval: list[float | None]
-    verdict: str
-    means: list[float | None]
-
-    def __post_init__(self) -> None:
-        self.exponent = json_ready(self.exponent)
-        self.interval = json_ready(self.interval)
-        self.means = json_ready(self.means)
-
-
-@dataclass
-class ConvergenceReport:
-    """
-    Result of :meth:`NTKConvergenceChecker.run`: one record per (model, width, seed[, protocol]) and
-    one :class:`WidthFit` per metric.
-
-    :param widths: Widths tested.
-    :param seeds: Seeds tested.
-    :param config: Checker settings.
-    :param records: Rows with ``model``, ``width``, ``seed``, ``level``, ``protocol`` and metric values.
-    :param fits: Width exponents and verdicts.
-    :param seconds: Time per model.
-    :param dataset: Name of the data, where known.
-    """
-
-    widths: list[int]
-    seeds: list[int]
-    config: dict[str, Any]
-    records: list[dict[str, Any]]
-    fits: list[WidthFit]
-    seconds: dict[str, float] = field(default_factory=dict)
-    dataset: str | None = None
-
-    def __post_init__(self) -> None:
-        self.fits = [f if isinstance(f, WidthFit) else WidthFit(**f) for f in self.fits]
-        self.records = json_ready(self.records)
-        self.config = json_ready(self.config)
-        self.seconds = json_ready(self.seconds)
-
-    @property
-    def models(self) -> list[str]:
-        """:return: Model names, in order of appearance."""
-        return list(dict.fromkeys(r["model"] for r in self.records))
-
-    def level_verdicts(self) -> list[dict[str, Any]]:
-        """:return: One row per (model, level[, protocol]) with the primary metric's exponent and verdict."""
-        rows = []
-        for f in self.fits:
-            if f.metric == PRIMARY[f.level]:
-                rows.append({"model": f.model, "level": f.level, "protocol": f.protocol, "metric": f.metric,
-                             "exponent": f.exponent, "interval": f.interval, "verdict": f.verdict})
-        return rows
-
-    def summary(self) -> str:
-        """:return: Plain-text table of every metric's width exponent, interval and verdict."""
-        header = ["model", "level", "protocol", "metric", "exponent [CI]", "verdict"]
-        rows = [header]
-        for f in self.fits:
-            rows.append([f.model, f.level, f.protocol or "-", f.metric, _slope(f), f.verdict])
-        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-        lines = [f"NTK convergence over widths {self.widths}, seeds {self.seeds}"
-                 + (f" on {self.dataset}" if self.dataset else "")]
-        for i, row in enumerate(rows):
-            lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
-            if i == 0:
-                lines.append("  ".join("-" * w for w in widths))
-        return "\n".join(lines)
-
-    def to_markdown(self) -> str:
-        """:return: Markdown: verdict per level, all exponents, mean metric per width, settings."""
-        lines = [f"# NTK convergence check{' on ' + self.dataset if self.dataset else ''}", "",
-                 f"Widths {self.widths}; seeds {self.seeds}. Exponent: slope of log(metric) against log(width); "
-                 "interval: percentile bootstrap over seeds. Verdicts are per level, never merged.", "",
-                 "## Verdict per level (primary metric)", "",
-                 "| model | level | protocol | metric | exponent [CI] | verdict |", "|---|---|---|---|---|---|"]
-        for f in self.fits:
-            if f.metric == PRIMARY[f.level]:
-                row = [f.model, f.level, f.protocol or "-", f.metric, _slope(f), f.verdict]
-                lines.append("| " + " | ".join(row) + " |")
-        lines += ["", "## Every metric", "",
-                  "| model | level | protocol | metric | " + " | ".join(f"m={w}" for w in self.widths)
-                  + " | exponent [CI] | verdict |", "|---|---|---|---|" + "---|" * (len(self.widths) + 2)]
-        for f in self.fits:
-            means = " | ".join("n/a" if v is None else f"{v:.4g}" for v in f.means)
-            lines.append(f"| {f.model} | {f.level} | {f.protocol or '-'} | {f.metric} | {means} | {_slope(f)} | "
-                         f"{f.verdict} |")
-        lines += ["", "## Settings", ""] + [f"- `{k}`: `{v}`" for k, v in self.config.items()]
-        lines += ["", "## Time (seconds)", ""] + [f"- {k}: {v:.1f}" for k, v in self.seconds.items()]
-        lines += ["", "![static](static.png)", "", "![spectral](spectral.png)", "", "![dynamic](dynamic.png)", ""]
-        return "\n".join(lines)
-
-    def to_dict(self) -> dict[str, Any]:
-        """:return: JSON-ready dict."""
-        return asdict(self)
-
-    def save(self, directory: str | os.PathLike) -> Path:
-        """
-        Write ``convergence.json`` (atomically), ``convergence.md`` and one log-log figure per level.
-
-        :param directory: Output folder (created if missing).
-        :return: The folder.
-        """
-        out = Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write(out / "convergence.json", json.dumps(self.to_dict(), indent=1, allow_nan=False))
-        atomic_write(out / "convergence.md", self.to_markdown())
-        import matplotlib.pyplot as plt
-
-        for level in LEVELS:
-            figure = self.plot(level)
-            figure.savefig(out / f"{level}.png", dpi=110, bbox_inches="tight")
-            plt.close(figure)
-        return out
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> ConvergenceReport:
-        """
-        :param path: A ``convergence.json`` file or its folder.
-        :return: The report.
-        """
-        return cls(**read_report_json(path, "convergence.json"))
-
-    def plot(self, level: str) -> Any:
-        """
-        Log-log plot of each metric of one level against width: one line per model (and protocol),
-        mean over seeds with the seeds' range as a band.
-
-        :param level: ``"static"``, ``"spectral"`` or ``"dynamic"``.
-        :return: The matplotlib figure.
-        """
-        import matplotlib.pyplot as plt
-
-        metrics = list(dict.fromkeys(f.metric for f in self.fits if f.level == level))
-        if not metrics:
-            figure, _ = plt.subplots(figsize=(3, 2))
-            return figure
-        figure, axes = plt.subplots(1, len(metrics), figsize=(3.3 * len(metrics), 3.0), squeeze=False)
-        labels = list(dict.fromkeys(f.model + (f" ({f.protocol})" if f.protocol else "")
-                                    for f in self.fits if f.level == level))
-        colours = {label: f"C{i}" for i, label in enumerate(labels)}  # one colour per line in every panel
-        for ax, metric in zip(axes[0], metrics, strict=True):
-            for f in self.fits:
-                if f.level != level or f.metric != metric:
-                    continue
-                rows = [r for r in self.records if r["model"] == f.model and r["level"] == level
-                        and r.get("protocol") == f.protocol]
-                lows, highs = [], []
-                for w in self.widths:
-                    vals = [r[metric] for r in rows if r["width"] == w and r.get(metric) is not None]
-                    lows.append(min(vals) if vals else np.nan)
-                    highs.append(max(vals) if vals else np.nan)
-                label = f.model + (f" ({f.protocol})" if f.protocol else "")
-                means = [np.nan if v is None else v for v in f.means]
-                ax.plot(self.widths, means, marker="o", label=label, color=colours[label])
-                ax.fill_between(self.widths, lows, highs, color=colours[label], alpha=0.15)
-            ax.set_xscale("log", base=2)
-            if metric not in ("lambda_min_ratio", "test_accuracy"):
-                ax.set_yscale("log")
-            ax.set_xlabel("width m")
-            ax.set_title(metric, fontsize=9)
-            ax.legend(fontsize=6)
-        figure.suptitle(f"{level} level", fontsize=10)
-        figure.tight_layout()
-        return figure
 
 
 class NTKConvergenceChecker:
@@ -392,15 +204,21 @@ class NTKConvergenceChecker:
         :param x_test: Test inputs for the predictors and output distances.
         :param y_test: Test labels.
         :param dataset: Optional name of the data for the report.
-        :return: A :class:`ConvergenceReport`.
+        :return: A :class:`~art_malleability.ntk.convergence_report.ConvergenceReport`.
         """
         for name, x in (("x_train", x_train), ("x_test", x_test)):
             if not isinstance(x, np.ndarray) or x.ndim < 2 or len(x) == 0 or not np.all(np.isfinite(x)):
-                raise ValueError(f"{name} must be a non-empty finite numpy array of shape (n, *input_shape)")
+                got = type(x).__name__ if not isinstance(x, np.ndarray) else (
+                    "NaN or infinite values" if x.ndim >= 2 and len(x) else f"shape {x.shape}"
+                )
+                raise ValueError(f"{name} must be a non-empty finite numpy array of shape (n, *input_shape), got {got}")
         y_train = labels_to_indices(y_train, "y_train")
         y_test = labels_to_indices(y_test, "y_test")
         if len(y_train) != len(x_train) or len(y_test) != len(x_test):
-            raise ValueError("y_train and y_test must have one label per row of x_train and x_test")
+            raise ValueError(
+                "y_train and y_test must have one label per row of x_train and x_test, got "
+                f"{len(y_train)} and {len(y_test)} labels for {len(x_train)} and {len(x_test)} rows"
+            )
         device = resolve_device(self.device)
         factories = self._factories(x_train.shape[1:], int(max(y_train.max(), y_test.max())) + 1)
         x_tr = torch.as_tensor(np.asarray(x_train, dtype=np.float64), device=device).to(self.dtype)
@@ -453,7 +271,7 @@ class NTKConvergenceChecker:
                   "alignment_distance": 1.0 - float((k0 * limit.k_train).sum() / (k0.norm() * limit.k_train.norm()))}
         eig0 = torch.linalg.eigvalsh(k0)
         k0_test = empirical_ntk(model, x_te, x_tr).to(torch.float64)
-        pred0 = k0_test @ torch.linalg.solve(k0 + self.ridge * _eye(k0), limit.targets)
+        pred0 = kernel_ridge_predict(k0, k0_test, limit.targets, self.ridge)
         ratio = float(eig0[0] / limit.eig[0])
         spectral = {**base, "level": "spectral", "protocol": None,
                     "lambda_min_error": abs(1.0 - ratio), "lambda_min_ratio": ratio,
@@ -560,7 +378,7 @@ class _Limit:
                                                    n_outputs).to(torch.float64)
         self.eig = torch.linalg.eigvalsh(self.k_train)
         self.cond = float(self.eig[-1] / self.eig[0]) if self.eig[0] > 0 else float("inf")
-        self.krr_test = self.k_test @ torch.linalg.solve(self.k_train + ridge * _eye(self.k_train), self.targets)
+        self.krr_test = kernel_ridge_predict(self.k_train, self.k_test, self.targets, ridge)
         # per-output kernel: the traced kernel's expectation splits equally over the outputs
         self.lambda_max_per_output = float(self.eig[-1]) / n_outputs
         self._eigh = None
@@ -597,15 +415,3 @@ def _log_slope(log_w: np.ndarray, table: np.ndarray) -> float:
 def _rel(diff: torch.Tensor, ref: torch.Tensor) -> float:
     denom = float(ref.norm())
     return float(diff.norm()) / denom if denom > 0 else float("nan")
-
-
-def _eye(k: torch.Tensor) -> torch.Tensor:
-    return torch.eye(k.shape[0], dtype=k.dtype, device=k.device)
-
-
-def _slope(f: WidthFit) -> str:
-    if f.exponent is None:
-        return "n/a"
-    if f.interval[0] is None or f.interval[1] is None:
-        return f"{f.exponent:+.2f}"
-    return f"{f.exponent:+.2f} [{f.interval[0]:+.2f}, {f.interval[1]:+.2f}]"

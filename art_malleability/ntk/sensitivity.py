@@ -40,6 +40,8 @@ from typing import Any
 
 import numpy as np
 
+from art_malleability.ntk._checks import check_positive_int
+
 logger = logging.getLogger(__name__)
 
 _NORM_EPS = 1e-12
@@ -56,26 +58,20 @@ def _as_matrix(x: Any, name: str) -> np.ndarray:
     """
     arr = np.asarray(x, dtype=np.float64)
     if arr.ndim < 2 or arr.shape[0] < 1:
-        raise ValueError(f"{name} must have shape (n, ...) with n >= 1 and at least 2 dimensions, got {arr.shape}.")
+        raise ValueError(f"{name} must have shape (n, ...) with n >= 1 and at least 2 dimensions, got {arr.shape}")
     arr = arr.reshape(arr.shape[0], -1)
     if not np.isfinite(arr).all():
-        raise ValueError(f"{name} holds NaN or infinite values.")
+        raise ValueError(f"{name} must be finite, got NaN or infinite values")
     return arr
-
-
-def _check_chunk(chunk_size: int) -> int:
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}.")
-    return int(chunk_size)
 
 
 def _check_indices(indices: Any, n: int, name: str = "indices") -> np.ndarray:
     idx = np.asarray(indices)
     if idx.ndim != 1 or (idx.size and not np.issubdtype(idx.dtype, np.integer)):
-        raise ValueError(f"{name} must be a 1-D array of integer row indices, got shape {idx.shape}, {idx.dtype}.")
+        raise ValueError(f"{name} must be a 1-D array of integer row indices, got shape {idx.shape}, {idx.dtype}")
     idx = idx.astype(np.int64)
     if idx.size and (idx.min() < 0 or idx.max() >= n):
-        raise ValueError(f"{name} must lie in [0, {n}), got values in [{idx.min()}, {idx.max()}].")
+        raise ValueError(f"{name} must lie in [0, {n}), got values in [{idx.min()}, {idx.max()}]")
     return idx
 
 
@@ -109,7 +105,7 @@ def normalised_perturbation(x: Any, x_adv: Any) -> np.ndarray:
     x_flat = _as_matrix(x, "x")
     adv_flat = _as_matrix(x_adv, "x_adv")
     if x_flat.shape != adv_flat.shape:
-        raise ValueError(f"x and x_adv must have the same shape, got {x_flat.shape} and {adv_flat.shape}.")
+        raise ValueError(f"x and x_adv must have the same shape, got {x_flat.shape} and {adv_flat.shape}")
     return unit_rows(adv_flat) - unit_rows(x_flat)
 
 
@@ -122,7 +118,7 @@ def context_matrix(x: Any, chunk_size: int = DEFAULT_CHUNK) -> np.ndarray:
     :return: Symmetric float64 array `(d, d)`.
     """
     x = _as_matrix(x, "x")
-    chunk_size = _check_chunk(chunk_size)
+    chunk_size = check_positive_int(chunk_size, "chunk_size")
     c = np.zeros((x.shape[1], x.shape[1]), dtype=np.float64)
     for start in range(0, x.shape[0], chunk_size):
         rows = x[start : start + chunk_size]
@@ -146,6 +142,24 @@ def _times_rows_t(a: np.ndarray, x: np.ndarray, chunk_size: int) -> np.ndarray:
     return out
 
 
+def _with_context(x: Any, context: np.ndarray | None, chunk_size: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """
+    The data matrix, its context :math:`C = X^\\top X` (computed when `context` is `None`) and the
+    checked chunk size, shared by the functions that take an optional precomputed context.
+
+    :param x: Data matrix `(n, d)`.
+    :param context: :math:`C` `(d, d)`, or `None`.
+    :param chunk_size: Rows per chunk.
+    :return: `(x, C, chunk_size)`, `x` and `C` as float64 arrays.
+    """
+    x = _as_matrix(x, "x")
+    chunk_size = check_positive_int(chunk_size, "chunk_size")
+    c = context_matrix(x, chunk_size) if context is None else np.asarray(context, dtype=np.float64)
+    if c.shape != (x.shape[1], x.shape[1]):
+        raise ValueError(f"context must have shape {(x.shape[1], x.shape[1])}, got {c.shape}")
+    return x, c, chunk_size
+
+
 def kernel_gradients(x: Any, context: np.ndarray | None = None, chunk_size: int = DEFAULT_CHUNK) -> np.ndarray:
     """
     Rows :math:`g_j = C^2 x_j`, the gradient :math:`\\nabla_a K(a, x_j)` of the kernel in its first argument
@@ -157,12 +171,17 @@ def kernel_gradients(x: Any, context: np.ndarray | None = None, chunk_size: int 
     :param chunk_size: Rows per chunk.
     :return: Float64 array `(n, d)`.
     """
-    x = _as_matrix(x, "x")
-    chunk_size = _check_chunk(chunk_size)
-    c = context_matrix(x, chunk_size) if context is None else np.asarray(context, dtype=np.float64)
-    if c.shape != (x.shape[1], x.shape[1]):
-        raise ValueError(f"context must have shape {(x.shape[1], x.shape[1])}, got {c.shape}.")
+    x, c, chunk_size = _with_context(x, context, chunk_size)
     return _rows_times(_rows_times(x, c, chunk_size), c, chunk_size)
+
+
+def _delta_and_gradients(delta: Any, gradients: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Perturbations `(m, d)` and kernel gradients `(n, d)` as float64 matrices with the same `d`."""
+    delta = _as_matrix(delta, "delta")
+    gradients = _as_matrix(gradients, "gradients")
+    if delta.shape[1] != gradients.shape[1]:
+        raise ValueError(f"delta must have {gradients.shape[1]} features like gradients, got {delta.shape[1]}")
+    return delta, gradients
 
 
 def sensitivity_bound(delta: Any, gradients: Any) -> np.ndarray:
@@ -174,10 +193,7 @@ def sensitivity_bound(delta: Any, gradients: Any) -> np.ndarray:
     :param gradients: Rows :math:`C^2 x_j` from :func:`kernel_gradients`, shape `(n, d)`.
     :return: Float64 array `(m, n)`.
     """
-    delta = _as_matrix(delta, "delta")
-    gradients = _as_matrix(gradients, "gradients")
-    if delta.shape[1] != gradients.shape[1]:
-        raise ValueError(f"delta has {delta.shape[1]} features, gradients {gradients.shape[1]}.")
+    delta, gradients = _delta_and_gradients(delta, gradients)
     return np.outer(np.abs(delta).max(axis=1), np.abs(gradients).sum(axis=1))
 
 
@@ -191,16 +207,13 @@ def kernel_change_fixed_context(delta: Any, gradients: Any, chunk_size: int = DE
     :param chunk_size: Columns per chunk.
     :return: Float64 array `(m, n)`.
     """
-    delta = _as_matrix(delta, "delta")
-    gradients = _as_matrix(gradients, "gradients")
-    if delta.shape[1] != gradients.shape[1]:
-        raise ValueError(f"delta has {delta.shape[1]} features, gradients {gradients.shape[1]}.")
-    return _times_rows_t(delta, gradients, _check_chunk(chunk_size))
+    delta, gradients = _delta_and_gradients(delta, gradients)
+    return _times_rows_t(delta, gradients, check_positive_int(chunk_size, "chunk_size"))
 
 
 def _perturbed_rows(x: np.ndarray, indices: np.ndarray, delta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if delta.shape != (indices.size, x.shape[1]):
-        raise ValueError(f"delta must have shape {(indices.size, x.shape[1])}, got {delta.shape}.")
+        raise ValueError(f"delta must have shape {(indices.size, x.shape[1])}, got {delta.shape}")
     clean = x[indices]
     return clean, clean + delta
 
@@ -234,22 +247,16 @@ def kernel_change_in_context(
     :param chunk_size: Rows of `x` per chunk.
     :return: Float64 array `(m, n)`.
     """
-    x = _as_matrix(x, "x")
-    chunk_size = _check_chunk(chunk_size)
+    x, c, chunk_size = _with_context(x, context, chunk_size)
     idx = _check_indices(indices, x.shape[0])
     delta = np.asarray(delta, dtype=np.float64).reshape(idx.size, -1)
     clean, moved = _perturbed_rows(x, idx, delta)
-    c = context_matrix(x, chunk_size) if context is None else np.asarray(context, dtype=np.float64)
-    c2_clean = (
-        np.asarray(gradients, dtype=np.float64)[idx] if gradients is not None else (clean @ c) @ c
-    )
+    c2_clean = np.asarray(gradients, dtype=np.float64)[idx] if gradients is not None else (clean @ c) @ c
 
     def apply_new_context(v: np.ndarray) -> np.ndarray:
         # C_i' v = C v - x_i (x_i . v) + x_i' (x_i' . v), row by row
         return (
-            v @ c
-            - clean * np.einsum("rd,rd->r", clean, v)[:, None]
-            + moved * np.einsum("rd,rd->r", moved, v)[:, None]
+            v @ c - clean * np.einsum("rd,rd->r", clean, v)[:, None] + moved * np.einsum("rd,rd->r", moved, v)[:, None]
         )
 
     w = apply_new_context(apply_new_context(moved))
@@ -287,15 +294,13 @@ def context_change(
     :param chunk_size: Rows of `x` per chunk.
     :return: Float64 array `(r, n)`.
     """
-    x = _as_matrix(x, "x")
-    chunk_size = _check_chunk(chunk_size)
+    x, c, chunk_size = _with_context(x, context, chunk_size)
     n, d = x.shape
     i = int(_check_indices(np.array([index]), n, "index")[0])
     k = _check_indices(rows, n, "rows")
     delta_row = np.asarray(delta_row, dtype=np.float64).reshape(-1)
     if delta_row.shape != (d,):
-        raise ValueError(f"delta_row must have shape {(d,)}, got {delta_row.shape}.")
-    c = context_matrix(x, chunk_size) if context is None else np.asarray(context, dtype=np.float64)
+        raise ValueError(f"delta_row must have shape {(d,)}, got {delta_row.shape}")
     xc = _rows_times(x, c, chunk_size) if x_context is None else np.asarray(x_context, dtype=np.float64)
     p = np.stack([x[i] + delta_row, x[i]], axis=1)
     s = np.array([1.0, -1.0])
@@ -329,11 +334,11 @@ def summarise_ratios(
     actual = np.abs(np.asarray(actual, dtype=np.float64))
     bound = np.asarray(bound, dtype=np.float64)
     if actual.shape != bound.shape:
-        raise ValueError(f"actual and bound must have the same shape, got {actual.shape} and {bound.shape}.")
+        raise ValueError(f"actual and bound must have the same shape, got {actual.shape} and {bound.shape}")
     if mask is not None:
         mask = np.asarray(mask, dtype=bool)
         if mask.shape != actual.shape:
-            raise ValueError(f"mask must have shape {actual.shape}, got {mask.shape}.")
+            raise ValueError(f"mask must have shape {actual.shape}, got {mask.shape}")
         actual, bound = actual[mask], bound[mask]
     else:
         actual, bound = actual.reshape(-1), bound.reshape(-1)

@@ -43,27 +43,23 @@ Definitions used throughout (rows of :math:`X` flattened and scaled to unit :mat
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from art_malleability._io import atomic_write, read_report_json
+from art_malleability.ntk.spectral_report import SPECTRUM_JSON as SPECTRUM_JSON  # public path
+from art_malleability.ntk.spectral_report import SpectralReport
 
 logger = logging.getLogger(__name__)
 
 _EPS = float(np.finfo(np.float64).eps)
 _NORM_EPS = 1e-12
-_TOP_EIGENVALUES = 10
 _FEATURE_MODELS = ("2l-relu", "mlp-attn")
 _WIDTH_VERSIONS = ("v1", "v2")
-SPECTRUM_JSON = "spectrum.json"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -83,17 +79,17 @@ def _unit_rows(x: np.ndarray | torch.Tensor, name: str = "x") -> np.ndarray:
         arr = x.detach().to("cpu", torch.float64).numpy().copy()
     elif isinstance(x, np.ndarray):
         if not np.issubdtype(x.dtype, np.number) or np.iscomplexobj(x):
-            raise TypeError(f"{name} must hold real numbers, got dtype {x.dtype}.")
+            raise TypeError(f"{name} must hold real numbers, got dtype {x.dtype}")
         arr = np.array(x, dtype=np.float64, copy=True)
     else:
-        raise TypeError(f"{name} must be a numpy array or a torch tensor, got {type(x).__name__}.")
+        raise TypeError(f"{name} must be a numpy array or a torch tensor, got {type(x).__name__}")
     if arr.ndim < 2 or arr.shape[0] < 1:
-        raise ValueError(f"{name} must have shape (n, ...) with n >= 1 and at least 2 dimensions, got {arr.shape}.")
+        raise ValueError(f"{name} must have shape (n, ...) with n >= 1 and at least 2 dimensions, got {arr.shape}")
     arr = arr.reshape(arr.shape[0], -1)
     if arr.shape[1] == 0:
-        raise ValueError(f"{name} has no features (shape {arr.shape}).")
+        raise ValueError(f"{name} must have at least one feature, got shape {arr.shape}")
     if not np.isfinite(arr).all():
-        raise ValueError(f"{name} holds NaN or infinite values.")
+        raise ValueError(f"{name} must be finite, got NaN or infinite values")
     norms = np.linalg.norm(arr, axis=1, keepdims=True)
     arr /= np.maximum(norms, _NORM_EPS)
     return arr
@@ -152,12 +148,12 @@ def numerical_rank(
     """
     values = np.asarray(eigvals, dtype=np.float64).reshape(-1)
     if values.size == 0:
-        raise ValueError("eigvals must not be empty.")
+        raise ValueError("eigvals must not be empty, got no eigenvalues")
     if not np.isfinite(values).all():
-        raise ValueError("eigvals holds NaN or infinite values.")
+        raise ValueError("eigvals must be finite, got NaN or infinite values")
     if n_features is not None:
         if isinstance(n_features, bool) or not isinstance(n_features, (int, np.integer)) or n_features < 1:
-            raise ValueError(f"n_features must be a positive int, got {n_features!r}.")
+            raise ValueError(f"n_features must be a positive int, got {n_features!r}")
     rtol = _default_rtol(values.size, n_features, rtol)
     lam_max = float(values.max())
     tol = rtol * max(lam_max, 0.0)
@@ -169,10 +165,10 @@ def _default_rtol(n: int, d: int | None, rtol: float | None) -> float:
     if rtol is None:
         return max(n, d or n) * _EPS
     if isinstance(rtol, bool) or not isinstance(rtol, (int, float, np.floating, np.integer)):
-        raise TypeError(f"rtol must be a float or None, got {type(rtol).__name__}.")
+        raise TypeError(f"rtol must be a float or None, got {type(rtol).__name__}")
     rtol = float(rtol)
     if not math.isfinite(rtol) or rtol < 0:
-        raise ValueError(f"rtol must be a finite non-negative float, got {rtol}.")
+        raise ValueError(f"rtol must be a finite non-negative float, got {rtol}")
     return rtol
 
 
@@ -195,14 +191,14 @@ def required_width_log10(log10_kappa: float, n: int | None = None, *, version: s
     :raises ValueError: On an unknown `version`, a NaN `log10_kappa` or a missing / too small `n` for v2.
     """
     if version not in _WIDTH_VERSIONS:
-        raise ValueError(f"version must be one of {_WIDTH_VERSIONS}, got {version!r}.")
+        raise ValueError(f"version must be one of {_WIDTH_VERSIONS}, got {version!r}")
     log10_kappa = float(log10_kappa)
     if math.isnan(log10_kappa):
-        raise ValueError("log10_kappa must not be NaN.")
+        raise ValueError(f"log10_kappa must not be NaN, got {log10_kappa}")
     if version == "v1":
         return 6.0 * log10_kappa
     if n is None or isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 2:
-        raise ValueError(f"n must be an int >= 2 for the v2 width (n ln n), got {n!r}.")
+        raise ValueError(f"n must be an int >= 2 for the v2 width (n ln n), got {n!r}")
     return 6.0 * log10_kappa + math.log10(n * math.log(n))
 
 
@@ -219,270 +215,6 @@ def _ratio(top: float, bottom: float) -> float:
         return math.inf
     with np.errstate(over="ignore"):
         return float(np.float64(top) / np.float64(bottom))
-
-
-# ----------------------------------------------------------------------------------------------------
-# Report
-# ----------------------------------------------------------------------------------------------------
-
-
-def _encode(value: Any) -> Any:
-    """JSON-safe value: non-finite floats become the strings ``"inf"``, ``"-inf"``, ``"nan"``."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    return value
-
-
-def _decode(value: Any) -> Any:
-    if isinstance(value, str) and value in ("inf", "-inf", "nan"):
-        return float(value)
-    return value
-
-
-@dataclass(eq=False)
-class SpectralReport:
-    """
-    Spectrum of :math:`G = X X^\\top` and the quantities derived from it (see the module docstring for the
-    definitions and rules). Condition numbers that are infinite (singular :math:`G`) or overflow floats are
-    `inf`; the matching ``log10_*`` fields stay finite whenever the ratio is.
-
-    :param name: Label of the data (dataset name, subset), or `None`.
-    :param features: What the rows of :math:`X` are (``"unit-normalised inputs"``, ``"attention features"``).
-    :param n: Number of examples.
-    :param d: Number of features.
-    :param rank: Numerical rank of :math:`G`.
-    :param rank_rtol: Relative tolerance of the rank rule.
-    :param rank_tol: Absolute tolerance, ``rank_rtol * lambda_max``.
-    :param eigenvalues: All `n` eigenvalues of :math:`G`, descending.
-    :param kappa: :math:`\\kappa(G) = \\lambda_1 / \\lambda_n`, `inf` when :math:`G` is numerically singular.
-    :param log10_kappa: Its base-10 logarithm.
-    :param kappa_d_min_nd: :math:`\\lambda_1 / \\lambda_r`, :math:`r = \\min(n, d)`; `inf` when
-                           :math:`\\lambda_r` is numerically zero.
-    :param log10_kappa_d_min_nd: Its base-10 logarithm.
-    :param kappa_d_rank: :math:`\\lambda_1 / \\lambda_{\\mathrm{rank}}` over the numerical rank.
-    :param log10_kappa_d_rank: Its base-10 logarithm.
-    :param kappa_d: Headline :math:`\\kappa_d`: ``kappa_d_min_nd`` when finite, else ``kappa_d_rank``.
-    :param log10_kappa_d: Its base-10 logarithm.
-    :param kappa_d_rule: ``"min(n, d)"`` or ``"numerical rank"`` (the fallback, flagged).
-    :param kappa_g3: :math:`\\kappa(G^3) = \\kappa(G)^3` (`inf` when singular or beyond float range).
-    :param log10_kappa_g3: :math:`3 \\log_{10} \\kappa(G)`.
-    :param log10_kappa_d_g3: :math:`3 \\log_{10} \\kappa_d`, the amplified truncated condition number.
-    :param g3_check: Outcome of the direct eigendecomposition of :math:`G^3`: ``"passed"``, ``"failed"`` or
-                     ``"skipped: <reason>"``.
-    :param g3_check_kappa_direct: :math:`\\kappa(G^3)` from the direct eigendecomposition, or `None`.
-    :param g3_check_rel_error: :math:`|\\kappa_{\\mathrm{direct}} / \\kappa(G)^3 - 1|`, or `None`.
-    :param g3_check_tol: Tolerance of the check (``1e-6 + 10 n eps kappa(G)^3``), or `None`.
-    :param log10_width_v1: :math:`6 \\log_{10} \\kappa_d` (v1, :math:`m = \\Omega(\\kappa^6)`).
-    :param log10_width_v2: :math:`6 \\log_{10} \\kappa_d + \\log_{10}(n \\ln n)` (v2).
-    :param flags: Human-readable warnings (rank deficiency, fallback of :math:`\\kappa_d`, zero rows, ...).
-    """
-
-    name: str | None
-    features: str
-    n: int
-    d: int
-    rank: int
-    rank_rtol: float
-    rank_tol: float
-    eigenvalues: np.ndarray
-    kappa: float
-    log10_kappa: float
-    kappa_d_min_nd: float
-    log10_kappa_d_min_nd: float
-    kappa_d_rank: float
-    log10_kappa_d_rank: float
-    kappa_d: float
-    log10_kappa_d: float
-    kappa_d_rule: str
-    kappa_g3: float
-    log10_kappa_g3: float
-    log10_kappa_d_g3: float
-    g3_check: str
-    g3_check_kappa_direct: float | None
-    g3_check_rel_error: float | None
-    g3_check_tol: float | None
-    log10_width_v1: float
-    log10_width_v2: float
-    flags: list[str] = field(default_factory=list)
-
-    # -------------------------------------------------------------- derived views
-    @property
-    def rank_deficient(self) -> bool:
-        """Whether the numerical rank is below :math:`\\min(n, d)`."""
-        return self.rank < min(self.n, self.d)
-
-    @property
-    def lambda_max(self) -> float:
-        """Largest eigenvalue of :math:`G`."""
-        return float(self.eigenvalues[0])
-
-    def top_eigenvalues(self, k: int = _TOP_EIGENVALUES) -> np.ndarray:
-        """
-        :param k: How many.
-        :return: The `k` largest eigenvalues (fewer when `n < k`).
-        """
-        return self.eigenvalues[:k].copy()
-
-    # -------------------------------------------------------------- serialisation
-    def to_dict(self) -> dict[str, Any]:
-        """
-        JSON-ready dictionary (non-finite floats as the strings ``"inf"`` / ``"nan"``); includes the top
-        eigenvalues and the full spectrum.
-
-        :return: The dictionary.
-        """
-        out: dict[str, Any] = {}
-        for key in self.__dataclass_fields__:
-            value = getattr(self, key)
-            if key == "eigenvalues":
-                out["top_eigenvalues"] = [float(v) for v in self.top_eigenvalues()]
-                value = [float(v) for v in value]
-            elif key == "flags":
-                value = list(value)
-            out[key] = _encode(value)
-        out["rank_deficient"] = self.rank_deficient
-        return out
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> SpectralReport:
-        """
-        Rebuild a report from :meth:`to_dict` output.
-
-        :param data: The dictionary.
-        :return: The report.
-        :raises ValueError: If a field is missing.
-        """
-        missing = [k for k in cls.__dataclass_fields__ if k not in data]
-        if missing:
-            raise ValueError(f"data is missing the field(s) {missing} of a SpectralReport.")
-        kwargs = {k: _decode(data[k]) for k in cls.__dataclass_fields__}
-        kwargs["eigenvalues"] = np.asarray(data["eigenvalues"], dtype=np.float64)
-        kwargs["flags"] = list(data["flags"])
-        return cls(**kwargs)
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, SpectralReport):
-            return NotImplemented
-        return self.to_dict() == other.to_dict()
-
-    def _rows(self) -> list[tuple[str, str]]:
-        def fmt(value: float | None) -> str:
-            if value is None:
-                return "-"
-            return f"{value:.4g}"
-
-        return [
-            ("n x d", f"{self.n} x {self.d}"),
-            ("numerical rank", f"{self.rank} (tol {self.rank_tol:.3g} = {self.rank_rtol:.3g} * lambda_max)"),
-            ("lambda_max", fmt(self.lambda_max)),
-            ("kappa(G), all n eigenvalues", f"{fmt(self.kappa)} (log10 {fmt(self.log10_kappa)})"),
-            ("kappa_d, r = min(n, d)", f"{fmt(self.kappa_d_min_nd)} (log10 {fmt(self.log10_kappa_d_min_nd)})"),
-            ("kappa_d, r = numerical rank", f"{fmt(self.kappa_d_rank)} (log10 {fmt(self.log10_kappa_d_rank)})"),
-            ("kappa_d (headline)", f"{fmt(self.kappa_d)} (log10 {fmt(self.log10_kappa_d)}; {self.kappa_d_rule})"),
-            ("log10 kappa(G^3) = 3 log10 kappa(G)", fmt(self.log10_kappa_g3)),
-            ("log10 kappa_d(G^3) = 3 log10 kappa_d", fmt(self.log10_kappa_d_g3)),
-            (
-                "direct check of kappa(G^3)",
-                self.g3_check
-                if self.g3_check_kappa_direct is None
-                else f"{self.g3_check}: eig(G^3) gives {fmt(self.g3_check_kappa_direct)}, kappa(G)^3 = "
-                f"{fmt(self.kappa_g3)} (rel. error {fmt(self.g3_check_rel_error)})",
-            ),
-            ("log10 width v1 (kappa_d^6)", fmt(self.log10_width_v1)),
-            ("log10 width v2 (kappa_d^6 n ln n)", fmt(self.log10_width_v2)),
-        ]
-
-    def summary(self) -> str:
-        """
-        Plain-text summary.
-
-        :return: The text.
-        """
-        title = f"Spectrum of G = X X^T ({self.features}{', ' + self.name if self.name else ''})"
-        rows = self._rows()
-        width = max(len(k) for k, _ in rows)
-        lines = [title, "-" * len(title)]
-        lines += [f"{k:<{width}}  {v}" for k, v in rows]
-        top = ", ".join(f"{v:.4g}" for v in self.top_eigenvalues())
-        lines.append(f"{'top eigenvalues':<{width}}  {top}")
-        lines += [f"note: {flag}" for flag in self.flags]
-        return "\n".join(lines)
-
-    def to_markdown(self) -> str:
-        """
-        Markdown report with the table of values, the top eigenvalues, the flags and the plot.
-
-        :return: The Markdown text.
-        """
-        title = f"# Spectrum of G = XXᵀ{': ' + self.name if self.name else ''}"
-        lines = [title, "", f"Rows of X: {self.features} (flattened, unit ℓ2 norm, float64).", ""]
-        lines += ["| quantity | value |", "|---|---|"]
-        lines += [f"| {k} | {v} |" for k, v in self._rows()]
-        lines += ["", "Top eigenvalues: " + ", ".join(f"{v:.4g}" for v in self.top_eigenvalues()), ""]
-        if self.flags:
-            lines += ["## Notes", ""] + [f"- {flag}" for flag in self.flags] + [""]
-        lines += [
-            "Rules: numerical rank counts eigenvalues above rtol * lambda_max (default rtol = max(n, d) * eps); "
-            "kappa_d uses r = min(n, d) and falls back to the numerical rank when lambda_r is numerically zero; "
-            "kappa(G^3) = kappa(G)^3 from G's eigenvalues; widths v1 = 6 log10 kappa_d, "
-            "v2 = 6 log10 kappa_d + log10(n ln n).",
-            "",
-            "![eigenvalues](spectrum.png)",
-            "",
-        ]
-        return "\n".join(lines)
-
-    def plot(self, ax: Any = None) -> Any:
-        """
-        Log-scale plot of the eigenvalues with the rank tolerance and the rank cut marked.
-
-        :param ax: Optional matplotlib axes.
-        :return: The matplotlib figure.
-        """
-        if ax is None:
-            from matplotlib.figure import Figure
-
-            figure = Figure(figsize=(6.0, 3.6))
-            ax = figure.add_subplot()
-        index = np.arange(1, self.n + 1)
-        positive = self.eigenvalues > 0
-        ax.semilogy(index[positive], self.eigenvalues[positive], lw=1.2, color="tab:blue", label="eigenvalues of G")
-        if self.rank_tol > 0:
-            ax.axhline(self.rank_tol, color="tab:red", lw=0.8, ls=":", label=f"rank tolerance {self.rank_tol:.2g}")
-        ax.axvline(self.rank, color="tab:red", lw=1.0, ls="--", label=f"numerical rank {self.rank}")
-        r = min(self.n, self.d)
-        if r != self.rank:
-            ax.axvline(r, color="tab:gray", lw=1.0, ls="-.", label=f"min(n, d) = {r}")
-        ax.set_xlabel("index")
-        ax.set_ylabel("eigenvalue")
-        ax.set_title(f"{self.name or 'data'}: kappa_d = {self.kappa_d:.3g} ({self.kappa_d_rule})")
-        ax.legend(fontsize=8)
-        return ax.figure
-
-    def save(self, directory: str | os.PathLike) -> Path:
-        """
-        Write ``spectrum.json`` (atomically), ``spectrum.md`` and ``spectrum.png`` into a folder.
-
-        :param directory: Output folder (created if missing).
-        :return: The folder.
-        """
-        out = Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write(out / SPECTRUM_JSON, json.dumps(self.to_dict(), indent=2, allow_nan=False))
-        atomic_write(out / "spectrum.md", self.to_markdown())
-        figure = self.plot()
-        figure.savefig(out / "spectrum.png", dpi=120, bbox_inches="tight")
-        logger.info("Spectral report written to %s", out)
-        return out
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> SpectralReport:
-        """
-        :param path: A ``spectrum.json`` file or the folder holding it.
-        :return: The report.
-        :raises FileNotFoundError: If there is no such file.
-        """
-        return cls.from_dict(read_report_json(path, SPECTRUM_JSON))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -547,54 +279,75 @@ def spectral_analysis(
                                    directly and compared with :math:`\\kappa(G)^3` (beyond about 1e4 the
                                    smallest eigenvalue of the computed :math:`G^3` is rounding noise).
     :param features: Description of the rows, stored in the report.
-    :return: The :class:`SpectralReport`.
+    :return: The :class:`~art_malleability.ntk.spectral_report.SpectralReport`.
     :raises ValueError: On fewer than 2 examples, all-zero data, non-finite values or bad tolerances.
     :raises TypeError: On arguments of the wrong type.
     """
+    _check_analysis_arguments(name, features, direct_check_max_kappa)
+    rows = _unit_rows(x)
+    n, d = rows.shape
+    if n < 2:
+        raise ValueError(f"x must hold at least 2 examples, got {n}")
+    zero_rows = int(np.count_nonzero(~rows.any(axis=1)))
+    if zero_rows == n:
+        raise ValueError("x must hold a nonzero example, got only all-zero examples; G = 0 has no spectrum")
+    flags = [f"{zero_rows} all-zero example(s): each adds a zero eigenvalue to G."] if zero_rows else []
+    rtol = _default_rtol(n, d, rtol)
+    if rtol >= 1.0:
+        raise ValueError(f"rtol must be below 1 (it is relative to lambda_max), got {rtol}")
+    eigenvalues = _gram_eigenvalues(rows)
+    rank, tol = numerical_rank(eigenvalues, rtol)
+    values = _condition_numbers(eigenvalues, d, rank, tol, rtol, flags)
+    status, kappa_direct, rel_error, check_tol = _direct_g3_check(rows, values["kappa"], float(direct_check_max_kappa))
+    log10_kappa_d = values["log10_kappa_d"]
+    report = SpectralReport(
+        name=name, features=features, n=n, d=d, rank=rank, rank_rtol=rtol, rank_tol=tol, eigenvalues=eigenvalues,
+        **values, g3_check=status, g3_check_kappa_direct=kappa_direct, g3_check_rel_error=rel_error,
+        g3_check_tol=check_tol, log10_width_v1=required_width_log10(log10_kappa_d, version="v1"),
+        log10_width_v2=required_width_log10(log10_kappa_d, n, version="v2"), flags=flags,
+    )
+    logger.info(
+        "Spectrum of %s (%d x %d): rank %d, kappa_d %.4g (%s), log10 widths v1 %.2f, v2 %.2f.",
+        name or "data", n, d, rank, report.kappa_d, report.kappa_d_rule, report.log10_width_v1, report.log10_width_v2,
+    )
+    return report
+
+
+def _check_analysis_arguments(name: str | None, features: str, direct_check_max_kappa: float) -> None:
     if name is not None and not isinstance(name, str):
-        raise TypeError(f"name must be a str or None, got {type(name).__name__}.")
+        raise TypeError(f"name must be a str or None, got {type(name).__name__}")
     if not isinstance(features, str):
-        raise TypeError(f"features must be a str, got {type(features).__name__}.")
+        raise TypeError(f"features must be a str, got {type(features).__name__}")
     if (
         isinstance(direct_check_max_kappa, bool)
         or not isinstance(direct_check_max_kappa, (int, float, np.integer, np.floating))
         or not direct_check_max_kappa >= 0
     ):
-        raise ValueError(f"direct_check_max_kappa must be a non-negative number, got {direct_check_max_kappa!r}.")
-    rows = _unit_rows(x)
-    n, d = rows.shape
-    if n < 2:
-        raise ValueError(f"x must hold at least 2 examples, got {n}.")
-    flags: list[str] = []
-    zero_rows = int(np.count_nonzero(~rows.any(axis=1)))
-    if zero_rows == n:
-        raise ValueError("x holds only all-zero examples: G = 0 has no spectrum to analyse.")
-    if zero_rows:
-        flags.append(f"{zero_rows} all-zero example(s): each adds a zero eigenvalue to G.")
+        raise ValueError(f"direct_check_max_kappa must be a non-negative number, got {direct_check_max_kappa!r}")
 
-    rtol = _default_rtol(n, d, rtol)
-    if rtol >= 1.0:
-        raise ValueError(f"rtol must be below 1 (it is relative to lambda_max), got {rtol}.")
-    eigenvalues = _gram_eigenvalues(rows)
-    rank, tol = numerical_rank(eigenvalues, rtol)
-    lam_max = float(eigenvalues[0])
+
+def _condition_numbers(
+    eigenvalues: np.ndarray, d: int, rank: int, tol: float, rtol: float, flags: list[str]
+) -> dict[str, Any]:
+    """
+    The condition numbers of :class:`~art_malleability.ntk.spectral_report.SpectralReport` (see the module
+    docstring for the rules); what a reader must know about them is appended to ``flags``.
+
+    :return: ``kappa``, ``kappa_d`` under both truncation rules, the headline ``kappa_d`` with its rule,
+             :math:`\\kappa(G^3)`, each with its base-10 logarithm.
+    """
+    n = len(eigenvalues)
     r = min(n, d)
-
-    def numerically_zero(value: float) -> bool:
-        return value <= tol
-
-    lam_n = float(eigenvalues[n - 1])
-    lam_r = float(eigenvalues[r - 1])
+    lam_max, lam_n, lam_r = float(eigenvalues[0]), float(eigenvalues[n - 1]), float(eigenvalues[r - 1])
     lam_rank = float(eigenvalues[rank - 1])
-    kappa = math.inf if numerically_zero(lam_n) else _ratio(lam_max, lam_n)
-    log10_kappa = math.inf if numerically_zero(lam_n) else _log10_ratio(lam_max, lam_n)
+    kappa = math.inf if lam_n <= tol else _ratio(lam_max, lam_n)
+    log10_kappa = math.inf if lam_n <= tol else _log10_ratio(lam_max, lam_n)
     if math.isinf(kappa):
         reason = "d < n" if d < n else f"numerical rank {rank} < n = {n}"
         flags.append(f"G is singular ({reason}): kappa(G) and kappa(G^3) are infinite.")
-    kappa_d_min_nd = math.inf if numerically_zero(lam_r) else _ratio(lam_max, lam_r)
-    log10_kappa_d_min_nd = math.inf if numerically_zero(lam_r) else _log10_ratio(lam_max, lam_r)
-    kappa_d_rank = _ratio(lam_max, lam_rank)
-    log10_kappa_d_rank = _log10_ratio(lam_max, lam_rank)
+    kappa_d_min_nd = math.inf if lam_r <= tol else _ratio(lam_max, lam_r)
+    log10_kappa_d_min_nd = math.inf if lam_r <= tol else _log10_ratio(lam_max, lam_r)
+    kappa_d_rank, log10_kappa_d_rank = _ratio(lam_max, lam_rank), _log10_ratio(lam_max, lam_rank)
     if math.isfinite(log10_kappa_d_min_nd):
         kappa_d, log10_kappa_d, rule = kappa_d_min_nd, log10_kappa_d_min_nd, "min(n, d)"
     else:
@@ -608,44 +361,15 @@ def spectral_analysis(
             f"kappa_d = {kappa_d:.3g} is within a decade of 1 / rtol = {1.0 / rtol:.3g}, the largest condition "
             "number that the eigenvalues of the computed G resolve: treat it as a lower bound."
         )
-    log10_kappa_g3 = 3.0 * log10_kappa
     with np.errstate(over="ignore"):
         kappa_g3 = float(np.float64(kappa) ** 3)
-    status, kappa_direct, rel_error, check_tol = _direct_g3_check(rows, kappa, float(direct_check_max_kappa))
-    report = SpectralReport(
-        name=name,
-        features=features,
-        n=n,
-        d=d,
-        rank=rank,
-        rank_rtol=rtol,
-        rank_tol=tol,
-        eigenvalues=eigenvalues,
-        kappa=kappa,
-        log10_kappa=log10_kappa,
-        kappa_d_min_nd=kappa_d_min_nd,
-        log10_kappa_d_min_nd=log10_kappa_d_min_nd,
-        kappa_d_rank=kappa_d_rank,
-        log10_kappa_d_rank=log10_kappa_d_rank,
-        kappa_d=kappa_d,
-        log10_kappa_d=log10_kappa_d,
-        kappa_d_rule=rule,
-        kappa_g3=kappa_g3,
-        log10_kappa_g3=log10_kappa_g3,
-        log10_kappa_d_g3=3.0 * log10_kappa_d,
-        g3_check=status,
-        g3_check_kappa_direct=kappa_direct,
-        g3_check_rel_error=rel_error,
-        g3_check_tol=check_tol,
-        log10_width_v1=required_width_log10(log10_kappa_d, version="v1"),
-        log10_width_v2=required_width_log10(log10_kappa_d, n, version="v2"),
-        flags=flags,
-    )
-    logger.info(
-        "Spectrum of %s (%d x %d): rank %d, kappa_d %.4g (%s), log10 widths v1 %.2f, v2 %.2f.",
-        name or "data", n, d, rank, kappa_d, rule, report.log10_width_v1, report.log10_width_v2,
-    )
-    return report
+    return {
+        "kappa": kappa, "log10_kappa": log10_kappa, "kappa_d_min_nd": kappa_d_min_nd,
+        "log10_kappa_d_min_nd": log10_kappa_d_min_nd, "kappa_d_rank": kappa_d_rank,
+        "log10_kappa_d_rank": log10_kappa_d_rank, "kappa_d": kappa_d, "log10_kappa_d": log10_kappa_d,
+        "kappa_d_rule": rule, "kappa_g3": kappa_g3, "log10_kappa_g3": 3.0 * log10_kappa,
+        "log10_kappa_d_g3": 3.0 * log10_kappa_d,
+    }
 
 
 def spectral_analysis_of_dataset(
@@ -686,10 +410,10 @@ def spectral_analysis_of_dataset(
     from art_malleability.datasets import load_dataset
 
     if not isinstance(model, str):
-        raise TypeError(f"model must be a str, one of {_FEATURE_MODELS}, got {type(model).__name__}.")
+        raise TypeError(f"model must be a str, one of {_FEATURE_MODELS}, got {type(model).__name__}")
     key = model.strip().lower().replace("_", "-")
     if key not in _FEATURE_MODELS:
-        raise ValueError(f"model must be one of {_FEATURE_MODELS}, got {model!r}.")
+        raise ValueError(f"model must be one of {_FEATURE_MODELS}, got {model!r}")
     data = load_dataset(name_or_path, root=root, n_train=n, classes=classes, seed=seed)
     x = data.x_train
     if key == "mlp-attn":

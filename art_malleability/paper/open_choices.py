@@ -39,60 +39,52 @@ import numpy as np
 import torch
 from torch import nn
 
+from art_malleability._report_base import markdown_table
 from art_malleability._state import preserved_rng
 from art_malleability.datasets import Dataset, load_dataset
 from art_malleability.influence import NTKInfluence
 from art_malleability.models import is_transductive
-from art_malleability.paper.reproduce import (
-    ATTACKS,
-    PAPER,
-    REPLICATES,
-    Reproduction,
-    ReproductionConfig,
-    audit,
-    flip_rows,
-    fmt_ci,
-    pooled,
-    progress,
-    train,
-)
+from art_malleability.paper.common import ATTACKS, REPLICATES, audit, flip_rows, fmt_ci, pooled, progress, train
+from art_malleability.paper.reproduce import PAPER, Reproduction, ReproductionConfig
 
 logger = logging.getLogger(__name__)
 
 MODELS = ("2l-relu", "mlp-attn")
 
 
-class _Centred(nn.Module):
-    """A model applied to inputs minus a fixed mean image (its context, if any, is centred the same way)."""
+class _Wrapped(nn.Module):
+    """A model with one fixed array beside it, kept as the float32 buffer ``array`` (it moves with the model)."""
 
-    def __init__(self, inner: nn.Module, mean: np.ndarray) -> None:
+    def __init__(self, inner: nn.Module, array: np.ndarray) -> None:
         super().__init__()
         self.inner = inner
-        self.register_buffer("mean", torch.as_tensor(mean, dtype=torch.float32))
+        self.register_buffer("array", torch.as_tensor(array, dtype=torch.float32))
+
+    def _array_like(self, x: torch.Tensor) -> torch.Tensor:
+        return self.array.to(device=x.device, dtype=x.dtype)
+
+
+class _Centred(_Wrapped):
+    """A model applied to inputs minus a fixed mean image (its context, if any, is centred the same way)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.inner(x - self.mean.to(x.dtype))
+        return self.inner(x - self._array_like(x))
 
     def set_context(self, x_train) -> None:
         if is_transductive(self.inner):
             x = torch.as_tensor(x_train)
-            self.inner.set_context(x - self.mean.to(device=x.device, dtype=x.dtype))
+            self.inner.set_context(x - self._array_like(x))
 
 
-class _TestPointsInContext(nn.Module):
+class _TestPointsInContext(_Wrapped):
     """A transductive model whose attention context always includes a fixed set of test points."""
-
-    def __init__(self, inner: nn.Module, x_extra: np.ndarray) -> None:
-        super().__init__()
-        self.inner = inner
-        self.register_buffer("extra", torch.as_tensor(x_extra, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.inner(x)
 
     def set_context(self, x_train) -> None:
         x = torch.as_tensor(x_train)
-        self.inner.set_context(torch.cat([x, self.extra.to(device=x.device, dtype=x.dtype)]))
+        self.inner.set_context(torch.cat([x, self._array_like(x)]))
 
 
 def _pytorch_init(module: nn.Module) -> nn.Module:
@@ -131,7 +123,9 @@ def _choices(data: Dataset) -> list[tuple[str, str, bool, dict[str, Any]]]:
 
 def run_open_choices(config: ReproductionConfig, output: str | Path) -> Reproduction:
     """
-    Run every alternative of every open choice and write ``open_choices.md`` / ``open_choices.json``.
+    Run every alternative of every open choice and write ``open_choices.md`` beside the study's
+    ``reproduction.json`` and ``reproduction.md`` (after every alternative, through
+    :meth:`~art_malleability.paper.reproduce.Reproduction.save`).
 
     :param config: Settings (data, sizes, seeds, training protocol) shared with the reproduction.
     :param output: Output folder.
@@ -173,8 +167,8 @@ def run_open_choices(config: ReproductionConfig, output: str | Path) -> Reproduc
             result.rows = rows
             result.seconds["open_choices"] = time.perf_counter() - start
             result.tables["open_choices"] = _table(rows, PAPER["table2"][family], family, data, config)
+            result.files["open_choices.md"] = result.tables["open_choices"] + "\n"
             result.save(out)
-            (out / "open_choices.md").write_text(result.tables["open_choices"] + "\n")
     return result
 
 
@@ -186,10 +180,8 @@ def _table(rows: list[dict], paper: dict, family: str, data: Dataset, config: Re
         "most faithful to the paper's text; "
         "*closest* = the alternative whose mean MLP-Attn / 2L-ReLU ratio is nearest the paper's "
         f"({family}: " + ", ".join(f"{a} {paper_ratio[a]:.1f}" for a in ATTACKS) + ") on a log scale.", "",
-        "| choice | alternative | 2L-ReLU fgsm / pgd / mim | MLP-Attn fgsm / pgd / mim | ratio fgsm / pgd / mim |"
-        " clean acc. 2L / Attn |",
-        "|---|---|---|---|---|---|",
     ]
+    table = []
     choices = list(dict.fromkeys(r["choice"] for r in rows))
     for choice in choices:
         alternatives = list(dict.fromkeys(r["alternative"] for r in rows if r["choice"] == choice))
@@ -219,8 +211,10 @@ def _table(rows: list[dict], paper: dict, family: str, data: Dataset, config: Re
             cells, ratio, acc, is_default = cells_by_alt[alt]
             label = alt.replace("|", "\\|")  # a pipe would end the Markdown cell
             label += (" **default**" if is_default else "") + (" *closest*" if alt == closest else "")
-            lines.append(f"| {choice} | {label} | {cells[0]} | {cells[1]} | {ratio} | {acc} |")
-    return "\n".join(lines)
+            table.append([choice, label, cells[0], cells[1], ratio, acc])
+    header = ["choice", "alternative", "2L-ReLU fgsm / pgd / mim", "MLP-Attn fgsm / pgd / mim",
+              "ratio fgsm / pgd / mim", "clean acc. 2L / Attn"]
+    return "\n".join([*lines, markdown_table(header, table)])
 
 
 __all__ = ["run_open_choices"]

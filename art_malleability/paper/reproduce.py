@@ -32,62 +32,47 @@ the paper's numbers come from summaries of the paper, not its tables, and are ta
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from scipy import stats
 
-from art_malleability._io import atomic_write, json_ready, progress_bar
+from art_malleability._io import figure_png, json_ready
+from art_malleability._report_base import SavedReport, markdown_table
 from art_malleability._state import preserved_rng
 from art_malleability._validation import one_hot
 from art_malleability.datasets import Dataset, load_dataset, subsample
-from art_malleability.estimator import MalleabilityEstimator, near_chance_warnings
-from art_malleability.metrics import hierarchical_interval, hierarchical_replicates, shifted_percentile_interval
 from art_malleability.models import build_reference_model, is_transductive
-from art_malleability.training import make_classifier, train_model
+from art_malleability.ntk.convergence_report import ConvergenceReport
+from art_malleability.paper.common import (
+    ATTACKS,
+    REPLICATES,
+    audit,
+    flip_rows,
+    fmt_ci,
+    held_out_accuracy,
+    mean_ci,
+    pooled,
+    progress,
+    train,
+    train_module,
+)
+from art_malleability.paper.numbers import BINARY_CLASSES, BINARY_NAMES, PAPER
+from art_malleability.paper.tables import ablation_figure, accuracy_cell, direction, flip_table, mean_of
+from art_malleability.training import make_classifier
 
 logger = logging.getLogger(__name__)
 
-ATTACKS = ("fgsm", "pgd", "mim")
 TABLES = ("table1", "table2", "table3", "table4", "ablation", "spectral")
 #: Runs on request only (``tables=("open_choices",)``): the sensitivity study of
 #: :mod:`art_malleability.paper.open_choices`.
 STUDIES = ("open_choices",)
 
-#: The paper's reported numbers (percent for flip rates), keyed by data family and model.
-PAPER: dict[str, Any] = {
-    "table1": {  # NTK distance at widths 16 / 1024 / 4096
-        "mnist": {"2l-relu": [45.1, 39.9, 39.2], "mlp-attn": [10.3, 33.3, 43.4]},
-        "cifar10": {"2l-relu": [246.2, 101.7, 56.9], "mlp-attn": [3.7, 10.4, 12.6]},
-    },
-    "table2": {
-        "mnist": {"2l-relu": {"fgsm": 4.1, "pgd": 3.3, "mim": 3.4},
-                  "mlp-attn": {"fgsm": 34.6, "pgd": 28.9, "mim": 21.9}},
-        "cifar10": {"2l-relu": {"fgsm": 3.3, "pgd": 3.1, "mim": 3.2},
-                    "mlp-attn": {"fgsm": 26.4, "pgd": 19.1, "mim": 20.5}},
-    },
-    "table3": {
-        "mnist": {"2l-relu": {"fgsm": 8.4, "pgd": 8.4, "mim": 8.6},
-                  "mlp-attn": {"fgsm": 25.9, "pgd": 41.0, "mim": 40.5}},
-        "cifar10": {"2l-relu": {"fgsm": 15.2, "pgd": 15.5, "mim": 15.3},
-                    "mlp-attn": {"fgsm": 14.3, "pgd": 14.0, "mim": 14.8}},
-    },
-    "table4": {  # PGD flip rate: standard -> PGD adversarial training
-        "mnist": {"2l-relu": [3.3, 43.4], "mlp-attn": [28.9, 42.2]},
-        "cifar10": {"2l-relu": [3.1, 36.5], "mlp-attn": [19.1, 38.6]},
-    },
-    "spectral": {"mnist": {"kappa": 1.2e3, "log10_width": 24.0}, "cifar10": {"kappa": 8.7e3, "log10_width": 29.0}},
-}
-BINARY_CLASSES = {"mnist": [3, 8], "cifar10": [1, 0]}
-#: Key of a row's in-memory bootstrap replicates (pooled over seeds in the tables, never saved).
-REPLICATES = "_replicates"
-BINARY_NAMES = {"mnist": "digits 3 vs 8", "cifar10": "automobile (1) vs airplane (0)"}
+TABLE1_FOLDER = "table1_ntk"
 
 
 @dataclass
@@ -163,22 +148,25 @@ class ReproductionConfig:
             if t not in TABLES + STUDIES:
                 raise ValueError(f"tables must be drawn from {TABLES + STUDIES}, got {t!r}")
         if len(self.seeds) < 1:
-            raise ValueError("seeds must hold at least one seed")
+            raise ValueError(f"seeds must hold at least one seed, got {self.seeds!r}")
         for w in (16, 1024, 4096):
             if "table1" in self.tables and w not in self.widths:
                 logger.info("Table 1 reports widths 16/1024/4096; width %d is not in the sweep", w)
 
 
 @dataclass
-class Reproduction:
+class Reproduction(SavedReport):
     """
-    Every measurement of a run (``rows``) and its summaries (``tables``), with the paper's numbers.
+    Every measurement of a run (``rows``) and its summaries (``tables``), with the paper's numbers. :meth:`save`
+    writes ``reproduction.json``, ``reproduction.md`` and the files in ``files`` (the ablation figure, the
+    open-choices table).
 
     :param config: The run's settings.
     :param family: ``"mnist"`` or ``"cifar10"``: which of the paper's numbers the data is compared with.
     :param rows: One dict per trained model and audit.
     :param tables: Markdown of each table.
     :param seconds: Time of each table.
+    :param files: Further files of the report folder by name (PNG bytes or text), kept in memory and not in the JSON.
     """
 
     config: dict[str, Any]
@@ -186,6 +174,18 @@ class Reproduction:
     rows: list[dict[str, Any]] = field(default_factory=list)
     tables: dict[str, str] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+    files: dict[str, str | bytes] = field(default_factory=dict, repr=False, compare=False)
+
+    json_name: ClassVar[str] = "reproduction.json"
+    markdown_name: ClassVar[str] = "reproduction.md"
+    owned: ClassVar[tuple[str, ...]] = ("ablation.png", "open_choices.md")
+    json_indent: ClassVar[int] = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        """:return: A JSON-ready dict: the settings, rows (without their bootstrap replicates), tables and times."""
+        rows = [{k: v for k, v in row.items() if k != REPLICATES} for row in self.rows]
+        return json_ready({"config": self.config, "family": self.family, "rows": rows, "tables": self.tables,
+                           "seconds": self.seconds})
 
     def to_markdown(self) -> str:
         """:return: Every table as Markdown, with the settings."""
@@ -196,20 +196,8 @@ class Reproduction:
         lines += ["", "## Time (seconds)", ""] + [f"- {k}: {v:.0f}" for k, v in self.seconds.items()]
         return "\n".join(lines) + "\n"
 
-    def save(self, directory: str | Path) -> Path:
-        """
-        Write ``reproduction.json`` (atomically) and ``reproduction.md``.
-
-        :param directory: Output folder.
-        :return: The folder.
-        """
-        out = Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
-        data = asdict(self)
-        data["rows"] = [{k: v for k, v in row.items() if k != REPLICATES} for row in data["rows"]]
-        atomic_write(out / "reproduction.json", json.dumps(json_ready(data), indent=1, allow_nan=False))
-        atomic_write(out / "reproduction.md", self.to_markdown())
-        return out
+    def _side_files(self) -> dict[str, str | bytes]:
+        return dict(self.files)
 
 
 def run_reproduction(config: ReproductionConfig, output: str | Path) -> Reproduction:
@@ -231,9 +219,13 @@ def run_reproduction(config: ReproductionConfig, output: str | Path) -> Reproduc
         "table2": lambda: _table2(config, data, family, result, trained),
         "table3": lambda: _table3(config, family, result),
         "table4": lambda: _table4(config, data, family, result, trained),
-        "ablation": lambda: _ablation(config, data, result, trained, out),
+        "ablation": lambda: _ablation(config, data, result, trained),
         "spectral": lambda: _spectral(config, family, result),
     }
+    if "table1" not in config.tables:  # a rerun without Table 1 leaves no stale sweep behind
+        ConvergenceReport.clear(out / TABLE1_FOLDER)
+        if (out / TABLE1_FOLDER).is_dir() and not any((out / TABLE1_FOLDER).iterdir()):
+            (out / TABLE1_FOLDER).rmdir()
     with preserved_rng():
         for name in TABLES:
             if name not in config.tables:
@@ -262,7 +254,7 @@ def _table1(config, data: Dataset, family: str, result: Reproduction, out: Path)
         device=config.device, verbose=config.verbose,
     )
     report = checker.run(data.x_train[tr], data.y_train[tr], data.x_test[te], data.y_test[te], dataset=data.name)
-    report.save(out / "table1_ntk")
+    report.save(out / TABLE1_FOLDER)
     shown = [w for w in (16, 1024, 4096) if w in config.widths]
     lines = [
         "## Table 1: NTK distance ‖f_m − f_NTK‖ (Adam protocol) at widths " + " / ".join(map(str, shown)),
@@ -270,10 +262,10 @@ def _table1(config, data: Dataset, family: str, result: Reproduction, out: Path)
         f"{n_tr} training / {n_te} test points; mean over seeds [95% t-interval]. Paper: {family}. "
         "Static = ‖K_m − K_∞‖/‖K_∞‖ at init; GD-lin = relative distance to the linearised network under GD.",
         "",
-        "| model | " + " | ".join(f"m={w}" for w in shown) + " | paper | direction (measured / paper) | static m="
-        + "/".join(map(str, shown)) + " | GD-lin m=" + "/".join(map(str, shown)) + " |",
-        "|---|" + "---|" * len(shown) + "---|---|---|---|",
     ]
+    header = ["model", *[f"m={w}" for w in shown], "paper", "direction (measured / paper)",
+              "static m=" + "/".join(map(str, shown)), "GD-lin m=" + "/".join(map(str, shown))]
+    table = []
     for model in models:
         cells, means = [], []
         for w in shown:
@@ -285,12 +277,14 @@ def _table1(config, data: Dataset, family: str, result: Reproduction, out: Path)
             result.rows.append({"table": "table1", "model": model, "width": w, "ntk_distance": mean,
                                 "ci": [low, high], "seeds": len(values)})
         paper = PAPER["table1"][family].get(model)
-        static = "/".join(f"{_mean(report, model, w, 'static', 'kernel_error'):.3f}" for w in shown)
-        lin = "/".join(f"{_mean(report, model, w, 'dynamic', 'linearised_distance', 'gd'):.3f}" for w in shown)
-        lines.append(f"| {model} | " + " | ".join(cells) + f" | {' / '.join(map(str, paper)) if paper else 'n/a'} | "
-                     f"{_direction(means)} / {_direction(paper) if paper else 'n/a'} | {static} | {lin} |")
+        static = "/".join(f"{mean_of(report, model, w, 'static', 'kernel_error'):.3f}" for w in shown)
+        lin = "/".join(f"{mean_of(report, model, w, 'dynamic', 'linearised_distance', 'gd'):.3f}" for w in shown)
+        table.append([model, *cells, " / ".join(map(str, paper)) if paper else "n/a",
+                      f"{direction(means)} / {direction(paper) if paper else 'n/a'}", static, lin])
     if "mlp-attn-qkv" in config.models:
-        lines.append("| mlp-attn-qkv | " + " | ".join("n/a" for _ in shown) + " | — | — | n/a | n/a |")
+        table.append(["mlp-attn-qkv", *["n/a" for _ in shown], "—", "—", "n/a", "n/a"])
+    lines.append(markdown_table(header, table))
+    if "mlp-attn-qkv" in config.models:
         lines += ["", "MLP-Attn-QKV has no NTK distance: its query/key/value maps are trained and not width-scaled, so "
                   "their share of the empirical NTK does not vanish and there is no infinite-width kernel f_NTK to "
                   "compare with (the paper does not say which limit it used for this row)."]
@@ -306,7 +300,7 @@ def _table2(config, data: Dataset, family: str, result: Reproduction, trained: d
             report = audit(config, clf, data, ATTACKS, config.eps, seed)
             rows += flip_rows("table2", model, seed, acc, report, data, extra={"eps": config.eps})
     result.rows += rows
-    result.tables["table2"] = _flip_table(
+    result.tables["table2"] = flip_table(
         f"## Table 2: flip rates (%), {data.nb_classes} classes, ε = {config.eps}", rows, config.models,
         PAPER["table2"][family], family,
     )
@@ -324,7 +318,7 @@ def _lds(config, data: Dataset, result: Reproduction, table: str, loss: str) -> 
     cells = []
     for model in _paper_models(config):  # the trained-attention variant costs five times as much to retrain
         def train_fn(x, y, s, model=model):
-            return _train_module(config, model, x, y, s, loss, data.input_shape, data.nb_classes)
+            return train_module(config, model, x, y, s, loss, data.input_shape, data.nb_classes)
 
         try:
             report = validate(train_fn, data.x_train, data.y_train, data.x_test[rows], data.y_test[rows],
@@ -362,7 +356,7 @@ def _table3(config, family: str, result: Reproduction) -> None:
     title = (
         f"## Table 3: binary task, {BINARY_NAMES[family]} (MSE loss), flip rates (%), ε = {config.eps}"
     )
-    result.tables["table3"] = _flip_table(title, rows, models, PAPER["table3"][family], family)
+    result.tables["table3"] = flip_table(title, rows, models, PAPER["table3"][family], family)
     if config.lds_models > 0:
         result.tables["table3"] += "\n\n" + _lds(config, data, result, "table3", "mse")
 
@@ -406,24 +400,25 @@ def _table4(config, data: Dataset, family: str, result: Reproduction, trained: d
                                                         batch_size=config.batch_size, nb_epochs=config.adv_epochs)
             module.eval()
             report = audit(config, clf, data, ("pgd",), config.eps, seed)
-            rows += flip_rows("table4", model, seed, _accuracy(clf, data), report, data,
+            rows += flip_rows("table4", model, seed, held_out_accuracy(clf, data), report, data,
                                extra={"training": "pgd-adversarial"})
     result.rows += rows
     lines = [f"## Table 4: PGD flip rate (%) after PGD adversarial training (ART AdversarialTrainer, ratio 1, "
-             f"{config.adv_max_iter} steps, {config.adv_epochs} epochs), ε = {config.eps}", "",
-             "| model | standard | clean acc. | adversarial | clean acc. | paper (standard → adversarial) |",
-             "|---|---|---|---|---|---|"]
+             f"{config.adv_max_iter} steps, {config.adv_epochs} epochs), ε = {config.eps}", ""]
+    table = []
     for model in models:
         cells = []
         for training in ("standard", "pgd-adversarial"):
             sel = [r for r in rows if r["model"] == model and r["training"] == training]
-            cells += [fmt_ci(*pooled(sel, "flip_rate")[:3], 1), _acc_cell(sel)]
+            cells += [fmt_ci(*pooled(sel, "flip_rate")[:3], 1), accuracy_cell(sel)]
         paper = PAPER["table4"][family].get(model)
-        lines.append(f"| {model} | " + " | ".join(cells) + f" | {paper[0]} → {paper[1]} |")
+        table.append([model, *cells, f"{paper[0]} → {paper[1]}"])
+    lines.append(markdown_table(["model", "standard", "clean acc.", "adversarial", "clean acc.",
+                                 "paper (standard → adversarial)"], table))
     result.tables["table4"] = "\n".join(lines)
 
 
-def _ablation(config, data: Dataset, result: Reproduction, trained: dict, out: Path) -> None:
+def _ablation(config, data: Dataset, result: Reproduction, trained: dict) -> None:
     models = _paper_models(config)
     rows = []
     for model in models:
@@ -433,17 +428,14 @@ def _ablation(config, data: Dataset, result: Reproduction, trained: dict, out: P
                 report = audit(config, clf, data, ATTACKS, eps, seed)
                 rows += flip_rows("ablation", model, seed, acc, report, data, extra={"eps": eps})
     result.rows += rows
+    table = [[model, attack, *[fmt_ci(*pooled([r for r in rows if r["model"] == model and r["attack"] == attack
+                                                 and r["eps"] == e], "flip_rate")[:3], 1) for e in config.eps_grid]]
+             for model in models for attack in ATTACKS]
     lines = ["## ε ablation: flip rates (%) by attack budget", "",
-             "| model | attack | " + " | ".join(f"ε={e}" for e in config.eps_grid) + " |",
-             "|---|---|" + "---|" * len(config.eps_grid)]
-    for model in models:
-        for attack in ATTACKS:
-            cells = [fmt_ci(*pooled([r for r in rows if r["model"] == model and r["attack"] == attack
-                                       and r["eps"] == e], "flip_rate")[:3], 1) for e in config.eps_grid]
-            lines.append(f"| {model} | {attack} | " + " | ".join(cells) + " |")
-    lines += ["", "![ε ablation](ablation.png)"]
+             markdown_table(["model", "attack", *[f"ε={e}" for e in config.eps_grid]], table),
+             "", "![ε ablation](ablation.png)"]
     result.tables["ablation"] = "\n".join(lines)
-    _plot_ablation(rows, models, config.eps_grid, out / "ablation.png")
+    result.files["ablation.png"] = figure_png(ablation_figure(rows, models, config.eps_grid))
 
 
 def _spectral(config, family: str, result: Reproduction) -> None:
@@ -454,33 +446,17 @@ def _spectral(config, family: str, result: Reproduction) -> None:
     result.rows.append({"table": "spectral", **{k: v for k, v in report.to_dict().items() if k != "eigenvalues"}})
     result.tables["spectral"] = "\n".join([
         f"## Spectral numbers (n = {report.n}, unit-normalised inputs)", "",
-        "| quantity | measured | paper |", "|---|---|---|",
-        f"| κ(G) | {report.kappa:.4g} | — |",
-        f"| κ_d ({report.kappa_d_rule}) | {report.kappa_d:.4g} | {paper['kappa']:.3g} |",
-        f"| log10 κ_d(G³) = 3 log10 κ_d | {report.log10_kappa_d_g3:.2f} | {3 * np.log10(paper['kappa']):.2f} |",
-        f"| log10 required width, v1 (κ⁶) | {report.log10_width_v1:.1f} | — |",
-        f"| log10 required width, v2 (κ_d⁶ n ln n) | {report.log10_width_v2:.1f} | ≫ {paper['log10_width']:.0f} |",
+        markdown_table(["quantity", "measured", "paper"], [
+            ["κ(G)", f"{report.kappa:.4g}", "—"],
+            [f"κ_d ({report.kappa_d_rule})", f"{report.kappa_d:.4g}", f"{paper['kappa']:.3g}"],
+            ["log10 κ_d(G³) = 3 log10 κ_d", f"{report.log10_kappa_d_g3:.2f}", f"{3 * np.log10(paper['kappa']):.2f}"],
+            ["log10 required width, v1 (κ⁶)", f"{report.log10_width_v1:.1f}", "—"],
+            ["log10 required width, v2 (κ_d⁶ n ln n)", f"{report.log10_width_v2:.1f}", f"≫ {paper['log10_width']:.0f}"],
+        ]),
     ] + [f"\n{flag}" for flag in report.flags])
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-
-
-def _train_module(config, model: str, x: np.ndarray, y: np.ndarray, seed: int, loss: str, input_shape, nb_classes,
-                  transform=None) -> torch.nn.Module:
-    module = build_reference_model(model, input_shape, nb_classes, width=config.width, seed=seed)
-    if transform is not None:
-        module = transform(module)
-    return train_model(module, x, y, loss=loss, epochs=config.epochs, batch_size=config.batch_size, lr=config.lr,
-                       weight_decay=config.weight_decay, seed=seed, device=config.device, verbose=False)
-
-
-def train(config, model: str, data: Dataset, seed: int, loss: str, transform=None):
-    module = _train_module(config, model, data.x_train, data.y_train, seed, loss, data.input_shape, data.nb_classes,
-                           transform)
-    clf = make_classifier(module, data.input_shape, data.nb_classes, loss=loss, clip_values=data.clip_values,
-                          device=config.device)
-    return clf, _accuracy(clf, data)
 
 
 def _ntk_points(config, data: Dataset) -> tuple[np.ndarray, np.ndarray]:
@@ -503,165 +479,6 @@ def _standard_model(config, model: str, data: Dataset, seed: int, trained: dict)
 def _paper_models(config) -> list[str]:
     """The models of Tables 3-4 and the ablation: the paper's two reference models, when asked for."""
     return [m for m in config.models if m in ("2l-relu", "mlp-attn")]
-
-
-def _accuracy(clf, data: Dataset) -> float:
-    return float(np.mean(clf.predict(data.x_test).argmax(axis=1) == data.y_test))
-
-
-def audit(config, clf, data: Dataset, attacks, eps: float, seed: int, **overrides):
-    params = {"top_fraction": config.top_fraction, "n_queries": config.n_queries, "n_bootstrap": config.n_bootstrap,
-              "attack_max_iter": config.attack_max_iter, "device": config.device, **overrides}
-    estimator = MalleabilityEstimator(clf, attacks=attacks, eps=eps, seed=seed, verbose=False, **params)
-    return estimator.evaluate(data.x_train, data.y_train, data.x_test, data.y_test, dataset=data.name)
-
-
-def flip_rows(table: str, model: str, seed: int, accuracy: float, report, data: Dataset, extra: dict) -> list[dict]:
-    flagged = bool(near_chance_warnings(accuracy, data.y_test, "test"))
-    rows = []
-    for r in report.results:
-        replicates = dict(r.replicates or {})
-        rows.append({
-            "table": table, "model": model, "seed": seed, "attack": r.attack, "flip_rate": r.flip_rate,
-            "flip_rate_above_floor": r.flip_rate_above_floor,
-            "control_flip_rate": None if r.control is None else r.control["flip_rate"],
-            "excess_flip_rate": r.excess_flip_rate, "per_query_flip_rate": r.per_query_flip_rate,
-            "spearman": r.spearman, "top_k_jaccard": r.top_k_jaccard, "attack_success": r.attack_success,
-            "clean_accuracy": accuracy, "near_chance": flagged, **extra, REPLICATES: replicates,
-        })
-    return rows
-
-
-def pooled(rows: list[dict], stat: str, seed: int = 0) -> tuple[float, float, float, np.ndarray | None]:
-    """
-    Mean over the rows' seeds of a statistic with its two-level bootstrap interval (in percent), and the pooled
-    replicates (for differences between models); rows without replicates give a mean without interval.
-    """
-    rows = [r for r in rows if r.get(stat) is not None]
-    if not rows:
-        return float("nan"), float("nan"), float("nan"), None
-    points = np.array([r[stat] for r in rows], dtype=np.float64)
-    draws = [r.get(REPLICATES, {}).get(stat) for r in rows]
-    if any(d is None or len(d) == 0 for d in draws) or len({len(d) for d in draws}) != 1:
-        return 100 * float(points.mean()), float("nan"), float("nan"), None
-    low_bound = -1.0 if stat == "excess_flip_rate" else 0.0
-    mean, (low, high) = hierarchical_interval(points, np.stack(draws), 2000, 0.95, seed, (low_bound, 1.0))
-    return 100 * mean, 100 * low, 100 * high, 100 * hierarchical_replicates(np.stack(draws), 2000, seed)
-
-
-def _flip_table(title: str, rows: list[dict], models, paper: dict, family: str) -> str:
-    seeds = sorted({r["seed"] for r in rows})
-    lines = [title, "", f"Mean over {len(seeds)} training seeds [95% two-level bootstrap interval: seeds, then "
-             "queries]; "
-             "*above floor*: flips between scores distinguishable from zero; *control*: the same examples moved by "
-             "random signs at ±ε; *excess*: attack minus control, in percentage points. Paper values from its "
-             f"{family} runs.", "",
-             "| model | attack | clean acc. | flip rate | above floor | control | excess (pts) | paper |",
-             "|---|---|---|---|---|---|---|---|"]
-    means: dict[str, dict[str, float]] = {}
-    excess: dict[tuple[str, str], tuple[float, np.ndarray | None]] = {}
-    for model in models:
-        model_rows = [r for r in rows if r["model"] == model]
-        for attack in ATTACKS:
-            sel = [r for r in model_rows if r["attack"] == attack]
-            flip = pooled(sel, "flip_rate")
-            means.setdefault(model, {})[attack] = flip[0]
-            floor, control, extra = (pooled(sel, s) for s in ("flip_rate_above_floor", "control_flip_rate",
-                                                                 "excess_flip_rate"))
-            excess[(model, attack)] = (extra[0], extra[3])
-            target = paper.get(model, {}).get(attack)
-            lines.append(
-                f"| {model} | {attack} | {_acc_cell(model_rows)} | {fmt_ci(*flip[:3], 1)} | "
-                f"{fmt_ci(*floor[:3], 1)} | {fmt_ci(*control[:3], 1)} | {fmt_ci(*extra[:3], 1, (-100.0, 100.0))} | "
-                f"{'—' if target is None else target} |"
-            )
-    if "2l-relu" in means and "mlp-attn" in means:
-        ratios, gaps = [], []
-        for attack in ATTACKS:
-            base, attn = means["2l-relu"][attack], means["mlp-attn"][attack]
-            p_base, p_attn = paper["2l-relu"][attack], paper["mlp-attn"][attack]
-            measured = "n/a" if not base else f"{attn / base:.2f}"
-            ratios.append(f"{attack}: {measured} (paper {p_attn / p_base:.2f})")
-            (a_mean, a_draws), (b_mean, b_draws) = excess[("mlp-attn", attack)], excess[("2l-relu", attack)]
-            if a_draws is not None and b_draws is not None:
-                gap = a_mean - b_mean
-                low, high = shifted_percentile_interval(gap, a_draws - b_draws, 0.95, (-200.0, 200.0))
-                gaps.append(f"{attack}: {gap:+.1f} pts [{low:+.1f}, {high:+.1f}]")
-        lines += ["", "Ratio MLP-Attn / 2L-ReLU of the flip rates: " + "; ".join(ratios)]
-        if gaps:
-            lines += ["", "MLP-Attn minus 2L-ReLU, excess flip rates (beyond the control; interval over seeds and "
-                      "queries of both models): " + "; ".join(gaps)]
-    return "\n".join(lines)
-
-
-def _acc_cell(rows: list[dict]) -> str:
-    seen = {}
-    for r in rows:
-        seen[r["seed"]] = (r["clean_accuracy"], r["near_chance"])
-    if not seen:
-        return "n/a"
-    mean = 100 * float(np.mean([a for a, _ in seen.values()]))
-    flagged = any(f for _, f in seen.values())
-    return f"{mean:.1f}%" + (" ⚠ near chance" if flagged else "")
-
-
-def mean_ci(values: list[float]) -> tuple[float, float, float]:
-    values = np.asarray([v for v in values if v is not None and np.isfinite(v)], dtype=np.float64)
-    if values.size == 0:
-        return float("nan"), float("nan"), float("nan")
-    mean = float(values.mean())
-    if values.size < 2:
-        return mean, float("nan"), float("nan")
-    half = float(stats.t.ppf(0.975, values.size - 1) * values.std(ddof=1) / np.sqrt(values.size))
-    return mean, mean - half, mean + half
-
-
-def fmt_ci(mean: float, low: float, high: float, digits: int, bounds: tuple[float, float] = (0.0, 100.0)) -> str:
-    """Mean [interval]; the t-interval is clipped to the metric's range (a share cannot leave 0–100 %)."""
-    if not np.isfinite(mean):
-        return "n/a"
-    if not np.isfinite(low):
-        return f"{mean:.{digits}f}"
-    low, high = max(low, bounds[0]), min(high, bounds[1])
-    return f"{mean:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}]"
-
-
-def _mean(report, model: str, width: int, level: str, metric: str, protocol: str | None = None) -> float:
-    values = [r[metric] for r in report.records if r["model"] == model and r["width"] == width
-              and r["level"] == level and r.get("protocol") == protocol and r.get(metric) is not None]
-    return float(np.mean(values)) if values else float("nan")
-
-
-def _direction(values) -> str:
-    if values is None or len(values) < 2 or not all(np.isfinite(values)):
-        return "n/a"
-    return "rises" if values[-1] > values[0] else "falls"
-
-
-def progress(config, items, desc: str):
-    return progress_bar(items, desc=desc, verbose=config.verbose, leave=False)
-
-
-def _plot_ablation(rows: list[dict], models, eps_grid, path: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(1, len(ATTACKS), figsize=(10, 3), sharey=True)
-    for ax, attack in zip(axes, ATTACKS, strict=True):
-        for model in models:
-            stats_ = [pooled([r for r in rows if r["model"] == model and r["attack"] == attack and r["eps"] == e],
-                              "flip_rate")[:3] for e in eps_grid]
-            means = [s[0] for s in stats_]
-            lows = np.clip([s[1] if np.isfinite(s[1]) else s[0] for s in stats_], 0.0, 100.0)
-            highs = np.clip([s[2] if np.isfinite(s[2]) else s[0] for s in stats_], 0.0, 100.0)
-            line = ax.plot(eps_grid, means, marker="o", label=model)[0]
-            ax.fill_between(eps_grid, lows, highs, color=line.get_color(), alpha=0.15)
-        ax.set_title(attack)
-        ax.set_xlabel("ε (ℓ∞)")
-    axes[0].set_ylabel("influence flip rate (%)")
-    axes[0].legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
 
 
 __all__ = ["PAPER", "Reproduction", "ReproductionConfig", "run_reproduction"]

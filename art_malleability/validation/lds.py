@@ -64,14 +64,8 @@ def _column_spearman(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def linear_datamodeling_score(
-    scores: np.ndarray,
-    masks: np.ndarray,
-    outcomes: np.ndarray,
-    *,
-    outcome: str = "loss",
-    n_bootstrap: int = 1000,
-    confidence: float = 0.95,
-    seed: int = 0,
+    scores: np.ndarray, masks: np.ndarray, outcomes: np.ndarray, *, outcome: str = "loss", n_bootstrap: int = 1000,
+    confidence: float = 0.95, seed: int = 0,
 ) -> LDSResult:
     """
     Linear datamodeling score (TRAK's LDS) of an influence matrix against measured retraining outcomes.

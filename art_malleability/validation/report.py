@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from dataclasses import asdict, dataclass, field, fields
 from itertools import combinations
-from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
-from art_malleability._io import atomic_write_files, figure_png, json_ready, read_report_json
+from art_malleability._io import json_ready
+from art_malleability._report_base import SavedReport, markdown_table
 from art_malleability.metrics import bootstrap_interval
 from art_malleability.report import format_number_ci, format_percent, format_percent_ci, nan_if_none
 
@@ -61,9 +59,11 @@ class EstimatorFidelity:
 
 
 @dataclass
-class ValidationReport:
+class ValidationReport(SavedReport):
     """
-    The result of :func:`validate`.
+    The result of :func:`validate`. :meth:`save` writes ``validation.json``, ``validation.md``, ``lds.png`` (LDS per
+    estimator with intervals) and ``scatter.png`` (predicted vs measured for the example query); :meth:`load`
+    reads it back.
 
     :param model: Name of the validated model.
     :param dataset: Name of the data set, where known.
@@ -105,6 +105,10 @@ class ValidationReport:
     seconds: dict[str, float] = field(default_factory=dict)
     versions: dict[str, str] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+
+    json_name: ClassVar[str] = "validation.json"
+    markdown_name: ClassVar[str] = "validation.md"
+    json_indent: ClassVar[int] = 1
 
     def __post_init__(self) -> None:
         self.results = {
@@ -170,32 +174,21 @@ class ValidationReport:
         """:return: A JSON-ready dict."""
         return json_ready(asdict(self))
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ValidationReport:
-        """:return: The report from :meth:`to_dict`'s output."""
-        return cls(**data)
-
     def table(self) -> str:
         """:return: Markdown table: estimator, LDS [CI], LOO sign agreement [CI], pairs, queries."""
-        lines = [
-            "| estimator | LDS [95% CI] | LOO sign agreement [95% CI] | LOO pairs | queries (LDS defined) |",
-            "|---|---|---|---|---|",
-        ]
-        for r in self.results.values():
-            lines.append(
-                f"| {r.estimator} | {format_number_ci(r.lds, r.lds_ci)} | "
-                f"{format_percent_ci(r.loo_sign_agreement, r.loo_sign_agreement_ci)} | {r.n_loo_pairs} | "
-                f"{r.n_queries_defined} |"
-            )
-        return "\n".join(lines)
+        return markdown_table(
+            ["estimator", "LDS [95% CI]", "LOO sign agreement [95% CI]", "LOO pairs", "queries (LDS defined)"],
+            [[r.estimator, format_number_ci(r.lds, r.lds_ci),
+              format_percent_ci(r.loo_sign_agreement, r.loo_sign_agreement_ci), r.n_loo_pairs, r.n_queries_defined]
+             for r in self.results.values()],
+        )
 
     def differences_table(self) -> str:
         """:return: Markdown table of the paired LDS differences between every two estimators."""
-        lines = ["| estimators | LDS difference [95% CI] |", "|---|---|"]
-        for a, b in combinations(self.results, 2):
-            mean, ci = self.lds_difference(a, b, seed=self.config.get("seed", 0))
-            lines.append(f"| {a} − {b} | {format_number_ci(mean, ci)} |")
-        return "\n".join(lines)
+        differences = [(a, b, *self.lds_difference(a, b, seed=self.config.get("seed", 0)))
+                       for a, b in combinations(self.results, 2)]
+        return markdown_table(["estimators", "LDS difference [95% CI]"],
+                              [[f"{a} − {b}", format_number_ci(mean, ci)] for a, b, mean, ci in differences])
 
     def summary(self) -> str:
         """:return: A short text summary (title line and the table)."""
@@ -239,33 +232,8 @@ class ValidationReport:
         )
 
     # ------------------------------------------------------------------ files
-    def save(self, directory: str | os.PathLike) -> Path:
-        """
-        Write ``validation.json``, ``validation.md``, ``lds.png`` (LDS per estimator with intervals) and
-        ``scatter.png`` (predicted vs measured for the example query) into a folder, atomically
-        (``validation.json`` last).
-
-        :param directory: Output folder (created if missing).
-        :return: The folder.
-        """
-
-        out = Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
-        files: dict[str, str | bytes] = {"validation.md": self.to_markdown()}
-        for name, draw in (("lds.png", self.plot_lds), ("scatter.png", self.plot_scatter)):
-            files[name] = figure_png(draw())
-        files["validation.json"] = json.dumps(self.to_dict(), indent=1, allow_nan=False)
-        atomic_write_files(out, files)
-        logger.info("Validation report written to %s", out)
-        return out
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> ValidationReport:
-        """
-        :param path: A ``validation.json`` file or the folder holding it.
-        :return: The report.
-        """
-        return cls.from_dict(read_report_json(path, "validation.json"))
+    def _figures(self) -> dict[str, Any]:
+        return {"lds.png": self.plot_lds, "scatter.png": self.plot_scatter}
 
     # ------------------------------------------------------------------ figures
     def plot_lds(self) -> Any:

@@ -96,18 +96,12 @@ def validate(
     :raises RuntimeError: When ``train_fn`` fails (the cause is chained).
     """
     _check_settings(train_fn, n_models, alpha, outcome, loo_queries, loo_top, loo_seeds, seed, loss)
-    x, y = check_data(x, y, "x", "y")
-    x_query, y_query = check_data(x_query, y_query, "x_query", "y_query")
-    if x_query.shape[1:] != x.shape[1:]:
-        raise ValueError(f"x_query must have input shape {x.shape[1:]} like x, got {x_query.shape[1:]}")
-    x = np.array(x, dtype=np.float32, copy=True)
-    x_query = np.array(x_query, dtype=np.float32, copy=True)
+    x, y, x_query, y_query = _check_arrays(x, y, x_query, y_query)
     named = [_named_estimator(e, projection_dim, seed, device) for e in estimators]
     if not named:
-        raise ValueError("estimators must name at least one influence estimator")
+        raise ValueError("estimators must name at least one influence estimator, got none")
     with preserved_rng():
-        run = _Run(train_fn, x, y, x_query, y_query, outcome, loss, seed, verbose)
-        return run.execute(
+        return _Run(train_fn, x, y, x_query, y_query, outcome, loss, seed, verbose).execute(
             named, n_models, alpha, loo_queries, loo_top, loo_seeds, n_bootstrap, confidence, model_name, dataset
         )
 
@@ -135,6 +129,17 @@ def _check_settings(
     if not _is_int(seed):
         raise ValueError(f"seed must be an integer, got {seed!r}")
     check_loss(loss)
+
+
+def _check_arrays(
+    x: np.ndarray, y: np.ndarray, x_query: np.ndarray, y_query: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """:return: Checked private copies of the training and query data (float32 inputs, index labels)."""
+    x, y = check_data(x, y, "x", "y")
+    x_query, y_query = check_data(x_query, y_query, "x_query", "y_query")
+    if x_query.shape[1:] != x.shape[1:]:
+        raise ValueError(f"x_query must have input shape {x.shape[1:]} like x, got {x_query.shape[1:]}")
+    return np.array(x, dtype=np.float32, copy=True), y, np.array(x_query, dtype=np.float32, copy=True), y_query
 
 
 def _is_int(value: object) -> bool:
@@ -205,7 +210,7 @@ class _Run:
         try:
             model = self.train_fn(x, y, int(seed))
         except Exception as err:
-            raise RuntimeError(f"train_fn failed while training {what} (seed {seed}): {err}") from err
+            raise RuntimeError(f"train_fn must train {what} (seed {seed}), got {type(err).__name__}: {err}") from err
         if not isinstance(model, nn.Module):
             raise TypeError(
                 f"train_fn must return the trained torch.nn.Module, got {type(model).__name__} for {what}"
@@ -214,14 +219,15 @@ class _Run:
         logits = self.forward(model, x)
         if logits.ndim != 2 or logits.shape[1] <= int(max(self.y.max(), self.y_query.max())):
             raise ValueError(
-                f"the model from train_fn must return logits of shape (n, C) with C > every label, got shape "
+                f"train_fn must return a model with logits of shape (n, C) with C > every label, got shape "
                 f"{tuple(logits.shape)} for labels up to {int(max(self.y.max(), self.y_query.max()))}"
             )
         accuracy = float((logits.argmax(1).numpy() == y).mean())
         if near_chance_warnings(accuracy, y, "training"):
             raise ValueError(
-                f"train_fn returned a model that has not learnt its training data: {what} (seed {seed}) has "
-                f"accuracy {100 * accuracy:.1f}% on its own {len(y)} training examples, close to chance; train it "
+                f"train_fn must return a trained model, got one that has not learnt its training data: {what} "
+                f"(seed {seed}) has accuracy {100 * accuracy:.1f}% on its own {len(y)} training examples, close to "
+                "chance; train it "
                 "longer or with a larger learning rate (or check that train_fn returns the trained model)"
             )
         return model
@@ -322,8 +328,8 @@ class _Run:
         size = int(round(alpha * n))
         if not 1 <= size < n:
             raise ValueError(
-                f"alpha = {alpha} gives subsets of {size} of the {n} training examples; choose alpha so that "
-                "1 <= round(alpha * n) < n"
+                f"alpha must give subsets of 1 <= round(alpha * n) < n of the {n} training examples, got {alpha}, "
+                f"which gives {size}"
             )
         masks = np.zeros((n_models, n), dtype=bool)
         classes = np.unique(self.y)
@@ -333,9 +339,9 @@ class _Run:
             if missing.size:
                 count = int((self.y == missing[0]).sum())
                 raise ValueError(
-                    f"subset {m} of {n_models} (alpha = {alpha}, {size} of {n} examples) holds no example of "
-                    f"class {int(missing[0])} ({count} in y); a model trained on it cannot predict that class. "
-                    "Use a larger alpha or more training examples of each class"
+                    f"alpha must give subsets that hold every class, got {alpha}: subset {m} of {n_models} ({size} "
+                    f"of {n} examples) holds no example of class {int(missing[0])} ({count} in y), so a model trained "
+                    "on it cannot predict that class; use a larger alpha or more training examples of each class"
                 )
         return masks
 
@@ -402,8 +408,9 @@ class _Run:
         for i in removed:
             if counts[self.y[i]] == 1:
                 raise ValueError(
-                    f"training example {int(i)} is the only example of class {int(self.y[i])}; leaving it out "
-                    "leaves a class without examples. Use more training examples of each class (or loo_queries=0)"
+                    f"y must hold two or more examples of each class for the leave-one-out check, got one of class "
+                    f"{int(self.y[i])} (training example {int(i)}); use more training examples of each class (or "
+                    "loo_queries=0)"
                 )
 
     @staticmethod

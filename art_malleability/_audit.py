@@ -1,0 +1,382 @@
+"""
+The steps of one audit once its inputs are checked (:meth:`~art_malleability.estimator.MalleabilityEstimator.evaluate`):
+the clean influence and its noise floor, the random-sign controls, and each attack with the influence after it.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+from art.attacks import EvasionAttack
+from art.utils import compute_success_array
+
+from art_malleability._io import progress_bar
+from art_malleability._validation import one_hot
+from art_malleability.attacks import (
+    CONTROL_LABEL,
+    attack_config,
+    attack_label,
+    control_eps,
+    perturb_training_set,
+    random_sign_perturbation,
+)
+from art_malleability.distributed import Shard, raise_if_any
+from art_malleability.influence import InfluenceEstimator, NTKInfluence
+from art_malleability.input_pipeline import with_input_pipeline
+from art_malleability.metrics import aggregate_scores, malleability_metrics, top_indices, z_value
+from art_malleability.models import is_transductive
+from art_malleability.report import AttackResult
+from art_malleability.streaming import ExampleSource, is_torch_data
+
+logger = logging.getLogger(__name__)
+
+
+@contextmanager
+def timed(seconds: dict[str, float], key: str) -> Iterator[None]:
+    """Store the wall time of the block in ``seconds[key]``."""
+    start = time.perf_counter()
+    yield
+    seconds[key] = time.perf_counter() - start
+
+
+class AuditRun:
+    """
+    One audit of an estimator's classifier on a training source: the working copy of the model the influence
+    sees, the queries, and what the steps find (clean scores, top set, controls, attack results).
+
+    :param est: The :class:`~art_malleability.estimator.MalleabilityEstimator` (its parameters and classifier).
+    :param source: The training examples.
+    :param x_q: Query inputs.
+    :param y_q: Query labels.
+    :param self_pairs: Training row of every query drawn from the training set (its self-score is excluded),
+        or ``None`` for test queries.
+    :param shard: The process group, or ``None``.
+    """
+
+    def __init__(
+        self,
+        est: Any,
+        source: ExampleSource,
+        x_q: np.ndarray,
+        y_q: np.ndarray,
+        self_pairs: np.ndarray | None,
+        shard: Shard | None,
+    ) -> None:
+        self.est, self.source, self.shard = est, source, shard
+        self.x_q, self.y_q, self.self_pairs = x_q, y_q, self_pairs
+        self.influence: InfluenceEstimator = est._influence
+        self.work, self.transductive = _working_model(est.classifier, self.influence)
+        if shard is not None and not (
+            isinstance(self.influence, NTKInfluence) and self.influence.projection_dim is not None
+        ):
+            raise ValueError(
+                "influence must be the projected NTK influence (influence='ntk' with projection_dim 'auto' or an "
+                f"integer) in a sharded audit, got {type(self.influence).__name__} with this configuration, "
+                "which runs in one process"
+            )
+        self.controls = {}
+        if est.controls:
+            self.controls = {a: eps for a in est._attacks if (eps := control_eps(a)) is not None}
+        self.seconds: dict[str, float] = {}
+        self.steps = progress_bar(
+            total=1 + 2 * len(est._attacks) + len(set(self.controls.values())), desc="malleability", verbose=est.verbose
+        )
+        # transductive models need the whole training set as their context: read it into an array
+        self.x_all = source.arrays(est.batch_size * 8)[0] if self.transductive else None
+        self.y = source.labels(est.batch_size * 8)
+        self.train_data = self.x_all if self.x_all is not None else source.given
+        self.noise: float | None = None
+
+    # ------------------------------------------------------------------ influence
+    def _scores_now(self, estimator: InfluenceEstimator) -> np.ndarray:
+        scores = estimator.scores(self.x_q, self.y_q)
+        if self.self_pairs is not None:
+            scores[np.arange(len(self.self_pairs)), self.self_pairs] = np.nan
+        if self.shard is not None:  # rank 0's copy everywhere: every process then takes the same top set
+            scores = self.shard.broadcast_object(scores)
+        return scores
+
+    def _fit_on(self, estimator: InfluenceEstimator, x_train: Any, warm_start: bool = False) -> None:
+        if self.transductive:
+            self.work.set_context(x_train)
+        if is_torch_data(x_train):
+            estimator.fit(self.work, x_train, warm_start=warm_start)
+        else:
+            estimator.fit(self.work, x_train, self.y, warm_start=warm_start)
+        if self.shard is not None and getattr(estimator, "shard_", None) != self.shard:
+            raise ValueError(
+                f"distributed of the influence estimator must be 'auto' or True in a sharded audit, got "
+                f"{getattr(estimator, 'distributed', None)!r}; it did not shard over the process group"
+            )
+
+    def _perturbed_scores(self, x_new: np.ndarray) -> np.ndarray:
+        """Influence with this process's perturbed training rows ``local`` replaced by ``x_new``."""
+        rows, influence = self.local, self.influence
+        if self.transductive:
+            rows_all, new_all = rows, x_new
+            if self.shard is not None:
+                rows_all = self.shard.all_gather_rows(torch.as_tensor(rows)).numpy()
+                new_all = self.shard.all_gather_rows(torch.as_tensor(x_new)).numpy()
+            x_full = self.x_all.copy()
+            x_full[rows_all] = new_all
+            self._fit_on(influence, x_full, warm_start=True)  # the same random projection as the clean fit
+        else:
+            influence.refit(rows, x_new)
+        return self._scores_now(influence)
+
+    def _second_seed_scores(self) -> np.ndarray | None:
+        """Clean aggregate scores of a twin estimator with the next projection seed (``None``: not projected)."""
+        influence = self.influence
+        twin = type(influence)(**{**influence.get_params(), "projection_seed": influence.projection_seed + 1})
+        self._fit_on(twin, self.train_data)
+        if getattr(twin, "mode_", None) != "projected" or twin.projector_.is_exact:
+            return None
+        return aggregate_scores(self._scores_now(twin))
+
+    def score_clean(self, k: int) -> None:
+        """
+        The clean influence (``before``, its aggregate ``agg_before``), the projection's noise floor (``noise``)
+        and the ``k`` most influential examples (``top``), with the rows to perturb (``perturbed``; ``local``:
+        those of this process).
+        """
+        influence, twin = self.influence, None
+        twin_first = _projection_likely(influence, self.source.n, self.shard)
+        if twin_first:  # large runs: before the clean fit, so that two fitted estimators never share the memory
+            self.steps.set_postfix_str("influence (second projection seed)")
+            with timed(self.seconds, "influence_second_seed"):
+                twin = self._second_seed_scores()
+        self.steps.set_postfix_str("influence (clean)")
+        with timed(self.seconds, "influence_clean"):
+            self._fit_on(influence, self.train_data)
+            self.before = self._scores_now(influence)
+        self.steps.update()
+        self.agg_before = aggregate_scores(self.before)
+        self.projected = getattr(influence, "mode_", None) == "projected" and not influence.projector_.is_exact
+        if self.projected:
+            if not twin_first:
+                with timed(self.seconds, "influence_second_seed"):
+                    twin = self._second_seed_scores()
+            self.noise = _seed_noise(self.agg_before, twin)
+        self.top = top_indices(self.agg_before, k, self.est.rank_by)
+        self.perturbed = self.top if self.est.strategy == "top" else np.arange(self.source.n)
+        lo, hi = self.shard.bounds(self.source.n) if self.shard is not None else (0, self.source.n)
+        self.local = np.sort(self.perturbed[(self.perturbed >= lo) & (self.perturbed < hi)])
+
+    def _metrics_of(self, after: np.ndarray, control: dict | None = None) -> dict:
+        est, result = self.est, None
+        if self.shard is None or self.shard.rank == 0:
+            result = malleability_metrics(
+                self.before,
+                after,
+                est.top_fraction,
+                est.rank_by,
+                est.n_bootstrap,
+                est.confidence,
+                est.seed,
+                self.top,
+                noise=self.noise or 0.0,
+                control=control,
+                keep_draws=True,
+            )
+        return self.shard.broadcast_object(result) if self.shard is not None else result
+
+    def _everywhere(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``; a failure on any process is raised on every process (nobody waits in a collective)."""
+        error, result = None, None
+        try:
+            result = fn(*args)
+        except Exception as failure:  # noqa: BLE001 - handed to every process below
+            error = failure
+        raise_if_any(self.shard, error)
+        return result
+
+    # ------------------------------------------------------------------ controls and attacks
+    def run_controls(self) -> dict[float, dict]:
+        """:return: The metrics of the random-sign control of every distinct budget, by budget."""
+        control_metrics: dict[float, dict] = {}
+        for eps in sorted(set(self.controls.values())):
+            self.steps.set_postfix_str(f"control eps={eps:g}")
+            with timed(self.seconds, f"control_eps_{eps:g}"):
+                x_ctrl = self._everywhere(self._control_rows, eps)
+                control_metrics[eps] = self._metrics_of(self._perturbed_scores(x_ctrl))
+            self.steps.update()
+        return control_metrics
+
+    def run_attack(self, attack: EvasionAttack, control_metrics: dict[float, dict]) -> AttackResult:
+        """:return: The result of one attack: the influence after it, against the clean one and the control."""
+        label, timing = attack_label(attack), {}
+        self.steps.set_postfix_str(f"attack {label}")
+        with timed(timing, "attack"):
+            x_adv, changed, linf = self._everywhere(self._attack_rows, attack)
+            success, linf = _combine_attack_stats(changed, linf, len(self.perturbed), self.shard)
+        self.steps.update()
+        self.steps.set_postfix_str(f"influence ({label})")
+        with timed(timing, "influence"):
+            after = self._perturbed_scores(x_adv)
+        control = control_metrics.get(self.controls.get(attack))
+        with timed(timing, "metrics"):
+            metrics = self._metrics_of(after, control)
+        self.steps.update()
+        draws = metrics.pop("draws")
+        if control is not None:
+            draws["control_flip_rate"] = control["draws"]["flip_rate"]
+        result = AttackResult(
+            attack=label,
+            params=attack_config(attack),
+            n_perturbed=len(self.perturbed),
+            attack_success=success,
+            max_perturbation=linf,
+            scores_after=aggregate_scores(after),
+            seconds=timing,
+            control=_control_summary(control, self.controls.get(attack)),
+            replicates=draws,
+            **metrics,
+        )
+        logger.info("%s: flip rate %.3f", label, metrics["flip_rate"])
+        return result
+
+    def _attack_rows(self, attack: EvasionAttack) -> tuple[np.ndarray, int, float]:
+        """
+        Run the attack on this process's perturbed training rows, in chunks read from the source. numpy's global
+        generator is seeded with ``seed`` plus the chunk's offset for every chunk: attacks with random
+        starts (not the named ones, which are deterministic) therefore depend on the chunking, and a
+        sharded run differs from a single-process one for them.
+
+        :return: ``(x_adv rows, number whose prediction changed, largest ℓ∞ change)``.
+        """
+        est, rows, nb_classes = self.est, self.local, int(self.est.classifier.nb_classes)
+        x_adv = np.empty((len(rows), *self.source.input_shape), dtype=np.float32)
+        changed, linf = 0, 0.0
+        chunk = max(est.batch_size * 8, 1)
+        bar = progress_bar(
+            total=len(rows),
+            desc=f"attack {attack_label(attack)}",
+            unit="ex",
+            leave=False,
+            verbose=est.verbose and len(rows) > chunk,
+        )
+        for s, xb, yb in self.source.batches(chunk, indices=rows):
+            labels = one_hot(yb, nb_classes)
+            adv = perturb_training_set(attack, xb, labels, np.arange(len(xb)), seed=est.seed + s)
+            x_adv[s : s + len(xb)] = adv
+            changed += int(np.sum(compute_success_array(est.classifier, xb, labels, adv, batch_size=est.batch_size)))
+            linf = max(linf, float(np.max(np.abs(adv - xb))) if len(xb) else 0.0)
+            bar.update(len(xb))
+        bar.close()
+        return x_adv, changed, linf
+
+    def _control_rows(self, eps: float) -> np.ndarray:
+        """The random-sign control of this process's perturbed training rows, read from the source in chunks."""
+        est, rows = self.est, self.local
+        x_ctrl = np.empty((len(rows), *self.source.input_shape), dtype=np.float32)
+        clip = est.classifier.clip_values
+        for s, xb, _ in self.source.batches(max(est.batch_size * 8, 1), indices=rows):
+            x_ctrl[s : s + len(xb)] = random_sign_perturbation(xb, rows[s : s + len(xb)], eps, clip, seed=est.seed)
+        return x_ctrl
+
+    # ------------------------------------------------------------------ what the report states
+    def warnings(self) -> list[str]:
+        """:return: Warnings on the run: attacks without a control, and a projected influence."""
+        found = []
+        missing = [attack_label(a) for a in self.est._attacks if a not in self.controls]
+        if self.est.controls and missing:
+            found.append(
+                f"no random-perturbation control for {missing}: a control needs an l-inf attack with one scalar eps"
+            )
+        if self.projected:
+            found.append(
+                f"influence from a {self.influence.projection_dim_}-dimensional random projection of the NTK "
+                "features: at small ridges its scores agree only loosely with the exact NTK influence, and two "
+                "projection seeds can disagree (measured in docs/scale.md); compare seeds before trusting these "
+                "flip rates"
+            )
+        return found
+
+    def noise_floor(self) -> dict[str, Any]:
+        """How the noise floor of the ``flip_rate_above_floor`` metrics was set."""
+        seed, noise = self.est.seed, self.noise
+        return {
+            "rule": "a flip counts when the clean and the perturbed aggregate score both exceed "
+            "z * sqrt(SE^2 + projection_sd^2) in magnitude (SE: standard error of the mean over queries)",
+            "z": z_value(self.est.confidence),
+            "projection_sd": 0.0 if noise is None else noise,
+            "projection_seeds": None if noise is None else [int(seed), int(seed) + 1],
+        }
+
+    def execution(self) -> dict[str, Any]:
+        """What ran: the influence estimator's parameters and mode, and the process group."""
+        influence, shard = self.influence, self.shard
+        params = {
+            key: value if isinstance(value, (bool, int, float, str)) or value is None else str(value)
+            for key, value in influence.get_params().items()
+        }
+        details: dict[str, Any] = {"influence": type(influence).__name__, "params": params}
+        if hasattr(influence, "mode_"):
+            details["mode"] = influence.mode_
+        if getattr(influence, "projector_", None) is not None:
+            details["projection_dim"] = influence.projection_dim_
+            details["projection_seed"] = influence.projection_seed
+            details["projection_groups"] = influence.projector_.describe()
+        details["world_size"] = 1 if shard is None else shard.world_size
+        details["backend"] = None if shard is None else shard.backend
+        return details
+
+
+def _working_model(classifier: Any, influence: InfluenceEstimator) -> tuple[torch.nn.Module, bool]:
+    """
+    :return: A copy of the classifier's model as the influence sees it (behind the classifier's input pipeline), and
+        whether it is transductive.
+    """
+    work = copy.deepcopy(classifier.model)
+    transductive = is_transductive(work)
+    dtype = getattr(influence, "dtype", None)
+    if transductive and isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        # the context is computed, and stored, in the influence's dtype (a float64 kernel of a float32
+        # model must not see a context rounded to float32)
+        work = work.to(dtype=dtype)
+    return with_input_pipeline(work, classifier), transductive  # what classifier.predict feeds the model
+
+
+def _combine_attack_stats(changed: int, linf: float, total: int, shard: Shard | None) -> tuple[float, float]:
+    """Attack success (share of perturbed examples whose prediction changed) and ℓ∞ over all processes."""
+    if shard is not None:
+        changed = int(shard.all_reduce(torch.tensor([changed], dtype=torch.int64))[0])
+        linf = float(shard.all_reduce(torch.tensor([linf], dtype=torch.float64), "max")[0])
+    return changed / total, linf
+
+
+def _projection_likely(influence: InfluenceEstimator, n: int, shard: Shard | None) -> bool:
+    """Whether an NTK influence will surely run projected (then its second seed is fitted before the clean fit)."""
+    if not isinstance(influence, NTKInfluence) or influence.projection_dim is None:
+        return False
+    return influence.projection_dim != "auto" or shard is not None or n > influence.max_exact_n
+
+
+def _seed_noise(first: np.ndarray, second: np.ndarray | None) -> float:
+    """
+    Standard deviation of one aggregate score due to the projection: the root mean square difference between
+    two projection seeds over ``sqrt(2)`` (two independent draws differ by twice the variance).
+    """
+    if second is None:
+        return 0.0
+    gap = first - second
+    gap = gap[np.isfinite(gap)]
+    return float(np.sqrt(np.mean(gap**2) / 2.0)) if gap.size else 0.0
+
+
+def _control_summary(control: dict | None, eps: float | None) -> dict[str, Any] | None:
+    """The control's metrics as reported beside an attack."""
+    if control is None:
+        return None
+    names = ("flip_rate", "flip_rate_above_floor", "spearman", "top_k_jaccard")
+    summary: dict[str, Any] = {"perturbation": CONTROL_LABEL, "eps": eps}
+    for name in names:
+        summary[name], summary[name + "_ci"] = control[name], control[name + "_ci"]
+    return summary

@@ -1,0 +1,172 @@
+"""``art-malleability audit``: its options and its run, sharded over the processes of a ``torchrun`` launch."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from art_malleability._cli_checks import build_model, clear_owned, load_data, load_weights, model_names, validation_for
+from art_malleability._cli_options import (
+    Runner,
+    add_command,
+    add_data_options,
+    add_model_options,
+    add_run_options,
+    projection_dim,
+)
+from art_malleability._io import atomic_write
+from art_malleability.attacks import ATTACK_NAMES, STRATEGIES
+from art_malleability.influence import INFLUENCE_NAMES
+from art_malleability.metrics import RANK_BY
+
+if TYPE_CHECKING:
+    import torch
+
+    from art_malleability.datasets import Dataset
+    from art_malleability.distributed import Shard
+    from art_malleability.report import MalleabilityReport
+
+
+def add_audit(sub: argparse._SubParsersAction, run: Runner) -> None:
+    """The ``audit`` subcommand and its options, run by ``run`` (:func:`run_audit`)."""
+    audit = add_command(
+        sub, "audit", run,
+        "train or load models, attack their training data, report influence flip rates",
+        description="Audit influence malleability. With no arguments: both reference models on the "
+        "embedded scikit-learn digits, FGSM/PGD/MIM at eps 0.3.",
+    )
+    add_data_options(audit, n_train=1000, n_test=300)
+    model = add_model_options(audit, batch_help="training and attack batch size", loss_help="training loss")
+    model.add_argument(
+        "--weights",
+        default=None,
+        help="state_dict file loaded with torch.load(weights_only=True) instead of training (one model only)",
+    )
+    group = audit.add_argument_group("audit")
+    group.add_argument("--attacks", nargs="+", choices=ATTACK_NAMES, default=list(ATTACK_NAMES))
+    group.add_argument("--eps", type=float, default=0.3, help="l-inf attack budget on [0, 1] inputs")
+    group.add_argument("--attack-max-iter", type=int, default=20, help="steps of PGD and MIM")
+    group.add_argument("--influence", choices=INFLUENCE_NAMES, default="ntk", help="influence estimator")
+    group.add_argument("--ridge", type=float, default=1e-3, help="ridge lambda of the NTK influence")
+    group.add_argument(
+        "--projection-dim",
+        type=projection_dim,
+        default="auto",
+        help="NTK influence mode: 'auto' (exact n x n solve when n <= 10000, it fits the memory and its estimated "
+        "cost is below ~1e13 flops; else projected with k = 4096), 'none' (always exact) or the projection "
+        "dimension k (always projected)",
+    )
+    group.add_argument("--top-fraction", type=float, default=0.1, help="share of training data in the top set")
+    group.add_argument("--strategy", choices=STRATEGIES, default="top", help="perturb the top set or all")
+    group.add_argument("--rank-by", choices=RANK_BY, default="abs", help="rank the top set by absolute or signed score")
+    group.add_argument("--n-queries", type=int, default=100, help="query points drawn from the test set")
+    group.add_argument("--n-bootstrap", type=int, default=1000, help="bootstrap resamples for intervals")
+    group.add_argument(
+        "--no-controls", action="store_true",
+        help="skip the random-sign control of each attack (same examples, random signs at +-eps) and the excess "
+        "flip rate",
+    )
+    group.add_argument(
+        "--validation", default=None,
+        help="output folder of 'art-malleability validate' for the same data and training settings: each report "
+        "then states its estimator's LDS against retraining (from <folder>/<model>/validation.json)",
+    )
+    add_run_options(audit, "malleability-audit")
+    _add_distributed_options(audit)
+
+
+def _add_distributed_options(audit: argparse.ArgumentParser) -> None:
+    dist = audit.add_argument_group(
+        "distributed",
+        "launch with torchrun (e.g. torchrun --standalone --nproc-per-node 2 -m art_malleability.cli audit ...): "
+        "every process computes the NTK features and the attack of its share of the training set; rank 0 "
+        "trains the model, prints and writes the reports",
+    )
+    dist.add_argument(
+        "--dist-backend", choices=("gloo", "nccl"), default=None, help="default: nccl with CUDA, else gloo"
+    )
+    dist.add_argument(
+        "--dist-timeout", type=float, default=600.0,
+        help="seconds a collective waits for the other processes before failing (a dead process ends the job)",
+    )
+
+
+def run_audit(args: argparse.Namespace) -> int:
+    """Run ``art-malleability audit`` with the parsed ``args``, sharded over the processes of a ``torchrun`` launch;
+    return the exit status."""
+    from art_malleability.distributed import init_from_env
+    from art_malleability.report import comparison_table
+
+    shard = init_from_env(args.dist_backend, args.dist_timeout)
+    lead = shard is None or shard.rank == 0
+    start = time.perf_counter()
+    data = load_data(args)
+    if lead:
+        print(
+            f"data: {data.name}, {len(data.x_train)} train / {len(data.x_test)} test, input {data.input_shape}, "
+            f"{data.nb_classes} classes ({time.perf_counter() - start:.1f} s)"
+            + (f"; {shard.world_size} processes ({shard.backend})" if shard is not None else "")
+        )
+    out = Path(args.output)
+    reports = [_audit_model(args, name, data, shard, first=i == 0) for i, name in enumerate(model_names(args))]
+    if lead:
+        table = comparison_table(reports)
+        atomic_write(out / "summary.md", f"# Influence malleability on {data.name}\n\n{table}\n")
+        print(f"\n{table}\n\nreports in {out}/")
+    return 0
+
+
+def _audit_model(
+    args: argparse.Namespace, name: str, data: Dataset, shard: Shard | None, first: bool
+) -> MalleabilityReport:
+    """Train (or load) one model, audit it, and on the lead process save and print its report."""
+    from art_malleability.estimator import MalleabilityEstimator
+    from art_malleability.report import slugify
+    from art_malleability.training import make_classifier
+
+    lead = shard is None or shard.rank == 0
+    start = time.perf_counter()
+    module, what = _train_or_load(args, name, data, shard, lead)
+    trained = time.perf_counter() - start
+    classifier = make_classifier(
+        module, data.input_shape, data.nb_classes, loss=args.loss, clip_values=data.clip_values, device=args.device
+    )
+    start = time.perf_counter()
+    report = MalleabilityEstimator(
+        classifier, attacks=args.attacks, eps=args.eps, influence=args.influence, top_fraction=args.top_fraction,
+        strategy=args.strategy, ridge=args.ridge, n_queries=args.n_queries, rank_by=args.rank_by,
+        n_bootstrap=args.n_bootstrap, attack_max_iter=args.attack_max_iter, batch_size=args.batch_size,
+        seed=args.seed, device=args.device, verbose=lead and not args.quiet, model_name=name,
+        projection_dim=args.projection_dim, controls=not args.no_controls,
+    ).evaluate(data.x_train, data.y_train, data.x_test, data.y_test, dataset=data.name,
+               validation=validation_for(args.validation, name))
+    report.seconds["train"] = trained
+    if lead:
+        if first:
+            clear_owned(Path(args.output), "report.json")
+        folder = report.save(Path(args.output) / slugify(name))
+        print(f"\n{name}: {what} in {trained:.1f} s, audited in {time.perf_counter() - start:.1f} s -> {folder}")
+        print(report.summary())
+    return report
+
+
+def _train_or_load(
+    args: argparse.Namespace, name: str, data: Dataset, shard: Shard | None, lead: bool
+) -> tuple[torch.nn.Module, str]:
+    """:return: The model of ``--model name`` with ``--weights`` loaded or trained on rank 0, and what was done."""
+    from art_malleability.training import train_model
+
+    module = build_model(name, data.input_shape, data.nb_classes, args.width, args.seed)
+    if args.weights is not None:
+        load_weights(module, args.weights, name)
+        return module, f"loaded {args.weights}"
+    if lead:
+        module = train_model(
+            module, data.x_train, data.y_train, loss=args.loss, epochs=args.epochs, batch_size=args.batch_size,
+            lr=args.lr, weight_decay=args.weight_decay, seed=args.seed, device=args.device, verbose=not args.quiet,
+        )
+    if shard is not None:  # every process audits rank 0's weights
+        module.load_state_dict(shard.broadcast_object({k: v.cpu() for k, v in module.state_dict().items()}))
+    return module, f"trained {args.epochs} epochs"

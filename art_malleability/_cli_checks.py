@@ -1,0 +1,285 @@
+"""
+What the ``art-malleability`` subcommands check and build before any work: the pre-flight checks of their options
+(a problem is a :class:`UsageError`, exit status 2), the ``--model`` factories, ``--weights``, the data of
+``--dataset`` and the report folders of ``--output`` and ``--validation``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import math
+import os
+import re
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from art_malleability._cli_options import DEFAULT_MODELS
+
+if TYPE_CHECKING:
+    from art_malleability.datasets import Dataset
+
+#: Parameters of :func:`~art_malleability.datasets.load_dataset` and the options that set them.
+_DATA_OPTIONS = {
+    "name_or_path": "--dataset", "root": "--data-root", "n_train": "--n-train", "n_test": "--n-test",
+    "classes": "--classes",
+}
+_DATA_MODULES = ("art_malleability.datasets", "art_malleability._dataset_loaders")
+
+
+class UsageError(ValueError):
+    """A command-line option with a value the command cannot use (exit status 2, like argparse's own errors)."""
+
+
+def preflight(args: argparse.Namespace) -> None:
+    """
+    Check the options every subcommand shares, before any data is read or model trained: the data source, the
+    output folder, the seed, the model names (factories imported), the audit's budget and top set, and a
+    validation folder. A problem is a :class:`UsageError` (exit status 2).
+    """
+    from art_malleability.datasets import resolve_source
+
+    try:
+        if getattr(args, "dataset", None) is not None:
+            resolve_source(args.dataset, args.data_root)
+        if getattr(args, "seed", 0) < 0:
+            raise ValueError(f"--seed must be a non-negative integer, got {args.seed}")
+        if any(s < 0 for s in getattr(args, "seeds", None) or []):
+            raise ValueError(f"--seeds must be non-negative integers, got {args.seeds}")
+        if getattr(args, "output", None) is not None:
+            _check_output(Path(args.output))
+        names = getattr(args, "model", None) or []
+        for name in names:
+            _model_factory(name)
+        if getattr(args, "weights", None) is not None and len(names) != 1:
+            raise ValueError(f"--weights must come with exactly one --model, got {len(names) or 'no'} --model")
+        _check_settings(args)
+        for name in names if getattr(args, "validation", None) is not None else []:
+            validation_for(args.validation, name)
+    except (ValueError, TypeError, OSError) as err:
+        raise UsageError(message_of(err)) from err
+
+
+def _check_settings(args: argparse.Namespace) -> None:
+    """The numbers of the audit (budget, top set), of validate and of the queries; reproduce's fixed classes."""
+    from art_malleability.metrics import top_k_count
+
+    if getattr(args, "eps", 1.0) is not None and not getattr(args, "eps", 1.0) > 0:
+        raise ValueError(f"--eps must be > 0, got {args.eps}")
+    fraction = getattr(args, "top_fraction", None)
+    if fraction is not None:
+        if not 0 < fraction <= 1:
+            raise ValueError(f"--top-fraction (top_fraction) must lie in (0, 1], got {fraction}")
+        if args.n_train is not None and top_k_count(args.n_train, fraction) < 1:
+            raise ValueError(
+                f"--n-train must leave a non-empty influential set with --top-fraction {fraction}, got {args.n_train}; "
+                f"pass --n-train of at least {math.ceil(1 / fraction - 1e-9)}"
+            )
+    if getattr(args, "command", None) == "validate":
+        if not 0 < args.alpha < 1:
+            raise ValueError(f"--alpha (alpha) must lie strictly between 0 and 1, got {args.alpha}")
+        if args.n_models < 2:
+            raise ValueError(f"--n-models (n_models) must be at least 2, got {args.n_models}")
+    if getattr(args, "n_queries", 1) < 1:
+        raise ValueError(f"--n-queries must be a positive integer, got {args.n_queries}")
+    if getattr(args, "command", None) == "reproduce" and args.classes is not None:
+        raise ValueError(f"--classes must not be given to reproduce, got {args.classes}; Table 3 picks the paper's "
+                         "binary classes")
+
+
+def message_of(err: BaseException) -> str:
+    """
+    The first line of an error's message; in one raised by the data loaders, a leading parameter of
+    :func:`~art_malleability.datasets.load_dataset` becomes the option that sets it (``root`` → ``--data-root``).
+    """
+    message = str(err).splitlines()[0] if str(err) else type(err).__name__
+    frame = err.__traceback__
+    while frame is not None and frame.tb_next is not None:
+        frame = frame.tb_next
+    if frame is None or frame.tb_frame.f_globals.get("__name__") not in _DATA_MODULES:
+        return message
+    match = re.match(r"(\w+)(?: and (\w+))? must\b", message)
+    if match is None or not all(name in _DATA_OPTIONS for name in match.groups() if name):
+        return message
+    options = " and ".join(_DATA_OPTIONS[name] for name in match.groups() if name)
+    message = options + message[match.end() - len(" must") :]
+    return message.replace("pass download=True to let torchvision download them", "place the files there first")
+
+
+def load_data(args: argparse.Namespace) -> Dataset:
+    """:return: The :class:`~art_malleability.datasets.Dataset` of the data options."""
+    from art_malleability.datasets import load_dataset
+
+    return load_dataset(
+        args.dataset, root=args.data_root, n_train=args.n_train, n_test=args.n_test, classes=args.classes,
+        seed=args.seed,
+    )
+
+
+def model_names(args: argparse.Namespace) -> list[str]:
+    """:return: The ``--model`` names, by default both reference models."""
+    return args.model or list(DEFAULT_MODELS)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Report folders.
+# ----------------------------------------------------------------------------------------------------
+
+
+def _check_output(folder: Path) -> None:
+    """The report folder must be a folder (or not exist yet) somewhere this process may write."""
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"--output must be a folder, got {str(folder)!r}, which is an existing file")
+    existing = folder
+    while not existing.exists():
+        existing = existing.parent
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--output must be writable, got {str(folder)!r}; {str(existing)!r} is not writable")
+
+
+def clear_owned(folder: Path, marker: str) -> None:
+    """
+    Before a command writes its first report into ``--output``: remove what an earlier run of it left there, so no
+    stale model folder or figure sits beside the new results. Owned are ``summary.md`` and the subfolders holding
+    a ``marker`` file (``report.json``, ``validation.json``); nothing else in the folder is touched.
+    """
+    import shutil
+
+    if not folder.is_dir():
+        return
+    for child in folder.iterdir():
+        if child.is_dir() and (child / marker).is_file():
+            shutil.rmtree(child)
+    (folder / "summary.md").unlink(missing_ok=True)
+
+
+def validation_for(folder: str | None, name: str) -> Path | None:
+    """The ``validation.json`` of one model in a ``validate`` output folder (``None`` without a folder)."""
+    from art_malleability.report import slugify
+
+    if folder is None:
+        return None
+    for path in (Path(folder) / slugify(name) / "validation.json", Path(folder) / "validation.json"):
+        if path.is_file():
+            return path
+    raise FileNotFoundError(
+        f"--validation must hold a validation.json for model {name!r}, got {folder!r}, which holds no validation.json "
+        "for it"
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Models: --model names and factories, --weights.
+# ----------------------------------------------------------------------------------------------------
+
+
+def build_model(name: str, input_shape: tuple[int, ...], nb_classes: int, width: int, seed: int) -> torch.nn.Module:
+    """
+    Build the model of ``--model name``: a reference model, an architecture or a factory's model, checked on two
+    zero inputs against the data's input shape and number of classes (unless it is transductive).
+    """
+    from art_malleability.architectures import build_architecture
+    from art_malleability.models import build_reference_model, is_transductive
+
+    factory = _model_factory(name)
+    if factory == "reference":
+        return build_reference_model(name, input_shape, nb_classes, width=width, seed=seed)
+    if factory == "architecture":
+        return build_architecture(name, input_shape, nb_classes, seed=seed)
+    accepted = inspect.signature(factory).parameters
+    kwargs = {k: v for k, v in (("input_shape", input_shape), ("nb_classes", nb_classes)) if k in accepted}
+    model = factory(**kwargs)
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"--model must build a torch.nn.Module, got {type(model).__name__} from {name!r}")
+    if not is_transductive(model):  # a transductive forward needs the training context, set when it is trained
+        _probe(model, name, input_shape, nb_classes)
+    return model
+
+
+def _probe(model: torch.nn.Module, name: str, input_shape: tuple[int, ...], nb_classes: int) -> None:
+    """Before any training: the model must take the data's inputs and give one logit per class."""
+    was_training = model.training
+    dtype = next(model.parameters(), torch.zeros(())).dtype
+    try:
+        with torch.no_grad():
+            out = model.eval()(torch.zeros((2, *input_shape), dtype=dtype))
+    except Exception as err:  # noqa: BLE001 - the user's module: any failure is a mismatch to name
+        raise ValueError(
+            f"--model must build a model for the data's inputs, got {name!r}, which cannot take the data's inputs of "
+            f"shape {tuple(input_shape)} ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
+            "build it for that shape"
+        ) from err
+    finally:
+        model.train(was_training)
+    if not isinstance(out, torch.Tensor) or out.shape != (2, nb_classes):
+        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(
+            f"--model must return logits of shape (2, {nb_classes}) for 2 inputs (one per class of the data), got "
+            f"{shape} from {name!r}"
+        )
+
+
+def load_weights(module: torch.nn.Module, path: str, name: str) -> None:
+    """Load ``--weights`` (a ``state_dict``) into the built model, with a message that says what to change."""
+    import pickle
+    import zipfile
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, zipfile.BadZipFile, EOFError) as err:
+        raise ValueError(
+            f"--weights must be a state_dict file, got {path!r}, which is not a state_dict saved with "
+            "torch.save(model.state_dict(), path) (a whole pickled model or another file cannot be loaded safely); "
+            "save the model's state_dict and pass that file"
+        ) from err
+    if not isinstance(state, dict):
+        raise ValueError(f"--weights must hold a state_dict, got a {type(state).__name__} in {path!r}")
+    try:
+        module.load_state_dict(state)
+    except RuntimeError as err:
+        first = str(err).splitlines()[1:2] or [str(err)]
+        raise ValueError(
+            f"--weights must fit --model {name} as built here, got {path!r} ({first[0].strip()}); check --model, "
+            "--width and the data's number of classes (--dataset, --classes) against the saved model"
+        ) from err
+
+
+def _model_factory(name: str) -> object:
+    """``"reference"``, ``"architecture"`` or the imported factory of ``--model name``."""
+    from art_malleability.architectures import ARCHITECTURES
+    from art_malleability.models import REFERENCE_MODELS
+
+    if name in REFERENCE_MODELS:
+        return "reference"
+    if name in ARCHITECTURES:
+        return "architecture"
+    if ":" not in name:
+        raise ValueError(
+            f"--model must be one of {REFERENCE_MODELS + ARCHITECTURES} or 'package.module:factory', got {name!r}"
+        )
+    return _import_factory(name)
+
+
+def _import_factory(name: str) -> object:
+    """The factory of ``--model package.module:factory``; the working folder is on the import path, as with
+    ``python -m``."""
+    module_name, _, attr = name.partition(":")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(
+            f"--model must name an importable factory, got {name!r}: cannot import {attr!r} from {module_name!r} "
+            f"({err})"
+        ) from err
+    if isinstance(factory, torch.nn.Module) or not callable(factory):
+        raise TypeError(
+            f"--model must name a function or class that builds a torch.nn.Module, got {name!r}, an instance of "
+            f"{type(factory).__name__}"
+        )
+    return factory

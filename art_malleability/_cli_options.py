@@ -1,0 +1,124 @@
+"""Option groups that several ``art-malleability`` subcommands share: data, model training, run and output."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+#: What runs a subcommand: parsed arguments in, exit status out.
+Runner = Callable[[argparse.Namespace], int]
+
+#: Reference models a subcommand trains when no ``--model`` is given.
+DEFAULT_MODELS = ("2l-relu", "mlp-attn")
+
+_MODEL_HELP = (
+    "reference model name ('2l-relu', 'mlp-attn'), architecture ('cnn', 'resnet20': see "
+    "art_malleability.architectures) or 'package.module:factory' returning an nn.Module (called with "
+    "input_shape= and nb_classes= when it takes them); repeat for several; default: both reference models"
+)
+
+
+def add_command(
+    sub: argparse._SubParsersAction, name: str, run: Runner, summary: str,
+    description: str,
+) -> argparse.ArgumentParser:
+    """
+    Add a subcommand whose help shows its options' defaults.
+
+    :param sub: The subparsers of the ``art-malleability`` parser.
+    :param name: The subcommand.
+    :param run: What runs it, with the parsed arguments, returning the exit status.
+    :param summary: One line in the command's help.
+    :param description: The subcommand's own help.
+    :return: Its parser.
+    """
+    parser = sub.add_parser(
+        name, help=summary, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.set_defaults(func=run)
+    return parser
+
+
+def add_data_options(parser: argparse.ArgumentParser, n_train: int, n_test: int | None) -> None:
+    """``--dataset``, ``--data-root``, ``--classes``, ``--n-train`` and (unless ``n_test`` is None) ``--n-test``."""
+    group = parser.add_argument_group("data")
+    group.add_argument(
+        "--dataset",
+        default="digits",
+        help="'digits' (embedded), 'mnist', 'fashion-mnist', 'cifar10' (torchvision, from --data-root) "
+        "or a path to an .npz file with arrays x and y",
+    )
+    group.add_argument("--data-root", default=None, help="local torchvision root folder (no download)")
+    group.add_argument("--classes", type=int, nargs="+", default=None, help="keep only these labels (e.g. 3 8)")
+    group.add_argument("--n-train", type=int, default=n_train, help="training examples")
+    if n_test is not None:
+        group.add_argument("--n-test", type=int, default=n_test, help="held-out examples")
+
+
+def add_model_options(
+    parser: argparse.ArgumentParser, *, batch_help: str, loss_help: str
+) -> argparse._ArgumentGroup:
+    """
+    The ``model`` group: ``--model`` (repeatable) and the training settings of the models a subcommand trains.
+
+    :return: The group, for options of one subcommand only.
+    """
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", action="append", default=None, help=_MODEL_HELP)
+    model.add_argument("--width", type=int, default=512, help="hidden width of the reference models")
+    model.add_argument("--epochs", type=int, default=300, help="training epochs of every model (Adam)")
+    model.add_argument("--batch-size", type=int, default=128, help=batch_help)
+    model.add_argument(
+        "--lr",
+        type=float,
+        default=3e-2,
+        help="Adam learning rate (the paper's 1e-3 with L2 1e-3 leaves MLP-Attn near chance on digits)",
+    )
+    model.add_argument("--weight-decay", type=float, default=0.0, help="L2 penalty (Adam weight_decay; paper 1e-3)")
+    model.add_argument("--loss", choices=("cross_entropy", "mse"), default="cross_entropy", help=loss_help)
+    return model
+
+
+def add_run_options(
+    parser: argparse.ArgumentParser, output: str, *, seed_help: str | None = "seed of every random choice",
+    device: bool = True,
+) -> None:
+    """The ``run`` group: ``--seed`` (unless ``seed_help`` is None), ``--device`` and the report folder ``--output``."""
+    run = parser.add_argument_group("run")
+    if seed_help is not None:
+        run.add_argument("--seed", type=int, default=0, help=seed_help)
+    if device:
+        run.add_argument("--device", default="auto", help="'auto', 'cpu' or 'cuda'")
+    run.add_argument("--output", default=output, help="report folder")
+
+
+def add_output_options(parser: argparse.ArgumentParser) -> None:
+    """The ``output`` group of every subcommand: ``-q`` and ``-v``."""
+    group = parser.add_argument_group("output")
+    group.add_argument(
+        "-q", "--quiet", action="store_true", help="no progress bars or tables while running; log errors only"
+    )
+    group.add_argument(
+        "-v", "--verbose", action="count", default=0,
+        help="log progress (-vv: debug) and show the traceback of an error",
+    )
+
+
+def projection_dim(text: str) -> int | str | None:
+    """
+    Parse a ``--projection-dim`` value.
+
+    :param text: ``auto``, ``none`` or a positive integer.
+    :return: ``"auto"``, ``None`` or the integer.
+    """
+    key = text.strip().lower()
+    if key in ("auto", "none"):
+        return "auto" if key == "auto" else None
+    try:
+        value = int(key)
+    except ValueError:
+        value = 0
+    if value < 1:
+        # argparse prefixes the option: "argument --projection-dim: must be ..."
+        raise argparse.ArgumentTypeError(f"must be 'auto', 'none' or a positive integer, got {text!r}")
+    return value

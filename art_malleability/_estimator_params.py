@@ -1,0 +1,135 @@
+"""
+The parameters of :class:`~art_malleability.estimator.MalleabilityEstimator`: their names, their validation, and
+the attacks and the influence estimator built from them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from art.attacks import EvasionAttack
+
+from art_malleability._torch_utils import resolve_device
+from art_malleability._validation import loss_name
+from art_malleability.attacks import ATTACK_NAMES, STRATEGIES, attack_label, make_attack
+from art_malleability.influence import INFLUENCE_NAMES, InfluenceEstimator, get_influence
+from art_malleability.metrics import RANK_BY
+from art_malleability.ntk.projection import check_projection_dim
+
+#: The parameters of :class:`~art_malleability.estimator.MalleabilityEstimator` (its ``estimator_params``).
+PARAM_NAMES = (
+    "attacks",
+    "eps",
+    "influence",
+    "top_fraction",
+    "strategy",
+    "ridge",
+    "n_queries",
+    "rank_by",
+    "n_bootstrap",
+    "confidence",
+    "attack_max_iter",
+    "batch_size",
+    "seed",
+    "device",
+    "verbose",
+    "projection_dim",
+    "distributed",
+    "controls",
+)
+
+
+def check_params(est: Any) -> None:
+    """
+    Validate the parameters of an estimator; ``attacks`` becomes a tuple and ``eps`` a float.
+
+    :param est: A :class:`~art_malleability.estimator.MalleabilityEstimator` being configured.
+    :raises ValueError: On an invalid value (``TypeError`` for a value of the wrong type).
+    """
+    est.attacks = _check_attacks(est.attacks)
+    est.eps = _positive_number("eps", est.eps)
+    if not isinstance(est.influence, (str, InfluenceEstimator)):
+        raise TypeError(f"influence must be one of {INFLUENCE_NAMES} or an InfluenceEstimator, got {est.influence!r}")
+    if isinstance(est.top_fraction, bool) or not 0.0 < float(est.top_fraction) <= 1.0:
+        raise ValueError(f"top_fraction must lie in (0, 1], got {est.top_fraction!r}")
+    if est.strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {est.strategy!r}")
+    _positive_number("ridge", est.ridge)
+    if est.rank_by not in RANK_BY:
+        raise ValueError(f"rank_by must be one of {RANK_BY}, got {est.rank_by!r}")
+    for name in ("n_queries", "n_bootstrap", "attack_max_iter", "batch_size"):
+        value = getattr(est, name)
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if not 0.0 < est.confidence < 1.0:
+        raise ValueError(f"confidence must lie in (0, 1), got {est.confidence!r}")
+    if isinstance(est.seed, bool) or not isinstance(est.seed, (int, np.integer)):
+        raise TypeError(f"seed must be an integer, got {est.seed!r}")
+    resolve_device(est.device)
+    if est.projection_dim is not None and est.projection_dim != "auto":
+        check_projection_dim(est.projection_dim)
+    if est.distributed not in ("auto", True, False):
+        raise ValueError(f"distributed must be 'auto', True or False, got {est.distributed!r}")
+    if not isinstance(est.controls, bool):
+        raise TypeError(f"controls must be True or False, got {est.controls!r}")
+
+
+def build_attacks(est: Any) -> list[EvasionAttack]:
+    """:return: The ART attacks of an estimator's ``attacks`` (named ones built on its classifier), distinct."""
+    attacks = [
+        a
+        if isinstance(a, EvasionAttack)
+        else make_attack(a, est.classifier, est.eps, est.attack_max_iter, est.batch_size)
+        for a in est.attacks
+    ]
+    labels = [attack_label(a) for a in attacks]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"attacks must be distinct (one result per attack), got {labels}")
+    return attacks
+
+
+def build_influence(est: Any) -> InfluenceEstimator:
+    """:return: The influence estimator of an estimator's ``influence`` (a name is built from its parameters)."""
+    if isinstance(est.influence, InfluenceEstimator):
+        return est.influence
+    if est.influence == "ntk":
+        return get_influence(
+            "ntk",
+            ridge=float(est.ridge),
+            device=est.device,
+            projection_dim=est.projection_dim,
+            projection_seed=int(est.seed),
+            distributed=est.distributed,
+            verbose=est.verbose,
+        )
+    return get_influence(est.influence, loss=loss_name(est.classifier), device=est.device)
+
+
+def _check_attacks(attacks: object) -> tuple[str | EvasionAttack, ...]:
+    """:return: ``attacks`` as a non-empty tuple of attack names and ART ``EvasionAttack`` instances."""
+    if isinstance(attacks, (str, EvasionAttack)):
+        attacks = (attacks,)
+    if not isinstance(attacks, (list, tuple)):
+        raise TypeError(
+            f"attacks must be an attack name, an ART EvasionAttack or a sequence of them, got {type(attacks).__name__}"
+        )
+    if not attacks:
+        raise ValueError("attacks must name at least one attack, got an empty sequence")
+    for a in attacks:
+        if not isinstance(a, (str, EvasionAttack)):
+            raise TypeError(
+                f"attacks must hold names {ATTACK_NAMES} or ART EvasionAttack instances, got {type(a).__name__}"
+            )
+        if isinstance(a, str) and a not in ATTACK_NAMES:
+            raise ValueError(f"attacks must name one of {ATTACK_NAMES}, got {a!r}")
+    return tuple(attacks)
+
+
+def _positive_number(name: str, value: object) -> float:
+    """:return: ``value`` as a float, once checked to be a positive finite number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
+        raise TypeError(f"{name} must be a positive number, got {type(value).__name__} {value!r}")
+    if not np.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    return float(value)

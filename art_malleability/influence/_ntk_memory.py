@@ -1,0 +1,52 @@
+"""The memory of the NTK influence: what its large buffers take in each mode, and the budget they may take."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from art_malleability._torch_utils import available_memory
+from art_malleability.distributed import Shard
+from art_malleability.ntk.empirical import DEFAULT_CHUNK_MB
+
+#: Share of the available memory the large matrices may take when no ``memory_limit_gb`` is set.
+MEMORY_SHARE = 0.8
+_GIB = 2**30
+
+
+def exact_bytes(n: int, device: torch.device | None = None) -> int:
+    """
+    Bytes of the exact mode's large buffers: two ``n × n`` float64 matrices on the CPU (five on
+    other devices, where the factorisation needs temporaries) and the kernel engine's chunks.
+    """
+    matrices = 2 if device is None or device.type == "cpu" else 5
+    return 8 * matrices * n * n + 3 * int(DEFAULT_CHUNK_MB * 2**20)
+
+
+def projected_bytes(n_local: int, n_total: int, k: int) -> int:
+    """Bytes of the projected mode's large buffers (primal: ``Φ``, four ``k × k``; dual: two ``Φ``, two ``n × n``)."""
+    if n_total <= k:
+        return 16 * n_total * k + 16 * n_total * n_total + int(DEFAULT_CHUNK_MB * 2**20)
+    return 8 * n_local * k + 32 * k * k + 8 * 8192 * k + int(DEFAULT_CHUNK_MB * 2**20)
+
+
+def memory_budget(memory_limit_gb: float | None, device: torch.device, shard: Shard | None = None) -> int:
+    """
+    Bytes the large matrices may take: ``memory_limit_gb``, or 80 % of the memory available on
+    the device when the fit starts. In a sharded run the processes of one machine share it
+    (``LOCAL_WORLD_SIZE``, set by ``torchrun``), and every process uses the smallest budget of all.
+
+    :param memory_limit_gb: The estimator's ``memory_limit_gb`` (GiB), or ``None``.
+    :param device: The compute device.
+    :param shard: The process group, or ``None``.
+    :return: The budget in bytes.
+    """
+    if memory_limit_gb is not None:
+        budget = int(float(memory_limit_gb) * _GIB)
+    else:
+        budget = int(MEMORY_SHARE * available_memory(device))
+    if shard is not None:
+        budget //= max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        budget = -int(shard.all_reduce(torch.tensor([-budget], dtype=torch.int64), "max")[0])
+    return budget

@@ -1,0 +1,202 @@
+"""
+Per-example derivatives of a model's outputs, the building blocks of the NTK strategies: the
+whole-model ``torch.func`` Jacobian (exact for any model), the probe pass that finds the layers a
+factorised strategy can take, and the forward/backward pass that captures those layers' inputs
+and output gradients class by class.
+
+Hooks live only for the duration of one forward pass (removed in ``finally``) and gradients are
+taken with :func:`torch.autograd.grad`, so the model's ``.grad`` fields are never written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Callable, Iterator
+from functools import partial
+
+import torch
+from torch import nn
+from torch.func import functional_call, jacrev, vmap
+
+from art_malleability._torch_utils import model_device_dtype, trainable_parameters
+
+OutputFn = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+# A check of one call of a watched module: (index, module, positional inputs, output) -> usable
+CallCheck = Callable[[int, nn.Module, tuple, torch.Tensor], bool]
+
+
+def check_model(model: object) -> tuple[torch.device, torch.dtype]:
+    """
+    Check that ``model`` is a module with trainable parameters.
+
+    :param model: The candidate.
+    :return: The model's ``(device, dtype)``.
+    :raises TypeError: If it is not a :class:`torch.nn.Module`.
+    :raises ValueError: If none of its parameters has ``requires_grad=True``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not trainable_parameters(model):
+        raise ValueError("model must have trainable parameters, got none with requires_grad=True")
+    return model_device_dtype(model)
+
+
+def plain_layers(model: nn.Module, types: tuple[type, ...]) -> list[tuple[str, nn.Module, bool, bool]]:
+    """
+    Modules of ``model`` of the given types whose ``weight`` (and ``bias``) are plain parameters used
+    nowhere else, with at least one of them trainable: the candidates of a factorised (per-layer)
+    treatment. Parametrised or tied weights are left out (they go through a generic fallback).
+
+    :param model: The model.
+    :param types: Module classes to look for.
+    :return: ``(name, module, weight trainable, bias trainable)`` per candidate, in registration order.
+    """
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    found = []
+    for name, module in model.named_modules():
+        if not isinstance(module, types):
+            continue
+        weight = module._parameters.get("weight")
+        bias = module._parameters.get("bias")
+        if weight is None or (module.bias is not None and bias is None):
+            continue  # parametrised weights are not plain parameters
+        if uses[id(weight)] != 1 or (bias is not None and uses[id(bias)] != 1):
+            continue  # shared (tied) parameters go through the fallback
+        w_train = weight.requires_grad
+        b_train = bias is not None and bias.requires_grad
+        if w_train or b_train:
+            found.append((name, module, w_train, b_train))
+    return found
+
+
+def per_example_jacobian(
+    model: nn.Module,
+    params: list[tuple[str, nn.Parameter]],
+    x: torch.Tensor,
+    y: torch.Tensor | None = None,
+    output_fn: OutputFn | None = None,
+) -> torch.Tensor:
+    """
+    Per-example Jacobians of the model outputs with respect to some of its parameters, with
+    ``torch.func.vmap(torch.func.jacrev(...))`` over ``functional_call`` (exact for any model whose
+    forward pass treats examples independently).
+
+    :param model: The model.
+    :param params: ``(name, parameter)`` pairs to differentiate (the others are held fixed).
+    :param x: Inputs ``(n, ...)``.
+    :param y: Labels passed to ``output_fn``, or ``None``.
+    :param output_fn: Map ``(outputs, labels) -> (n, C)`` applied after the model; ``None`` keeps the outputs.
+    :return: ``(n, C, P)`` with the parameters flattened and concatenated in the order given.
+    """
+    names = [name for name, _ in params]
+    values = {name: p.detach() for name, p in params}
+
+    def head(out: torch.Tensor, yi: torch.Tensor | None) -> torch.Tensor:
+        return (out if output_fn is None else output_fn(out, yi)).reshape(-1)
+
+    if y is None:
+
+        def single(p: dict[str, torch.Tensor], xi: torch.Tensor) -> torch.Tensor:
+            return head(functional_call(model, p, (xi.unsqueeze(0),)), None)
+
+        args: tuple = (values, x)
+        in_dims: tuple = (None, 0)
+    else:
+
+        def single(p: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
+            return head(functional_call(model, p, (xi.unsqueeze(0),)), yi.unsqueeze(0))
+
+        args = (values, x, y)
+        in_dims = (None, 0, 0)
+
+    with torch.no_grad():
+        jd = vmap(jacrev(single), in_dims=in_dims)(*args)
+    n = x.shape[0]
+    return torch.cat([jd[name].reshape(n, jd[name].shape[1], -1) for name in names], dim=2)
+
+
+@contextlib.contextmanager
+def _hooked(modules: list[nn.Module], hook: Callable, prepend: bool = False) -> Iterator[None]:
+    """Register ``hook(k, module, inputs, output)`` on every module for the duration of the block."""
+    handles = [m.register_forward_hook(partial(hook, k), prepend=prepend) for k, m in enumerate(modules)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def probe_calls(
+    model: nn.Module, modules: list[nn.Module], x: torch.Tensor, check: CallCheck
+) -> tuple[torch.Tensor, list[list[bool]]]:
+    """
+    One forward pass without gradients that records, for every watched module, the outcome of
+    ``check`` on each of its calls: a module usable by a factorised strategy is called exactly once,
+    with a result of ``[True]``.
+
+    :param model: The model.
+    :param modules: The watched modules.
+    :param x: A probe batch.
+    :param check: ``(index, module, inputs, output) -> bool`` for one call.
+    :return: The model's outputs and the outcomes per watched module.
+    """
+    calls: list[list[bool]] = [[] for _ in modules]
+
+    def record(k: int, module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+        calls[k].append(check(k, module, inputs, output))
+
+    with _hooked(modules, record), torch.no_grad():
+        out = model(x)
+    return out, calls
+
+
+def forward_capturing(
+    modules: list[nn.Module], forward: Callable[[], torch.Tensor], *, clone_inputs: bool, hint: str = ""
+) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """
+    A forward pass with gradients that captures the input and the output of every watched module,
+    so that output gradients can be taken (:func:`class_gradients`). Modules downstream receive a
+    copy of each output, so in-place operations after a layer cannot alter the captured tensor.
+
+    :param modules: The watched modules, each called once per pass.
+    :param forward: The pass itself, returning the outputs to differentiate.
+    :param clone_inputs: Store a copy of each input (guards against in-place changes after the layer).
+    :param hint: Suffix of the error message (``"; <hint>"``).
+    :return: The outputs and ``(input, output)`` per module, inputs detached.
+    :raises RuntimeError: If a watched module was not called.
+    """
+    captured: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(modules)
+
+    def hook(k: int, module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+        inp = inputs[0].detach()
+        captured[k] = (inp.clone() if clone_inputs else inp, output)
+        return output.clone()
+
+    with _hooked(modules, hook, prepend=True), torch.enable_grad():
+        logits = forward()
+    if any(c is None for c in captured):
+        raise RuntimeError(
+            f"model must call every layer seen when planning in each forward pass, got one not called{hint}"
+        )
+    return logits, captured
+
+
+def class_gradients(
+    logits: torch.Tensor, outs: list[torch.Tensor]
+) -> Iterator[tuple[int, tuple[torch.Tensor | None, ...]]]:
+    """
+    Gradients of each output column ``c`` (summed over examples) with respect to the captured
+    layer outputs, one backward pass per column; ``None`` where a layer does not reach it.
+
+    :param logits: ``(n, C)`` outputs of a :func:`forward_capturing` pass.
+    :param outs: The captured layer outputs.
+    :return: An iterator of ``(c, gradients per layer)``.
+    """
+    n_out = logits.shape[1]
+    for c in range(n_out):
+        if logits.requires_grad:
+            yield c, torch.autograd.grad(logits[:, c].sum(), outs, retain_graph=c < n_out - 1, allow_unused=True)
+        else:
+            yield c, (None,) * len(outs)

@@ -1,0 +1,60 @@
+"""
+Argument checks shared by the NTK tools. Numpy only, so that the numpy-only modules
+(:mod:`art_malleability.ntk.sensitivity`) use them without importing PyTorch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def check_positive_int(value: object, name: str) -> int:
+    """
+    Check a count: a positive integer (``bool`` is refused).
+
+    :param value: The candidate.
+    :param name: Argument name for the error message.
+    :return: It, as an int.
+    :raises ValueError: Otherwise.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def check_batch_size(batch_size: int) -> int:
+    """
+    :param batch_size: Largest number of examples per pass.
+    :return: It, as an int.
+    :raises ValueError: Unless it is a positive integer.
+    """
+    return check_positive_int(batch_size, "batch_size")
+
+
+def check_chunk_mb(chunk_mb: float) -> float:
+    """
+    :param chunk_mb: A memory budget in MiB.
+    :return: It, as a float.
+    :raises ValueError: Unless it is a finite positive number.
+    """
+    ok = not isinstance(chunk_mb, bool) and isinstance(chunk_mb, (int, float, np.integer, np.floating))
+    if not ok or not math.isfinite(float(chunk_mb)) or chunk_mb <= 0:
+        raise ValueError(f"chunk_mb must be a positive number of MiB, got {chunk_mb!r}")
+    return float(chunk_mb)
+
+
+def check_projection_dim(projection_dim: object, name: str = "projection_dim") -> int:
+    """
+    Check a projection dimension: a positive integer below 2**31.
+
+    :param projection_dim: The candidate.
+    :param name: Argument name for the error message.
+    :return: It, as an int.
+    :raises ValueError: Otherwise.
+    """
+    ok = not isinstance(projection_dim, bool) and isinstance(projection_dim, (int, np.integer))
+    if not ok or not 0 < int(projection_dim) < 2**31:
+        raise ValueError(f"{name} must be a positive integer below 2**31, got {projection_dim!r}")
+    return int(projection_dim)

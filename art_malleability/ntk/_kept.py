@@ -1,0 +1,176 @@
+"""
+Jacobian factors of a fixed set of examples kept between traced-kernel computations
+(:class:`KeptFactors`), for the exact NTK influence: kernel rows of new examples against the set
+cost the new examples' factors and the contractions only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from art_malleability._torch_utils import eval_mode, no_tf32, tensor_digest, to_tensor
+from art_malleability.ntk._memory import Features, place_block
+from art_malleability.ntk._rank_one import ClassDirections, RankChange
+
+if TYPE_CHECKING:
+    from art_malleability.ntk.empirical import JacobianGram
+
+logger = logging.getLogger(__name__)
+
+
+class KeptFactors:
+    """
+    The Jacobian factors of a fixed set of examples (a training set), kept between traced-kernel
+    computations, so that kernel rows of new examples against the set cost the new examples'
+    factors and the contractions only. Some rows of the set can be swapped for new inputs
+    (:meth:`set_changed`) without recomputing the others.
+
+    The rank-one class directions (see :mod:`art_malleability.ntk.empirical`) of the kept factors
+    are carried from call to call; if a later example shows that a layer is not rank one after all,
+    every kept factor is computed again in the full representation.
+
+    :param engine: The engine (traced kernel, no ``output_fn``).
+    :param x: The examples to keep, ``(n, *input_shape)``.
+    """
+
+    def __init__(self, engine: JacobianGram, x: np.ndarray | torch.Tensor) -> None:
+        self.engine = engine
+        self.x = to_tensor(x, engine.device, engine.dtype)
+        self._changed = np.zeros(0, dtype=np.int64)
+        self._x_changed = self.x[:0]
+        self._build()
+
+    @property
+    def n(self) -> int:
+        return int(self.x.shape[0])
+
+    def nbytes(self) -> int:
+        """Memory of the kept factors."""
+        return sum(b.nbytes() for b in self._blocks + self._changed_blocks)
+
+    @contextlib.contextmanager
+    def _session(self) -> Iterator[None]:
+        engine = self.engine
+        with eval_mode(engine.model), no_tf32(engine.device):
+            engine._classes = self._state
+            engine._compress, engine._trace = engine._n_outputs > 1, True
+            try:
+                yield
+            finally:
+                self._state = engine._classes
+                self._state.scratch = [None] * len(engine._layers)
+                engine._finish()
+
+    def _blocks_of(self, x: torch.Tensor) -> list[Features]:
+        bs = self.engine._block_rows()
+        return [self.engine.features(x[i : i + bs]) for i in range(0, x.shape[0], bs)]
+
+    def _build(self) -> None:
+        engine = self.engine
+        self._last = None
+        with eval_mode(engine.model):
+            engine._plan(self.x[:2], None)
+        while True:
+            engine._start(True)
+            self._state: ClassDirections = engine._classes
+            try:
+                with self._session():
+                    self._blocks = self._blocks_of(self.x)
+                    self._changed_blocks = self._blocks_of(self._x_changed) if len(self._changed) else []
+                return
+            except RankChange as change:
+                logger.debug("eNTK: layer %s is not rank one over the classes; recomputing", change)
+
+    def _retrying(self, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+        while True:
+            try:
+                with self._session():
+                    return compute()
+            except RankChange as change:
+                logger.debug("eNTK: layer %s is not rank one over the classes; recomputing kept factors", change)
+                self._build()
+
+    def _contract_all(self, f: list[Features], blocks: list[Features], n: int) -> torch.Tensor:
+        rows = sum(b.n for b in f)
+        out = torch.empty((rows, n), dtype=self.engine.dtype, device=self.engine.device)
+        i = 0
+        for a in f:
+            j = 0
+            for b in blocks:
+                out[i : i + a.n, j : j + b.n] = self.engine.contract(a, b)
+                j += b.n
+            i += a.n
+        return out
+
+    def gram(self) -> torch.Tensor:
+        """:return: The ``n × n`` traced kernel of the kept examples (with the changed rows swapped in)."""
+
+        def compute() -> torch.Tensor:
+            kernel = torch.empty((self.n, self.n), dtype=self.engine.dtype, device=self.engine.device)
+            starts = np.cumsum([0] + [b.n for b in self._blocks])
+            for bi, a in enumerate(self._blocks):
+                for bj in range(bi, len(self._blocks)):
+                    place_block(kernel, self.engine.contract(a, self._blocks[bj]), starts[bi], starts[bj], True)
+            if len(self._changed):
+                rows = self._swap_columns(self._contract_all(self._changed_blocks, self._blocks, self.n))
+                idx = torch.as_tensor(self._changed, device=kernel.device)
+                kernel[idx] = rows
+                kernel[:, idx] = rows.T
+            return kernel
+
+        return self._retrying(compute)
+
+    def _swap_columns(self, rows: torch.Tensor, f: list[Features] | None = None) -> torch.Tensor:
+        if len(self._changed):
+            f = self._changed_blocks if f is None else f
+            rows[:, torch.as_tensor(self._changed, device=rows.device)] = self._contract_all(
+                f, self._changed_blocks, len(self._changed)
+            )
+        return rows
+
+    def rows(self, x_new: np.ndarray | torch.Tensor) -> torch.Tensor:
+        """
+        :param x_new: Inputs ``(m, *input_shape)``.
+        :return: ``(m, n)`` traced kernel between ``x_new`` and the kept examples (changed rows swapped in).
+        """
+        x_new = to_tensor(x_new, self.engine.device, self.engine.dtype)
+        key = tensor_digest(x_new)
+
+        def compute() -> torch.Tensor:
+            # the factors of the last inputs are kept too: an audit asks for the same queries again
+            if self._last is None or self._last[0] != key:
+                self._last = None
+                self._last = (key, self._blocks_of(x_new))
+            f = self._last[1]
+            return self._swap_columns(self._contract_all(f, self._blocks, self.n), f)
+
+        return self._retrying(compute)
+
+    def changed_rows(self) -> torch.Tensor:
+        """:return: ``(m, n)`` kernel rows of the swapped-in examples against the kept set (their factors reused)."""
+        return self._retrying(
+            lambda: self._swap_columns(self._contract_all(self._changed_blocks, self._blocks, self.n))
+        )
+
+    def set_changed(self, changed: np.ndarray, x_changed: np.ndarray | torch.Tensor) -> None:
+        """
+        Swap the kept examples ``changed`` for ``x_changed`` in later results (rows not listed are
+        back to the examples given at construction).
+
+        :param changed: Indices into the kept examples (distinct).
+        :param x_changed: Their new inputs.
+        """
+        self._changed = np.asarray(changed, dtype=np.int64)
+        self._x_changed = to_tensor(x_changed, self.engine.device, self.engine.dtype)
+
+        def compute() -> torch.Tensor:
+            self._changed_blocks = self._blocks_of(self._x_changed) if len(self._changed) else []
+            return self._x_changed
+
+        self._retrying(compute)

@@ -1,0 +1,76 @@
+"""
+Rank-one class factorisation of a layer's output gradients, ``δ_c(x)_j = g_j(x) u_{jc}``, checked
+for every example (see the module docstring of :mod:`art_malleability.ntk.empirical`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class RankChange(Exception):
+    """A layer's output gradients turned out not to be rank one over the classes: recompute."""
+
+
+@dataclass
+class ClassDirections:
+    """
+    State of one kernel computation per structured layer: the class directions ``u`` ``(C, out)``,
+    the mask of columns whose direction is set, and a reusable scratch buffer for raw gradients.
+    """
+
+    directions: list[torch.Tensor | None]
+    known: list[torch.Tensor | None]
+    scratch: list[torch.Tensor | None]
+
+    @classmethod
+    def fresh(cls, layers: int) -> ClassDirections:
+        """:return: No direction set yet for ``layers`` layers."""
+        return cls([None] * layers, [None] * layers, [None] * layers)
+
+    def raw_buffer(self, k: int, shape: tuple[int, int, int], like: torch.Tensor, temporary: bool) -> torch.Tensor:
+        """
+        Uninitialised ``(n, C, out)`` buffer for the raw output gradients of layer ``k``. When the raw
+        gradients are ``temporary`` (a rank-one layer), one scratch buffer is reused across
+        sub-batches (fresh large allocations cost page faults); full factors get their own.
+        """
+        if not temporary:
+            return torch.empty(shape, dtype=like.dtype, device=like.device)
+        buf = self.scratch[k]
+        if buf is None or buf.shape[0] < shape[0] or buf.shape[1:] != shape[1:]:
+            buf = self.scratch[k] = None  # release before allocating
+            buf = self.scratch[k] = torch.empty(shape, dtype=like.dtype, device=like.device)
+        return buf[: shape[0]]
+
+    def factor(self, k: int, d: torch.Tensor) -> torch.Tensor | None:
+        """
+        Rank-one factor ``g = δ·u`` (``(n, out)``) of raw output gradients ``d`` (``(n, C, out)``)
+        of layer ``k``, after checking ``‖δ‖² − g² ≤ τ ‖δ‖²`` for every example and column.
+
+        :return: The factor, or ``None`` if the check fails.
+        """
+        n, n_out, width = d.shape
+        sq = d[:, 0] * d[:, 0]
+        for c in range(1, n_out):
+            sq.addcmul_(d[:, c], d[:, c])
+        if self.directions[k] is None:
+            self.directions[k] = torch.zeros((n_out, width), dtype=d.dtype, device=d.device)
+            self.known[k] = torch.zeros(width, dtype=torch.bool, device=d.device)
+        u, known = self.directions[k], self.known[k]
+        if not bool(known.all()):
+            peak, row = sq.max(dim=0)
+            cols = ((~known) & (peak > 0)).nonzero().squeeze(1)
+            if cols.numel():
+                vec = d[row[cols], :, cols]  # (len(cols), C): the largest gradient of each new column
+                u[:, cols] = (vec / peak[cols].sqrt().unsqueeze(1)).T
+                known[cols] = True
+        g = d[:, 0] * u[0]
+        for c in range(1, n_out):
+            g.addcmul_(d[:, c], u[c])
+        tol = 8.0 * (n_out + 2) * torch.finfo(d.dtype).eps
+        # sq <- ‖δ‖² − g² − τ ‖δ‖², the orthogonal residual beyond the tolerance; non-finite
+        # gradients also fail the check, so that they reach the kernel through the full factors
+        sq.mul_(1.0 - tol).addcmul_(g, g, value=-1.0)
+        return g if bool((sq <= 0).all()) else None
