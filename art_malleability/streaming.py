@@ -134,7 +134,8 @@ class ExampleSource:
                 return
             except (RuntimeError, TypeError, ValueError) as error:
                 raise ValueError(
-                    f"{self.name} could not be read in batches (examples {int(chunk[0])}..{int(chunk[-1])}): {error}"
+                    f"{self.name} must yield batches the DataLoader can collate, got an error for examples "
+                    f"{int(chunk[0])}..{int(chunk[-1])}: {error}"
                 ) from error
             x, y = self._check_batch(batch, chunk)
             yield offset, x, y
@@ -151,8 +152,8 @@ class ExampleSource:
         where = f"{self.name} (examples {int(rows[0])}..{int(rows[-1])})"
         if x.ndim >= 1 and tuple(x.shape[1:]) != self.input_shape:
             raise ValueError(
-                f"{where} yielded inputs of shape {tuple(x.shape[1:])}, expected the classifier's "
-                f"input_shape {self.input_shape}"
+                f"{where} must yield inputs of the classifier's input_shape {self.input_shape}, got inputs of shape "
+                f"{tuple(x.shape[1:])}"
             )
         x = check_features(np.asarray(x), where, self.input_shape)
         nb_classes = self.nb_classes

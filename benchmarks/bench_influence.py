@@ -513,10 +513,11 @@ def run_estimator(
             est = NTKInfluence(projection_dim=None, device="cpu")
         elif name == "ntk-proj":
             est = NTKInfluence(projection_dim=k, device="cpu")
-        elif name == "captum-adapter":
-            est = CaptumInfluence(device="cpu")
-        elif name == "captum-adapter-f32":
-            est = CaptumInfluence(device="cpu", dtype=torch.float32)
+        elif name.startswith("captum-adapter"):
+            import captum.influence  # noqa: F401  (imported before the clock starts, as in the by-hand cases)
+
+            dtype = torch.float32 if name.endswith("f32") else torch.float64
+            est = CaptumInfluence(device="cpu", dtype=dtype)
         else:
             est = GradientInfluence(device="cpu")
         scores, fit_s, scores_s = timed_fit_scores(est, model, x, y, xq, yq)

@@ -424,7 +424,7 @@ def test_datasets_give_the_array_report(relu_clf):
     got = MalleabilityEstimator(relu_clf, **kwargs).evaluate(train)
     ref = MalleabilityEstimator(relu_clf, **kwargs).evaluate(x, y)
     assert got.query_source == "train" and got.top_indices == ref.top_indices
-    with pytest.raises(ValueError, match=r"x .*yielded inputs of shape \(32,\)"):
+    with pytest.raises(ValueError, match=r"x .*must yield inputs .*got inputs of shape \(32,\)"):
         MalleabilityEstimator(relu_clf, **kwargs).evaluate(TensorDataset(torch.zeros(30, 32), torch.zeros(30)))
     with pytest.raises(ValueError, match="y must be None"):
         MalleabilityEstimator(relu_clf, **kwargs).evaluate(train, y)

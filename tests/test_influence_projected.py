@@ -251,7 +251,7 @@ def test_bad_datasets_are_refused_with_clear_errors():
     model = _cnn()
     x, y = _images(10)
     est = NTKInfluence(projection_dim=32, device="cpu", batch_size=4)
-    with pytest.raises(ValueError, match=r"x_train could not be read .*examples 4\.\.7"):
+    with pytest.raises(ValueError, match=r"x_train must yield batches .*examples 4\.\.7"):
         est.fit(model, _Ragged())
     with pytest.raises(ValueError, match="class indices in"):
         est.fit(model, TensorDataset(torch.tensor(x), torch.full((10,), 7)))

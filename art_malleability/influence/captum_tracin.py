@@ -141,13 +141,13 @@ class CaptumInfluence(InfluenceEstimator):
                 f"sample_wise_grads_per_batch must be True, False or 'auto', got {self.sample_wise_grads_per_batch!r}"
             )
 
-    def _loader(self, x: np.ndarray, y: np.ndarray) -> DataLoader:
+    def _loader(self, x: np.ndarray, y: np.ndarray, batch_size: int | None = None) -> DataLoader:
         dataset = TensorDataset(
             torch.tensor(x, dtype=self.dtype, device=self.device_),
             torch.tensor(y, dtype=torch.long, device=self.device_),
         )
         # a private generator: iterating a DataLoader otherwise draws from the global RNG
-        return DataLoader(dataset, batch_size=self.batch_size, shuffle=False, generator=torch.Generator())
+        return DataLoader(dataset, batch_size=batch_size or self.batch_size, shuffle=False, generator=torch.Generator())
 
     def _fit(self, model: nn.Module, x_train: np.ndarray, y_train: np.ndarray) -> None:
         from captum.influence import TracInCP
@@ -188,7 +188,10 @@ class CaptumInfluence(InfluenceEstimator):
             with torch.enable_grad(), warnings.catch_warnings():
                 # the sample-wise path marks its own input copies as requiring grad and says so
                 warnings.filterwarnings("ignore", message="Input Tensor .* did not already require gradients")
-                return self._tracin.influence(self._loader(x_query, y_query), **kwargs)
+                # one batch of queries, as Captum's own tuple form (which would draw from the global RNG): a loader
+                # of several query batches makes Captum recompute every training gradient once per query batch
+                queries = self._loader(x_query, y_query, batch_size=max(len(x_query), 1))
+                return self._tracin.influence(queries, **kwargs)
         finally:
             self.model_.load_state_dict(self._final_state)
 
