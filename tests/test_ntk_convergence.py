@@ -96,12 +96,19 @@ def test_a_rerun_with_fewer_levels_leaves_no_stale_figure(report, tmp_path):
     assert ConvergenceReport.load(tmp_path) == static_only
 
 
-def test_limit_predictor_matches_a_plain_solve(small_digits):
+@pytest.fixture(scope="module")
+def limit_problem(small_digits):
+    """A width-64 2L-ReLU on the small digits, its inputs and its infinite-width limit (ridge 1e-3)."""
     d = small_digits
     model = build_reference_model("2l-relu", d.input_shape, 10, width=64, seed=0).double()
     x_tr = torch.as_tensor(d.x_train, dtype=torch.float64)
     x_te = torch.as_tensor(d.x_test, dtype=torch.float64)
     limit = _Limit(analytic_ntk, model, x_tr, x_te, d.y_train, 1e-3)
+    return model, x_tr, x_te, limit
+
+
+def test_limit_predictor_matches_a_plain_solve(limit_problem):
+    model, x_tr, x_te, limit = limit_problem
     eye = torch.eye(len(x_tr), dtype=torch.float64)
     expected = limit.k_test @ torch.linalg.solve(limit.k_train + 1e-3 * eye, limit.targets)
     assert float((limit.krr_test - expected).abs().max() / expected.abs().max()) < 1e-10
@@ -111,12 +118,8 @@ def test_limit_predictor_matches_a_plain_solve(small_digits):
     assert float((ours - expected).abs().max() / expected.abs().max()) < 1e-10
 
 
-def test_linearised_gd_matches_explicit_linear_dynamics(small_digits):
-    d = small_digits
-    model = build_reference_model("2l-relu", d.input_shape, 10, width=64, seed=0).double()
-    x_tr = torch.as_tensor(d.x_train, dtype=torch.float64)
-    x_te = torch.as_tensor(d.x_test, dtype=torch.float64)
-    limit = _Limit(analytic_ntk, model, x_tr, x_te, d.y_train, 1e-3)
+def test_linearised_gd_matches_explicit_linear_dynamics(limit_problem):
+    model, x_tr, x_te, limit = limit_problem
     with torch.no_grad():
         f_tr, f_te = model(x_tr).double(), model(x_te).double()
     k, k_q = limit.k_train / 10, limit.k_test / 10
