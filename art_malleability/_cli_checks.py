@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from art_malleability._cli_options import DEFAULT_MODELS
+from art_malleability._torch_utils import eval_mode, model_device_dtype
 
 if TYPE_CHECKING:
     from art_malleability.datasets import Dataset
@@ -58,7 +59,7 @@ def preflight(args: argparse.Namespace) -> None:
         if getattr(args, "weights", None) is not None and len(names) != 1:
             raise ValueError(f"--weights must come with exactly one --model, got {len(names) or 'no'} --model")
         _check_settings(args)
-        for name in names if getattr(args, "validation", None) is not None else []:
+        for name in model_names(args) if getattr(args, "validation", None) is not None else []:
             validation_for(args.validation, name)
     except (ValueError, TypeError, OSError) as err:
         raise UsageError(message_of(err)) from err
@@ -202,19 +203,16 @@ def build_model(name: str, input_shape: tuple[int, ...], nb_classes: int, width:
 
 def _probe(model: torch.nn.Module, name: str, input_shape: tuple[int, ...], nb_classes: int) -> None:
     """Before any training: the model must take the data's inputs and give one logit per class."""
-    was_training = model.training
-    dtype = next(model.parameters(), torch.zeros(())).dtype
+    device, dtype = model_device_dtype(model)
     try:
-        with torch.no_grad():
-            out = model.eval()(torch.zeros((2, *input_shape), dtype=dtype))
+        with torch.no_grad(), eval_mode(model):
+            out = model(torch.zeros((2, *input_shape), dtype=dtype, device=device))
     except Exception as err:  # noqa: BLE001 - the user's module: any failure is a mismatch to name
         raise ValueError(
             f"--model must build a model for the data's inputs, got {name!r}, which cannot take the data's inputs of "
             f"shape {tuple(input_shape)} ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
             "build it for that shape"
         ) from err
-    finally:
-        model.train(was_training)
     if not isinstance(out, torch.Tensor) or out.shape != (2, nb_classes):
         shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         raise ValueError(

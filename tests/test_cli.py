@@ -145,6 +145,10 @@ def test_audit_states_the_fidelity_of_a_validate_run_and_skips_controls(tmp_path
     # a folder without the model's validation fails before any training
     assert main(["audit", *same, "--validation", str(tmp_path / "nothing"), "--output", str(out)]) == 2
     assert "holds no validation.json" in capsys.readouterr().err
+    # also for the default models (no --model): the first of them lacks a validation here
+    defaults = [a for a in same if a not in ("--model", "2l-relu")]
+    assert main(["audit", *defaults, "--validation", str(validated), "--output", str(tmp_path / "d")]) == 2
+    assert "holds no validation.json" in capsys.readouterr().err and not (tmp_path / "d").exists()
 
 
 def test_weights_and_data_files_that_cannot_be_used_are_one_line_each(tmp_path, capsys):

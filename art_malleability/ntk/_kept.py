@@ -58,12 +58,10 @@ class KeptFactors:
     def _session(self) -> Iterator[None]:
         engine = self.engine
         with eval_mode(engine.model), no_tf32(engine.device):
-            engine._classes = self._state
-            engine._compress, engine._trace = engine._n_outputs > 1, True
+            engine._start(True, self._state)
             try:
                 yield
             finally:
-                self._state = engine._classes
                 self._state.scratch = [None] * len(engine._layers)
                 engine._finish()
 
@@ -77,8 +75,7 @@ class KeptFactors:
         with eval_mode(engine.model):
             engine._plan(self.x[:2], None)
         while True:
-            engine._start(True)
-            self._state: ClassDirections = engine._classes
+            self._state = ClassDirections.fresh(len(engine._layers))
             try:
                 with self._session():
                     self._blocks = self._blocks_of(self.x)

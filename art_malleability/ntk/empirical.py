@@ -94,6 +94,7 @@ from art_malleability.ntk._memory import (
 )
 from art_malleability.ntk._rank_one import ClassDirections, RankChange
 from art_malleability.ntk._structured import LinearPlan, contract, linear_candidates, two_dimensional_call
+from art_malleability.ntk.projection import ProjectedNTK
 
 __all__ = [
     "DEFAULT_CHUNK_MB",
@@ -230,11 +231,14 @@ class JacobianGram:
         finally:
             self._finish()
 
-    def _start(self, trace: bool) -> None:
-        """Reset the per-computation state (class directions) before a kernel computation."""
+    def _start(self, trace: bool, classes: ClassDirections | None = None) -> None:
+        """
+        Set the per-computation state before a kernel computation: fresh class directions, or ``classes`` kept
+        from an earlier computation (:class:`~art_malleability.ntk._kept.KeptFactors`).
+        """
         self._compress = trace and self._n_outputs > 1
         self._trace = trace
-        self._classes = ClassDirections.fresh(len(self._layers))
+        self._classes = ClassDirections.fresh(len(self._layers)) if classes is None else classes
 
     def _finish(self) -> None:
         """Release the per-computation state after a kernel computation."""
@@ -333,8 +337,6 @@ class JacobianGram:
             # traced NTK: exact Jacobians of convolutions and of modules' own parameters from their
             # factors (an unprojected ProjectedNTK), whole-model torch.func only for the rest
             if self._exact_rest is None:
-                from art_malleability.ntk.projection import ProjectedNTK
-
                 params = [p for _, p in self._fallback]
                 self._exact_rest = ProjectedNTK(
                     self.model, 2**31 - 1, batch_size=self.batch_size, chunk_mb=self.chunk_mb, parameters=params
