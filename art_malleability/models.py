@@ -58,7 +58,7 @@ logger = logging.getLogger(__name__)
 class Transductive(Protocol):
     """
     A transductive model: its features depend on the training set it is given with ``set_context(x_train)``
-    (MLP-Attn's attention context). ``isinstance(model, Transductive)`` is the package's one test for it.
+    (MLP-Attn's attention context). :func:`is_transductive` is the package's one test for it.
     """
 
     def set_context(self, x_train: np.ndarray | torch.Tensor) -> None:
@@ -66,8 +66,12 @@ class Transductive(Protocol):
 
 
 def is_transductive(model: object) -> bool:
-    """:return: Whether ``model`` has a callable ``set_context`` (see :class:`Transductive`)."""
-    return isinstance(model, Transductive) and callable(model.set_context)
+    """
+    :return: Whether ``model`` has a callable ``set_context`` (see :class:`Transductive`). Read with ``getattr``,
+        not ``isinstance(model, Transductive)``: from Python 3.12 a runtime protocol check does not see attributes a
+        wrapper forwards through ``__getattr__`` (such as ``torch.compile``'s module).
+    """
+    return callable(getattr(model, "set_context", None))
 
 
 REFERENCE_MODELS: tuple[str, ...] = ("2l-relu", "mlp-attn", "mlp-attn-qkv")

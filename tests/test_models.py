@@ -14,6 +14,7 @@ from art_malleability.models import (
     MLPAttn,
     TwoLayerReLU,
     build_reference_model,
+    is_transductive,
 )
 
 INPUT_SHAPE = (1, 8, 8)
@@ -230,3 +231,16 @@ def test_factory_errors():
         TwoLayerReLU((1, 0, 8), width=4, nb_classes=2)
     with pytest.raises(TypeError, match="input_shape"):
         TwoLayerReLU("64", width=4, nb_classes=2)
+
+
+def test_is_transductive_sees_set_context_through_a_forwarding_wrapper():
+    class Forwarding:  # a wrapper that forwards attributes, as torch.compile's module does
+        def __init__(self, inner):
+            self._inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self._inner, name)
+
+    attn, relu = build_reference_model("mlp-attn", (8,), 3, width=4), build_reference_model("2l-relu", (8,), 3, width=4)
+    assert is_transductive(attn) and is_transductive(Forwarding(attn))
+    assert not is_transductive(relu) and not is_transductive(Forwarding(relu))
