@@ -5,22 +5,27 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+def _staging_file(folder: Path, name: str) -> tuple[int, str]:
+    """
+    A new temporary file beside ``folder / name``, created with mode 0o666 so that the process's umask applies
+    (the mode ``open`` gives a new file; ``mkstemp`` would give 0o600).
 
-
-#: Mode of written files: what ``open`` would give (0o666 less the umask), not ``mkstemp``'s 0o600.
-_FILE_MODE = 0o666 & ~_umask()
+    :return: Its descriptor (open for writing) and path.
+    """
+    while True:
+        tmp = os.path.join(folder, f".{name}.{secrets.token_hex(6)}.tmp")
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666), tmp
+        except FileExistsError:
+            continue
 
 
 def progress_bar(iterable: Any = None, *, verbose: bool = True, **kwargs: Any) -> Any:
@@ -70,16 +75,7 @@ def atomic_write(path: Path, text: str) -> None:
     :param path: Target file.
     :param text: Content (UTF-8).
     """
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.chmod(tmp, _FILE_MODE)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write_files(path.parent, {path.name: text})
 
 
 def atomic_write_files(folder: Path, files: dict[str, str | bytes]) -> None:
@@ -95,12 +91,11 @@ def atomic_write_files(folder: Path, files: dict[str, str | bytes]) -> None:
     staged: list[tuple[str, Path]] = []
     try:
         for name, content in files.items():
-            fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
+            fd, tmp = _staging_file(folder, name)
             staged.append((tmp, folder / name))
             with os.fdopen(fd, "wb") as handle:
                 handle.write(content.encode("utf-8") if isinstance(content, str) else content)
         for tmp, target in staged:
-            os.chmod(tmp, _FILE_MODE)
             os.replace(tmp, target)
     except BaseException:
         for tmp, _ in staged:

@@ -175,6 +175,7 @@ def test_weights_and_data_files_that_cannot_be_used_are_one_line_each(tmp_path, 
 
 
 def test_report_files_share_one_mode_and_bars_are_sparse_in_logs(tmp_path):
+    import os
     import stat
 
     from art_malleability._io import atomic_write, progress_bar
@@ -183,6 +184,12 @@ def test_report_files_share_one_mode_and_bars_are_sparse_in_logs(tmp_path):
     (tmp_path / "b.png").write_bytes(b"")
     mode = stat.S_IMODE((tmp_path / "a.json").stat().st_mode)
     assert mode == stat.S_IMODE((tmp_path / "b.png").stat().st_mode)
+    previous = os.umask(0o077)  # the umask in force when the file is written applies, not the one at import
+    try:
+        atomic_write(tmp_path / "c.json", "{}")
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE((tmp_path / "c.json").stat().st_mode) == 0o600
     bar = progress_bar(range(3), verbose=True)  # pytest's stderr is not a terminal
     assert bar.mininterval == 30.0
     bar.close()
