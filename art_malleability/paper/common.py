@@ -12,7 +12,7 @@ from scipy import stats
 from art_malleability._io import progress_bar
 from art_malleability.datasets import Dataset
 from art_malleability.estimator import MalleabilityEstimator, near_chance_warnings
-from art_malleability.metrics import hierarchical_interval, hierarchical_replicates
+from art_malleability.metrics import hierarchical_interval, hierarchical_replicates, shifted_percentile_interval
 from art_malleability.models import build_reference_model
 from art_malleability.training import make_classifier, train_model
 
@@ -109,9 +109,14 @@ def pooled(rows: list[dict], stat: str, seed: int = 0) -> tuple[float, float, fl
     draws = [r.get(REPLICATES, {}).get(stat) for r in rows]
     if any(d is None or len(d) == 0 for d in draws) or len({len(d) for d in draws}) != 1:
         return 100 * float(points.mean()), float("nan"), float("nan"), None
-    low_bound = -1.0 if stat == "excess_flip_rate" else 0.0
-    mean, (low, high) = hierarchical_interval(points, np.stack(draws), 2000, 0.95, seed, (low_bound, 1.0))
-    return 100 * mean, 100 * low, 100 * high, 100 * hierarchical_replicates(np.stack(draws), 2000, seed)
+    stacked, bounds = np.stack(draws), (-1.0 if stat == "excess_flip_rate" else 0.0, 1.0)
+    replicates = hierarchical_replicates(stacked, 2000, seed)
+    if np.isfinite(points).all():  # the replicates hierarchical_interval would draw again
+        mean = float(points.mean())
+        low, high = shifted_percentile_interval(mean, replicates, 0.95, bounds)
+    else:
+        mean, (low, high) = hierarchical_interval(points, stacked, 2000, 0.95, seed, bounds)
+    return 100 * mean, 100 * low, 100 * high, 100 * replicates
 
 
 def mean_ci(values: list[float]) -> tuple[float, float, float]:
