@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-from art_malleability._io import atomic_write_files, figure_png, json_ready, read_report_json
+from art_malleability._io import atomic_write_files, figure_png, read_report_json
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +48,12 @@ def text_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str
 
 
 def report_json(data: Any, indent: int) -> str:
-    """:return: ``data`` as strict JSON: :func:`~art_malleability._io.json_ready` (non-finite numbers to ``null``)."""
-    return json.dumps(json_ready(data), indent=indent, allow_nan=False)
+    """
+    :param data: A report's ``to_dict``, already JSON-ready (:func:`~art_malleability._io.json_ready`: non-finite
+        numbers as ``null``).
+    :return: ``data`` as strict JSON: a non-finite number or a numpy value left in it is an error, not converted.
+    """
+    return json.dumps(data, indent=indent, allow_nan=False)
 
 
 class SavedReport:
