@@ -10,8 +10,9 @@ from typing import Any
 import numpy as np
 from art.attacks import EvasionAttack
 
+from art_malleability._bootstrap import check_confidence
 from art_malleability._torch_utils import resolve_device
-from art_malleability._validation import loss_name
+from art_malleability._validation import check_positive_int, loss_name
 from art_malleability.attacks import ATTACK_NAMES, STRATEGIES, attack_label, make_attack
 from art_malleability.influence import INFLUENCE_NAMES, InfluenceEstimator, get_influence
 from art_malleability.metrics import RANK_BY
@@ -59,11 +60,8 @@ def check_params(est: Any) -> None:
     if est.rank_by not in RANK_BY:
         raise ValueError(f"rank_by must be one of {RANK_BY}, got {est.rank_by!r}")
     for name in ("n_queries", "n_bootstrap", "attack_max_iter", "batch_size"):
-        value = getattr(est, name)
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if not 0.0 < est.confidence < 1.0:
-        raise ValueError(f"confidence must lie in (0, 1), got {est.confidence!r}")
+        check_positive_int(getattr(est, name), name)
+    check_confidence(est.confidence)
     if isinstance(est.seed, bool) or not isinstance(est.seed, (int, np.integer)):
         raise TypeError(f"seed must be an integer, got {est.seed!r}")
     resolve_device(est.device)

@@ -210,3 +210,17 @@ def check_input_shape(input_shape: object, name: str = "input_shape", image: boo
     if image and len(shape) != 3:
         raise ValueError(f"{name} must be an image shape (channels, height, width), got {input_shape!r}")
     return tuple(int(s) for s in shape)
+
+
+def check_positive_int(value: object, name: str) -> int:
+    """
+    Check a count: a positive integer (``bool`` is refused).
+
+    :param value: The candidate.
+    :param name: Argument name for the error message.
+    :return: It, as an int.
+    :raises ValueError: Otherwise.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)

@@ -1,7 +1,4 @@
-"""
-Argument checks shared by the NTK tools. Numpy only, so that the numpy-only modules
-(:mod:`art_malleability.ntk.sensitivity`) use them without importing PyTorch.
-"""
+"""Argument checks shared by the NTK tools (counts through :func:`art_malleability._validation.check_positive_int`)."""
 
 from __future__ import annotations
 
@@ -9,19 +6,7 @@ import math
 
 import numpy as np
 
-
-def check_positive_int(value: object, name: str) -> int:
-    """
-    Check a count: a positive integer (``bool`` is refused).
-
-    :param value: The candidate.
-    :param name: Argument name for the error message.
-    :return: It, as an int.
-    :raises ValueError: Otherwise.
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
+from art_malleability._validation import check_positive_int
 
 
 def check_batch_size(batch_size: int) -> int:

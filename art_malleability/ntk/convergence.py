@@ -47,12 +47,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from art_malleability._bootstrap import check_confidence
 from art_malleability._io import json_ready, progress_bar
 from art_malleability._torch_utils import no_tf32, resolve_device
 from art_malleability._validation import labels_to_indices
 from art_malleability.influence.ridge import kernel_ridge_predict
 from art_malleability.metrics import percentile_interval
-from art_malleability.models import is_transductive
+from art_malleability.models import REFERENCE_MODELS, build_reference_model, is_transductive
 from art_malleability.ntk.analytic import analytic_ntk
 from art_malleability.ntk.convergence_report import LEVELS as LEVELS  # public path
 from art_malleability.ntk.convergence_report import PRIMARY as PRIMARY  # public path
@@ -163,13 +164,10 @@ class NTKConvergenceChecker:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not 0 < self.confidence < 1:
-            raise ValueError(f"confidence must lie in (0, 1), got {self.confidence!r}")
+        check_confidence(self.confidence)
         if self.dtype not in (torch.float32, torch.float64):
             raise ValueError(f"dtype must be torch.float32 or torch.float64, got {self.dtype!r}")
         if not isinstance(self.models, Mapping):
-            from art_malleability.models import REFERENCE_MODELS
-
             for name in self.models:
                 if name not in REFERENCE_MODELS:
                     raise ValueError(f"models must name reference models {REFERENCE_MODELS} or map names to "
@@ -255,8 +253,6 @@ class NTKConvergenceChecker:
     def _factories(self, input_shape: tuple[int, ...], nb_classes: int) -> dict[str, ModelFactory]:
         if isinstance(self.models, Mapping):
             return dict(self.models)
-        from art_malleability.models import build_reference_model
-
         return {
             name: (lambda width, seed, _n=name: build_reference_model(_n, input_shape, nb_classes, width=width,
                                                                       seed=seed))

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from art_malleability.ntk._checks import check_positive_int
+from art_malleability._validation import check_positive_int
 
 logger = logging.getLogger(__name__)
 
