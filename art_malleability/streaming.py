@@ -157,9 +157,9 @@ class ExampleSource:
             )
         x = check_features(np.asarray(x), where, self.input_shape)
         nb_classes = self.nb_classes
-        if nb_classes is None:  # no bound known: any non-negative index, or one-hot of any width
-            nb_classes = y.shape[1] if y.ndim == 2 else int(max(np.max(y, initial=0), 1)) + 1
-        y = check_labels(y, f"the labels of {where}", len(x), nb_classes)
+        if nb_classes is None and y.ndim == 2 and y.shape[1] > 1:  # one-hot rows: their width is the bound
+            nb_classes = y.shape[1]
+        y = check_labels(y, f"the labels of {where}", len(x), nb_classes)  # None: any non-negative index
         return x, y
 
     def take(self, indices: np.ndarray, batch_size: int = 256) -> tuple[np.ndarray, np.ndarray]:

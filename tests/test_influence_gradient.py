@@ -237,3 +237,15 @@ def test_the_audit_differentiates_the_classifiers_own_loss(caplog):
     used = audit._influence.loss
     assert used is not smoothed and used.label_smoothing == 0.2 and used.reduction == "none"
     assert report.execution["params"]["loss"] == "CrossEntropyLoss()"
+
+
+def test_a_dataset_with_column_labels_fits_like_arrays() -> None:
+    """Labels of shape (n, 1) from a dataset are class indices, as they are in an array."""
+    from torch.utils.data import TensorDataset
+
+    model, shape = _model("mlp")
+    x, y, xq, yq = _data(shape)
+    expected = GradientInfluence(device="cpu", batch_size=4).fit(model, x, y).scores(xq, yq)
+    data = TensorDataset(torch.tensor(x), torch.tensor(y[:, None]))
+    scores = GradientInfluence(device="cpu", batch_size=4).fit(model, data).scores(xq, yq)
+    np.testing.assert_array_equal(scores, expected)

@@ -27,6 +27,7 @@ from art_malleability._validation import (  # noqa: F401 - labels_to_indices: pu
     LOSS_NAMES,
     check_labels,
     check_loss,
+    check_positive_int,
     labels_to_indices,
 )
 from art_malleability.models import is_transductive
@@ -204,10 +205,7 @@ class InfluenceEstimator(abc.ABC):
         check_influence_loss(self.loss)
         resolve_device(self.device)
         check_dtype(self.dtype)
-        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, (int, np.integer)):
-            raise ValueError(f"batch_size must be a positive integer, got {self.batch_size!r}")
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size must be a positive integer, got {self.batch_size!r}")
+        check_positive_int(self.batch_size, "batch_size")
 
     def get_params(self) -> dict:
         """
@@ -317,8 +315,7 @@ class InfluenceEstimator(abc.ABC):
         :param x_changed: Their new inputs, ``(len(changed), *input_shape)``.
         :return: ``self``.
         """
-        if not self.is_fitted:
-            raise RuntimeError(f"{type(self).__name__}.refit() called before fit(); call fit(model, x, y) first")
+        self._check_fitted("refit")
         changed = np.asarray(changed, dtype=np.int64).reshape(-1)
         out_of_range = len(changed) and not 0 <= changed.min() <= changed.max() < self.n_train_
         if len(np.unique(changed)) != len(changed) or out_of_range:

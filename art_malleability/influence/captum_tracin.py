@@ -157,7 +157,8 @@ class CaptumInfluence(InfluenceEstimator):
         # Captum differentiates with respect to every entry of model.parameters(): frozen
         # parameters (e.g. a fixed output layer) become buffers of the working copy.
         frozen_parameters_to_buffers(model)
-        problem = _sample_wise_problem(model, x_train[:1], self.dtype, self.device_)
+        wanted = self.sample_wise_grads_per_batch is not False
+        problem = _sample_wise_problem(model, x_train[:1], self.dtype, self.device_) if wanted else None
         if self.sample_wise_grads_per_batch is True and problem is not None:
             raise ValueError(
                 f"sample_wise_grads_per_batch must be False or 'auto' for this model, got True; it needs {problem}"
@@ -183,17 +184,20 @@ class CaptumInfluence(InfluenceEstimator):
         )
         self._final_state = final
 
-    def _run(self, x_query: np.ndarray, y_query: np.ndarray, **kwargs: object) -> object:
+    def _captum(self, method: str, *args: object, **kwargs: object) -> object:
+        """Call a method of Captum's ``TracInCP`` with gradients on; the model's final weights are restored after."""
         try:
             with torch.enable_grad(), warnings.catch_warnings():
                 # the sample-wise path marks its own input copies as requiring grad and says so
                 warnings.filterwarnings("ignore", message="Input Tensor .* did not already require gradients")
-                # one batch of queries, as Captum's own tuple form (which would draw from the global RNG): a loader
-                # of several query batches makes Captum recompute every training gradient once per query batch
-                queries = self._loader(x_query, y_query, batch_size=max(len(x_query), 1))
-                return self._tracin.influence(queries, **kwargs)
+                return getattr(self._tracin, method)(*args, **kwargs)
         finally:
             self.model_.load_state_dict(self._final_state)
+
+    def _run(self, x_query: np.ndarray, y_query: np.ndarray, **kwargs: object) -> object:
+        # one batch of queries, as Captum's own tuple form (which would draw from the global RNG): a loader of
+        # several query batches makes Captum recompute every training gradient once per query batch
+        return self._captum("influence", self._loader(x_query, y_query, batch_size=max(len(x_query), 1)), **kwargs)
 
     def _scores(self, x_query: np.ndarray, y_query: np.ndarray) -> np.ndarray:
         result = self._run(x_query, y_query, k=None)
@@ -225,10 +229,5 @@ class CaptumInfluence(InfluenceEstimator):
         """
         self._check_fitted("self_influence")
         data = None if x is None else self._loader(*self._check_query(x, y))
-        try:
-            with torch.enable_grad(), warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="Input Tensor .* did not already require gradients")
-                result = self._tracin.self_influence(data)
-        finally:
-            self.model_.load_state_dict(self._final_state)
+        result = self._captum("self_influence", data)
         return result.detach().to(torch.float64).cpu().numpy()
