@@ -204,9 +204,9 @@ def load_cifar10_source(root: Path, download: bool) -> Source:
             files = [*files, [self.meta["filename"], self.meta["md5"]]]
             return all(check_integrity(os.path.join(self.root, self.base_folder, f), md5) for f, md5 in files)
 
-    if download:
+    if download:  # without a download, resolve_source has checked the folder
         CIFAR10(str(root), train=True, download=True)
-    check_folder("cifar10", root)
+        check_folder("cifar10", root)
     splits: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     class_names: tuple[str, ...] = ()
     for split in ("train", "test"):
@@ -335,10 +335,9 @@ def _pixels(x: np.ndarray, path: Path) -> np.ndarray:
 
 
 def load_npz_source(path: Path) -> Source:
-    """An ``.npz`` file with arrays ``x``, ``y`` and optionally ``class_names``, one split."""
+    """An ``.npz`` file with arrays ``x``, ``y`` and optionally ``class_names`` (checked by ``resolve_source``)."""
     import zipfile
 
-    check_npz(path)
     try:
         archive = np.load(path, allow_pickle=False)
     except (ValueError, OSError, EOFError, zipfile.BadZipFile) as err:

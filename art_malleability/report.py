@@ -317,7 +317,7 @@ class MalleabilityReport(SavedReport):
         return ax.figure
 
     def _title(self) -> str:
-        acc = "n/a" if self.clean_accuracy is None else f"{100 * self.clean_accuracy:.1f}%"
+        acc = format_percent(self.clean_accuracy)
         return (
             f"model {self.model}"
             + (f" on {self.dataset}" if self.dataset else "")
@@ -338,7 +338,7 @@ def comparison_table(reports: list[MalleabilityReport]) -> str:
     attacks = [r.attack for r in reports[0].results] if reports else []
     return markdown_table(
         ["model", "clean acc.", *[f"{a} flip rate" for a in attacks]],
-        [[rep.model, "n/a" if rep.clean_accuracy is None else f"{100 * rep.clean_accuracy:.1f}%",
+        [[rep.model, format_percent(rep.clean_accuracy),
           *[_flip_and_excess(rep.result(a)) for a in attacks]] for rep in reports],
     )
 

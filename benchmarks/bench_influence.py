@@ -863,9 +863,7 @@ class Bench:
                 note = res.get("mode", "") + (f", k={res['k']}" if res.get("k") else "")
                 if est == "dattri-trak":
                     note = f"float32, ridge {res['regularization']:.2e}"
-                elif est == "dattri-tracin":
-                    note = "float32"
-                elif est == "captum-adapter-f32":
+                elif est in ("dattri-tracin", "captum-adapter-f32"):
                     note = "float32"
                 elif est.startswith("captum-hand"):
                     note = res["dtype"].replace("torch.", "")

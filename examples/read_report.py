@@ -12,6 +12,7 @@ import argparse
 import numpy as np
 
 from art_malleability import MalleabilityReport
+from art_malleability.metrics import flip_mask
 
 
 def main() -> None:
@@ -24,11 +25,11 @@ def main() -> None:
     print(report.summary())
     for warning in report.warnings:
         print(f"warning: {warning}")
-    before = np.asarray(report.scores_before)
+    before = np.asarray(report.scores_before, dtype=float)  # a score saved as null (not finite) reads as NaN
+    top = np.asarray(report.top_indices)
     for result in report.results:
-        after = np.asarray(result.scores_after)
-        top = np.asarray(report.top_indices)
-        flipped = top[np.sign(before[top]) * np.sign(after[top]) < 0]
+        after = np.asarray(result.scores_after, dtype=float)
+        flipped = top[flip_mask(before[top], after[top])]  # NaN never counts as a flip
         counted = set(result.counted_flips or [])
         print(f"\n{result.attack}: {len(flipped)} of {len(top)} influential examples flipped "
               f"({len(counted)} above the noise floor); the most influential of them:")

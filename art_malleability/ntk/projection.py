@@ -223,8 +223,7 @@ class ProjectedNTK:
         need = 0
         for g, k in zip(self.groups, ks, strict=True):
             if not g.kronecker:
-                stored = k < g.full_dim and k * g.full_dim * 8 <= self.chunk_mb * 2**20
-                need += 8 * k * g.full_dim if stored else 8 * k * FALLBACK_BLOCK
+                need += 8 * k * g.full_dim if self._stored(k, g.full_dim) else 8 * k * FALLBACK_BLOCK
                 continue
             k_out, k_in = kronecker_split(k, g.d_out, g.d_in)
             for d, kk in ((g.d_out, k_out), (g.d_in, k_in)):
@@ -235,6 +234,10 @@ class ProjectedNTK:
                 f"this model, got {self.projection_dim} needing about {need / 2**30:.1f} GiB of projection matrices; "
                 "lower projection_dim"
             )
+
+    def _stored(self, k: int, full_dim: int) -> bool:
+        """Whether a dense projection ``(k, full_dim)`` is drawn once and kept (else drawn in blocks when used)."""
+        return k < full_dim and k * full_dim * 8 <= self.chunk_mb * 2**20
 
     def _offsets(self) -> None:
         offset = 0
@@ -260,7 +263,7 @@ class ProjectedNTK:
             g.k = g.k_out = min(k, g.full_dim)
             g.k_in = 1
             g.matrix = None
-            if g.k < g.full_dim and g.k * g.full_dim * 8 <= self.chunk_mb * 2**20:
+            if self._stored(g.k, g.full_dim):
                 g.matrix = gaussian_block(g.k, 0, g.full_dim, seed, self.dtype, self.device)
             g.p_out = g.p_in = None
             g.seed = seed
