@@ -20,6 +20,7 @@ from art_malleability._audit import AuditRun, timed
 from art_malleability._classifier import ESTIMATOR_REQUIREMENTS, as_classifier
 from art_malleability._estimator_params import PARAM_NAMES, build_attacks, build_influence, check_params
 from art_malleability._state import preserved
+from art_malleability._torch_utils import model_device_dtype
 from art_malleability._validation import check_features, check_labels, check_range
 from art_malleability.attacks import ATTACK_NAMES, attack_label
 from art_malleability.distributed import Shard, current_shard
@@ -295,11 +296,10 @@ class MalleabilityEstimator:
         """The model must return one tensor of ``nb_classes`` logits per example; :return: warnings on the labels."""
         x_one, _ = source.take(np.arange(1), 1)
         model = self.classifier.model
+        device, dtype = model_device_dtype(model)
         with preserved(model, None), torch.no_grad():
             model.eval()
-            param = next(iter(model.parameters()), None)
-            out = model(torch.as_tensor(x_one, device=None if param is None else param.device,
-                                        dtype=None if param is None else param.dtype))
+            out = model(torch.as_tensor(x_one, device=device, dtype=dtype))
         if not isinstance(out, torch.Tensor):
             raise TypeError(
                 f"classifier.model must return one tensor of logits (n, nb_classes), got {type(out).__name__}; "
