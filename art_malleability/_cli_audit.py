@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from art_malleability._cli_checks import build_model, clear_owned, load_data, load_weights, model_names, validation_for
 from art_malleability._cli_options import (
@@ -118,6 +118,16 @@ def run_audit(args: argparse.Namespace) -> int:
     return 0
 
 
+def estimator_params(args: argparse.Namespace) -> dict[str, Any]:
+    """:return: The :class:`~art_malleability.estimator.MalleabilityEstimator` parameters the audit options set."""
+    return dict(
+        attacks=args.attacks, eps=args.eps, influence=args.influence, top_fraction=args.top_fraction,
+        strategy=args.strategy, ridge=args.ridge, n_queries=args.n_queries, rank_by=args.rank_by,
+        n_bootstrap=args.n_bootstrap, attack_max_iter=args.attack_max_iter, batch_size=args.batch_size,
+        seed=args.seed, device=args.device, projection_dim=args.projection_dim, controls=not args.no_controls,
+    )
+
+
 def _audit_model(
     args: argparse.Namespace, name: str, data: Dataset, shard: Shard | None, first: bool
 ) -> MalleabilityReport:
@@ -135,11 +145,7 @@ def _audit_model(
     )
     start = time.perf_counter()
     report = MalleabilityEstimator(
-        classifier, attacks=args.attacks, eps=args.eps, influence=args.influence, top_fraction=args.top_fraction,
-        strategy=args.strategy, ridge=args.ridge, n_queries=args.n_queries, rank_by=args.rank_by,
-        n_bootstrap=args.n_bootstrap, attack_max_iter=args.attack_max_iter, batch_size=args.batch_size,
-        seed=args.seed, device=args.device, verbose=lead and not args.quiet, model_name=name,
-        projection_dim=args.projection_dim, controls=not args.no_controls,
+        classifier, **estimator_params(args), verbose=lead and not args.quiet, model_name=name
     ).evaluate(data.x_train, data.y_train, data.x_test, data.y_test, dataset=data.name,
                validation=validation_for(args.validation, name))
     report.seconds["train"] = trained

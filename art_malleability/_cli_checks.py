@@ -87,9 +87,34 @@ def _check_settings(args: argparse.Namespace) -> None:
             raise ValueError(f"--n-models (n_models) must be at least 2, got {args.n_models}")
     if getattr(args, "n_queries", 1) < 1:
         raise ValueError(f"--n-queries must be a positive integer, got {args.n_queries}")
+    if getattr(args, "command", None) == "audit":
+        _check_estimator_params(args)
     if getattr(args, "command", None) == "reproduce" and args.classes is not None:
         raise ValueError(f"--classes must not be given to reproduce, got {args.classes}; Table 3 picks the paper's "
                          "binary classes")
+
+
+def _check_estimator_params(args: argparse.Namespace) -> None:
+    """
+    The audit's options through the estimator's own parameter check (``ridge``, ``n_bootstrap``, a non-finite
+    ``eps``, ...), so that a value the estimator refuses fails here, before any training; the error names the option.
+    """
+    from types import SimpleNamespace
+
+    from art_malleability._cli_audit import estimator_params
+    from art_malleability._estimator_params import PARAM_NAMES, check_params
+    from art_malleability.estimator import MalleabilityEstimator
+
+    defaults = inspect.signature(MalleabilityEstimator.__init__).parameters
+    params = {name: defaults[name].default for name in PARAM_NAMES} | estimator_params(args)
+    try:
+        check_params(SimpleNamespace(**params))
+    except (ValueError, TypeError) as err:
+        name = re.match(r"(\w+) must\b", str(err))
+        if name is None or not hasattr(args, name.group(1)):
+            raise
+        option = "--" + name.group(1).replace("_", "-")
+        raise type(err)(f"{option} ({name.group(1)}){str(err)[name.end(1):]}") from err
 
 
 def message_of(err: BaseException) -> str:

@@ -60,6 +60,11 @@ def test_audit_npz_dataset(tmp_path):
         (["--model", "no_such_module:f"], "cannot import"),
         (["--eps", "0"], "eps"),
         (["--top-fraction", "2"], "top_fraction"),
+        # the estimator's own parameter check, before any training
+        (["--eps", "inf"], "--eps (eps) must be a positive finite number"),
+        (["--ridge", "0"], "--ridge (ridge) must be a positive finite number"),
+        (["--n-bootstrap", "0"], "--n-bootstrap (n_bootstrap) must be a positive integer"),
+        (["--projection-dim", "3000000000"], "--projection-dim (projection_dim) must be a positive integer below"),
     ],
 )
 def test_audit_bad_input_exits_2(tmp_path, capsys, args, message):
