@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from art_malleability._cli_checks import build_model, clear_owned, load_data, load_weights, model_names, validation_for
+from art_malleability._cli_checks import build_model, load_data, load_weights, model_names, validation_for
 from art_malleability._cli_options import (
     Runner,
     add_command,
@@ -15,8 +15,8 @@ from art_malleability._cli_options import (
     add_model_options,
     add_run_options,
     projection_dim,
+    say,
 )
-from art_malleability._io import atomic_write
 from art_malleability.attacks import ATTACK_NAMES, STRATEGIES
 from art_malleability.influence import INFLUENCE_NAMES
 from art_malleability.metrics import RANK_BY
@@ -95,7 +95,7 @@ def _add_distributed_options(audit: argparse.ArgumentParser) -> None:
 
 def run_audit(args: argparse.Namespace) -> int:
     """Run ``art-malleability audit`` with the parsed ``args``, sharded over the processes of a ``torchrun`` launch;
-    return the exit status."""
+    return the exit status. The lead process stages its reports in ``args.out`` (the open ``--output`` folder)."""
     from art_malleability.distributed import init_from_env
     from art_malleability.report import comparison_table
 
@@ -104,17 +104,14 @@ def run_audit(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     data = load_data(args)
     if lead:
-        print(
-            f"data: {data.name}, {len(data.x_train)} train / {len(data.x_test)} test, input {data.input_shape}, "
-            f"{data.nb_classes} classes ({time.perf_counter() - start:.1f} s)"
-            + (f"; {shard.world_size} processes ({shard.backend})" if shard is not None else "")
-        )
-    out = Path(args.output)
-    reports = [_audit_model(args, name, data, shard, first=i == 0) for i, name in enumerate(model_names(args))]
+        say(args, f"data: {data.name}, {len(data.x_train)} train / {len(data.x_test)} test, input {data.input_shape}, "
+                  f"{data.nb_classes} classes ({time.perf_counter() - start:.1f} s)"
+                  + (f"; {shard.world_size} processes ({shard.backend})" if shard is not None else ""))
+    reports = [_audit_model(args, name, data, shard) for name in model_names(args)]
     if lead:
         table = comparison_table(reports)
-        atomic_write(out / "summary.md", f"# Influence malleability on {data.name}\n\n{table}\n")
-        print(f"\n{table}\n\nreports in {out}/")
+        args.out.write("summary.md", f"# Influence malleability on {data.name}\n\n{table}\n")
+        say(args, f"\n{table}\n\nreports in {args.output}/")
     return 0
 
 
@@ -128,10 +125,8 @@ def estimator_params(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
-def _audit_model(
-    args: argparse.Namespace, name: str, data: Dataset, shard: Shard | None, first: bool
-) -> MalleabilityReport:
-    """Train (or load) one model, audit it, and on the lead process save and print its report."""
+def _audit_model(args: argparse.Namespace, name: str, data: Dataset, shard: Shard | None) -> MalleabilityReport:
+    """Train (or load) one model, audit it, and on the lead process stage and print its report."""
     from art_malleability.estimator import MalleabilityEstimator
     from art_malleability.report import slugify
     from art_malleability.training import make_classifier
@@ -150,11 +145,9 @@ def _audit_model(
                validation=validation_for(args.validation, name))
     report.seconds["train"] = trained
     if lead:
-        if first:
-            clear_owned(Path(args.output), "report.json")
-        folder = report.save(Path(args.output) / slugify(name))
-        print(f"\n{name}: {what} in {trained:.1f} s, audited in {time.perf_counter() - start:.1f} s -> {folder}")
-        print(report.summary())
+        report.stage(args.out, slugify(name))
+        say(args, f"\n{name}: {what} in {trained:.1f} s, audited in {time.perf_counter() - start:.1f} s -> "
+                  f"{Path(args.output) / slugify(name)}", report.summary())
     return report
 
 

@@ -29,6 +29,8 @@ _DATA_OPTIONS = {
     "name_or_path": "--dataset", "root": "--data-root", "n_train": "--n-train", "n_test": "--n-test",
     "classes": "--classes",
 }
+#: The arguments a ``--model package.module:factory`` is given, when it takes them.
+_FACTORY_ARGUMENTS = ("input_shape", "nb_classes")
 _DATA_MODULES = ("art_malleability.datasets", "art_malleability._dataset_loaders")
 
 
@@ -39,8 +41,10 @@ class UsageError(ValueError):
 def preflight(args: argparse.Namespace) -> None:
     """
     Check the options every subcommand shares, before any data is read or model trained: the data source, the
-    output folder, the seed, the model names (factories imported), the audit's budget and top set, and a
-    validation folder. A problem is a :class:`UsageError` (exit status 2).
+    seed, the model names (factories imported and their signatures read), the weights file (read, its values
+    finite), the audit's budget and top set, the process group's timeout, and a validation folder. A problem is a
+    :class:`UsageError` (exit status 2). The ``--output`` folder is checked when the command opens it, also before
+    any data is read.
     """
     from art_malleability.datasets import resolve_source
 
@@ -51,13 +55,13 @@ def preflight(args: argparse.Namespace) -> None:
             raise ValueError(f"--seed must be a non-negative integer, got {args.seed}")
         if any(s < 0 for s in getattr(args, "seeds", None) or []):
             raise ValueError(f"--seeds must be non-negative integers, got {args.seeds}")
-        if getattr(args, "output", None) is not None:
-            _check_output(Path(args.output))
         names = getattr(args, "model", None) or []
         for name in names:
             _model_factory(name)
-        if getattr(args, "weights", None) is not None and len(names) != 1:
-            raise ValueError(f"--weights must come with exactly one --model, got {len(names) or 'no'} --model")
+        if getattr(args, "weights", None) is not None:
+            if len(names) != 1:
+                raise ValueError(f"--weights must come with exactly one --model, got {len(names) or 'no'} --model")
+            read_weights(args.weights)
         _check_settings(args)
         for name in model_names(args) if getattr(args, "validation", None) is not None else []:
             validation_for(args.validation, name)
@@ -69,8 +73,16 @@ def _check_settings(args: argparse.Namespace) -> None:
     """The numbers of the audit (budget, top set), of validate and of the queries; reproduce's fixed classes."""
     from art_malleability.metrics import top_k_count
 
-    if getattr(args, "eps", 1.0) is not None and not getattr(args, "eps", 1.0) > 0:
-        raise ValueError(f"--eps must be > 0, got {args.eps}")
+    for option, values in (("--eps", [getattr(args, "eps", None)]), ("--eps-grid", getattr(args, "eps_grid", None))):
+        for eps in values or []:
+            if eps is not None and not 0 < eps < 1:
+                raise ValueError(
+                    f"{option} must lie in (0, 1): an l-inf budget on inputs scaled to [0, 1] (every --dataset is), "
+                    f"got {eps:g}; give it in those units (8/255 = {8 / 255:.4f}, not 8)"
+                )
+    timeout = getattr(args, "dist_timeout", None)
+    if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
+        raise ValueError(f"--dist-timeout must be a positive number of seconds, got {timeout:g}")
     fraction = getattr(args, "top_fraction", None)
     if fraction is not None:
         if not 0 < fraction <= 1:
@@ -85,8 +97,11 @@ def _check_settings(args: argparse.Namespace) -> None:
             raise ValueError(f"--alpha (alpha) must lie strictly between 0 and 1, got {args.alpha}")
         if args.n_models < 2:
             raise ValueError(f"--n-models (n_models) must be at least 2, got {args.n_models}")
-    if getattr(args, "n_queries", 1) < 1:
-        raise ValueError(f"--n-queries must be a positive integer, got {args.n_queries}")
+    if getattr(args, "n_queries", 2) < 2:
+        raise ValueError(
+            f"--n-queries must be at least 2, got {args.n_queries}; every interval resamples the queries and needs two "
+            "or more"
+        )
     if getattr(args, "command", None) == "audit":
         _check_estimator_params(args)
     if getattr(args, "command", None) == "reproduce" and args.classes is not None:
@@ -156,31 +171,22 @@ def model_names(args: argparse.Namespace) -> list[str]:
 # ----------------------------------------------------------------------------------------------------
 
 
-def _check_output(folder: Path) -> None:
-    """The report folder must be a folder (or not exist yet) somewhere this process may write."""
-    if folder.exists() and not folder.is_dir():
-        raise ValueError(f"--output must be a folder, got {str(folder)!r}, which is an existing file")
-    existing = folder
-    while not existing.exists():
-        existing = existing.parent
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"--output must be writable, got {str(folder)!r}; {str(existing)!r} is not writable")
-
-
-def clear_owned(folder: Path, marker: str) -> None:
+def output_claims(args: argparse.Namespace) -> list[str]:
     """
-    Before a command writes its first report into ``--output``: remove what an earlier run of it left there, so no
-    stale model folder or figure sits beside the new results. Owned are ``summary.md`` and the subfolders holding
-    a ``marker`` file (``report.json``, ``validation.json``); nothing else in the folder is touched.
+    What a subcommand will write at the top of ``--output``, checked before any work
+    (:meth:`~art_malleability._output_folder.OutputFolder.claim`): ``summary.md`` and one folder per model for
+    ``audit`` and ``validate``, the report's JSON and Markdown for the others.
     """
-    import shutil
+    from art_malleability.report import slugify
 
-    if not folder.is_dir():
-        return
-    for child in folder.iterdir():
-        if child.is_dir() and (child / marker).is_file():
-            shutil.rmtree(child)
-    (folder / "summary.md").unlink(missing_ok=True)
+    if args.command in ("audit", "validate"):
+        return ["summary.md", *(slugify(name) for name in model_names(args))]
+    from art_malleability.ntk.convergence_report import ConvergenceReport
+    from art_malleability.ntk.spectral_report import SpectralReport
+    from art_malleability.paper.reproduce import Reproduction
+
+    report = {"ntk-check": ConvergenceReport, "spectrum": SpectralReport, "reproduce": Reproduction}[args.command]
+    return [report.json_name, report.markdown_name]
 
 
 def validation_for(folder: str | None, name: str) -> Path | None:
@@ -216,8 +222,11 @@ def build_model(name: str, input_shape: tuple[int, ...], nb_classes: int, width:
         return build_reference_model(name, input_shape, nb_classes, width=width, seed=seed)
     if factory == "architecture":
         return build_architecture(name, input_shape, nb_classes, seed=seed)
-    accepted = inspect.signature(factory).parameters
-    kwargs = {k: v for k, v in (("input_shape", input_shape), ("nb_classes", nb_classes)) if k in accepted}
+    try:
+        accepted = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        accepted = {}
+    kwargs = {k: v for k, v in zip(_FACTORY_ARGUMENTS, (input_shape, nb_classes), strict=True) if k in accepted}
     model = factory(**kwargs)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"--model must build a torch.nn.Module, got {type(model).__name__} from {name!r}")
@@ -246,11 +255,21 @@ def _probe(model: torch.nn.Module, name: str, input_shape: tuple[int, ...], nb_c
         )
 
 
-def load_weights(module: torch.nn.Module, path: str, name: str) -> None:
-    """Load ``--weights`` (a ``state_dict``) into the built model, with a message that says what to change."""
+def read_weights(path: str) -> dict[str, torch.Tensor]:
+    """
+    Read ``--weights``: a ``state_dict`` file, loaded with ``torch.load(..., weights_only=True)``, whose values are
+    finite (a NaN weight would fail much later, inside the kernel solve).
+
+    :param path: The file.
+    :return: The state dict.
+    :raises ValueError: With a message that names the option and says what to change.
+    """
     import pickle
     import zipfile
 
+    if not os.path.isfile(path):
+        what = "a folder" if os.path.isdir(path) else "not an existing file"
+        raise ValueError(f"--weights must be a state_dict file, got {path!r}, which is {what}")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, zipfile.BadZipFile, EOFError) as err:
@@ -261,6 +280,19 @@ def load_weights(module: torch.nn.Module, path: str, name: str) -> None:
         ) from err
     if not isinstance(state, dict):
         raise ValueError(f"--weights must hold a state_dict, got a {type(state).__name__} in {path!r}")
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            bad = int((~torch.isfinite(value)).sum())
+            raise ValueError(
+                f"--weights must hold finite values, got {path!r}, whose {key!r} has {bad} NaN or infinite "
+                f"value(s) of {value.numel()}; the model it was saved from diverged"
+            )
+    return state
+
+
+def load_weights(module: torch.nn.Module, path: str, name: str) -> None:
+    """Load ``--weights`` (:func:`read_weights`) into the built model, with a message that says what to change."""
+    state = read_weights(path)
     try:
         module.load_state_dict(state)
     except RuntimeError as err:
@@ -304,5 +336,21 @@ def _import_factory(name: str) -> object:
         raise TypeError(
             f"--model must name a function or class that builds a torch.nn.Module, got {name!r}, an instance of "
             f"{type(factory).__name__}"
+        )
+    if inspect.isclass(factory) and not issubclass(factory, torch.nn.Module):
+        raise TypeError(
+            f"--model must name a function or class that builds a torch.nn.Module, got {name!r}, a class that is not "
+            "a torch.nn.Module"
+        )
+    try:
+        parameters = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (some builtins): it is called and its result checked
+        return factory
+    needed = [p.name for p in parameters if p.default is p.empty and p.name not in _FACTORY_ARGUMENTS
+              and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if needed:
+        raise TypeError(
+            f"--model must name a function or class that builds a torch.nn.Module from input_shape= and nb_classes= "
+            f"(or from no arguments), got {name!r}, which needs {', '.join(map(repr, needed))}"
         )
     return factory

@@ -104,6 +104,12 @@ def add_output_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def say(args: argparse.Namespace, *lines: str) -> None:
+    """Print ``lines`` on stdout, one per line, unless the command runs with ``-q`` (then it prints nothing)."""
+    if not getattr(args, "quiet", False):
+        print(*lines, sep="\n", flush=True)
+
+
 def projection_dim(text: str) -> int | str | None:
     """
     Parse a ``--projection-dim`` value.

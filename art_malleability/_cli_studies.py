@@ -7,10 +7,16 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 from art_malleability._cli_checks import load_data
-from art_malleability._cli_options import DEFAULT_MODELS, Runner, add_command, add_data_options, add_run_options
+from art_malleability._cli_options import (
+    DEFAULT_MODELS,
+    Runner,
+    add_command,
+    add_data_options,
+    add_run_options,
+    say,
+)
 
 
 def add_ntk_check(sub: argparse._SubParsersAction, run: Runner) -> None:
@@ -51,10 +57,9 @@ def run_ntk_check(args: argparse.Namespace) -> int:
     )
     start = time.perf_counter()
     report = checker.run(data.x_train, data.y_train, data.x_test, data.y_test, dataset=data.name)
-    folder = report.save(args.output)
-    print(report.summary())
-    print(f"\n{len(data.x_train)} training / {len(data.x_test)} test points of {data.name}; "
-          f"{time.perf_counter() - start:.1f} s; report in {folder}/")
+    report.stage(args.out)
+    say(args, report.summary(), f"\n{len(data.x_train)} training / {len(data.x_test)} test points of {data.name}; "
+                                f"{time.perf_counter() - start:.1f} s; report in {args.output}/")
     return 0
 
 
@@ -80,9 +85,8 @@ def run_spectrum(args: argparse.Namespace) -> int:
         args.dataset, root=args.data_root, n=args.n_train, seed=args.seed, classes=args.classes,
         model="2l-relu" if args.features == "inputs" else "mlp-attn",
     )
-    folder = report.save(args.output)
-    print(report.summary())
-    print(f"\nreport in {folder}/")
+    report.stage(args.out)
+    say(args, report.summary(), f"\nreport in {args.output}/")
     return 0
 
 
@@ -142,13 +146,10 @@ def run_reproduce(args: argparse.Namespace) -> int:
     if "open_choices" in config.tables:
         from art_malleability.paper.open_choices import run_open_choices
 
-        study = run_open_choices(config, Path(args.output) / "open_choices")
-        print(study.tables["open_choices"])
+        study = run_open_choices(config, args.out, folder="open_choices")
+        say(args, study.tables["open_choices"])
         config.tables = tuple(t for t in config.tables if t != "open_choices")
-    if not config.tables:
-        return 0
-    result = run_reproduction(config, args.output)
-    if args.quiet:
-        print(result.to_markdown())
-    print(f"\nreproduction written to {args.output}/ in {time.perf_counter() - start:.0f} s")
+    if config.tables:
+        run_reproduction(config, args.out)
+    say(args, f"\nreproduction written to {args.output}/ in {time.perf_counter() - start:.0f} s")
     return 0

@@ -8,8 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from art_malleability import _cli_options as options
-from art_malleability._cli_checks import build_model, clear_owned, load_data, model_names
-from art_malleability._io import atomic_write
+from art_malleability._cli_checks import build_model, load_data, model_names
 from art_malleability.influence import INFLUENCE_NAMES, InfluenceEstimator
 from art_malleability.validation import OUTCOMES
 
@@ -63,7 +62,7 @@ def add_validate(sub: argparse._SubParsersAction, run: options.Runner) -> None:
 
 def run_validate(args: argparse.Namespace) -> int:
     """Run ``art-malleability validate`` with the parsed ``args``: one report folder per model and a side-by-side
-    ``summary.md``; return the exit status."""
+    ``summary.md``, staged in ``args.out`` (the open ``--output`` folder); return the exit status."""
     import numpy as np
 
     from art_malleability.report import slugify
@@ -74,9 +73,8 @@ def run_validate(args: argparse.Namespace) -> int:
     rows = np.sort(np.random.default_rng(args.seed).permutation(len(data.x_test))[: args.n_queries])
     x_query, y_query = data.x_test[rows], data.y_test[rows]
     estimators = _estimators(args)
-    print(f"data: {data.name}, {len(data.x_train)} train / {len(x_query)} queries, input {data.input_shape}, "
-          f"{data.nb_classes} classes")
-    out = Path(args.output)
+    options.say(args, f"data: {data.name}, {len(data.x_train)} train / {len(x_query)} queries, input "
+                      f"{data.input_shape}, {data.nb_classes} classes")
     sections = []
     for name in model_names(args):
         build_model(name, data.input_shape, data.nb_classes, args.width, args.seed)  # fail early on a bad name
@@ -88,14 +86,12 @@ def run_validate(args: argparse.Namespace) -> int:
             n_bootstrap=args.n_bootstrap, device=args.device, model_name=name, dataset=data.name,
             verbose=not args.quiet,
         )
-        if not sections:
-            clear_owned(out, "validation.json")
-        folder = report.save(out / slugify(name))
-        print(f"\n{name}: validated in {time.perf_counter() - began:.1f} s -> {folder}")
-        print(report.summary())
+        report.stage(args.out, slugify(name))
+        options.say(args, f"\n{name}: validated in {time.perf_counter() - began:.1f} s -> "
+                          f"{Path(args.output) / slugify(name)}", report.summary())
         sections.append(f"## {name}\n\n{report.summary()}\n\n{report.differences_table()}\n")
-    atomic_write(out / "summary.md", f"# Influence fidelity on {data.name}\n\n" + "\n".join(sections))
-    print(f"\nreports in {out}/ ({time.perf_counter() - start:.0f} s in all)")
+    args.out.write("summary.md", f"# Influence fidelity on {data.name}\n\n" + "\n".join(sections))
+    options.say(args, f"\nreports in {args.output}/ ({time.perf_counter() - start:.0f} s in all)")
     return 0
 
 

@@ -61,9 +61,16 @@ def check_params(est: Any) -> None:
         raise ValueError(f"rank_by must be one of {RANK_BY}, got {est.rank_by!r}")
     for name in ("n_queries", "n_bootstrap", "attack_max_iter", "batch_size"):
         check_positive_int(getattr(est, name), name)
+    if est.n_queries < 2:
+        raise ValueError(
+            f"n_queries must be at least 2, got {est.n_queries!r}; every interval resamples the queries and needs two "
+            "or more"
+        )
     check_confidence(est.confidence)
     if isinstance(est.seed, bool) or not isinstance(est.seed, (int, np.integer)):
-        raise TypeError(f"seed must be an integer, got {est.seed!r}")
+        raise TypeError(f"seed must be a non-negative integer, got {est.seed!r}")
+    if est.seed < 0:
+        raise ValueError(f"seed must be a non-negative integer (numpy's seeds are), got {est.seed!r}")
     resolve_device(est.device)
     if est.projection_dim is not None and est.projection_dim != "auto":
         check_projection_dim(est.projection_dim)

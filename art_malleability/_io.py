@@ -1,31 +1,15 @@
-"""File output shared by every report: atomic writes and JSON-ready values."""
+"""What every report shares for its files: JSON-ready values, reading a report's JSON, figures as PNG, progress bars."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
-import secrets
 import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-
-def _staging_file(folder: Path, name: str) -> tuple[int, str]:
-    """
-    A new temporary file beside ``folder / name``, created with mode 0o666 so that the process's umask applies
-    (the mode ``open`` gives a new file; ``mkstemp`` would give 0o600).
-
-    :return: Its descriptor (open for writing) and path.
-    """
-    while True:
-        tmp = os.path.join(folder, f".{name}.{secrets.token_hex(6)}.tmp")
-        try:
-            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666), tmp
-        except FileExistsError:
-            continue
 
 
 def progress_bar(iterable: Any = None, *, verbose: bool = True, **kwargs: Any) -> Any:
@@ -59,49 +43,17 @@ def read_report_json(path: str | os.PathLike, filename: str) -> Any:
     :param filename: The JSON file's name in a report folder.
     :return: The parsed JSON.
     :raises FileNotFoundError: When there is no such file.
+    :raises ValueError: When the file is not JSON (the message names it and where it breaks).
     """
     path = Path(path)
     if path.is_dir():
         path = path / filename
     if not path.is_file():
         raise FileNotFoundError(f"path {str(path)!r} holds no {filename}")
-    return json.loads(path.read_text(encoding="utf-8"))
-
-
-def atomic_write(path: Path, text: str) -> None:
-    """
-    Write text to a file atomically: a temporary file in the same folder, then a rename.
-
-    :param path: Target file.
-    :param text: Content (UTF-8).
-    """
-    atomic_write_files(path.parent, {path.name: text})
-
-
-def atomic_write_files(folder: Path, files: dict[str, str | bytes]) -> None:
-    """
-    Write several files into a folder so that an interruption while they are written leaves the
-    previous versions intact: every file is first written to a temporary name beside its target,
-    and only when all are written are they renamed into place, one atomic rename each, in the
-    order given (put the file that marks a complete set, such as ``report.json``, last).
-
-    :param folder: Target folder (must exist).
-    :param files: File name to content (text is written as UTF-8).
-    """
-    staged: list[tuple[str, Path]] = []
     try:
-        for name, content in files.items():
-            fd, tmp = _staging_file(folder, name)
-            staged.append((tmp, folder / name))
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(content.encode("utf-8") if isinstance(content, str) else content)
-        for tmp, target in staged:
-            os.replace(tmp, target)
-    except BaseException:
-        for tmp, _ in staged:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-        raise
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"path must hold a report's JSON, got {str(path)!r}, which is not JSON ({err})") from err
 
 
 def json_ready(value: Any) -> Any:

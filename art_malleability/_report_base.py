@@ -3,9 +3,10 @@ What every report shares: one Markdown table formatter, one JSON policy and one 
 report's ``to_dict``, ``to_markdown`` and figures.
 
 A report folder holds the files of one report class: its JSON, its Markdown and its figures (and any further
-files the class declares). A save renders everything first, then writes it atomically (the JSON last, so a
-complete JSON marks a complete set), then removes the files that the same class wrote before and does not write
-now, such as the figure of a level or an attack that this run no longer has. Nothing else in the folder is touched.
+files the class declares). A save goes through an :class:`~art_malleability._output_folder.OutputFolder`: the
+folder is locked, everything is rendered and staged first, then put in place; the files that the same class wrote
+before and does not write now (the figure of an attack that this run no longer has) are removed, and only while
+they are unchanged. Nothing else in the folder is touched.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-from art_malleability._io import atomic_write_files, figure_png, read_report_json
+from art_malleability._io import figure_png, read_report_json
+from art_malleability._output_folder import OutputFolder
 
 logger = logging.getLogger(__name__)
 
@@ -60,14 +62,12 @@ class SavedReport:
     """
     Mixin of the report classes: ``save`` and ``load`` implemented once.
 
-    A subclass sets ``json_name`` and ``markdown_name``, optionally ``owned`` (glob patterns of the further files
-    it may write, such as ``"scatter_*.png"``) and ``json_indent``, and implements ``to_dict``, ``to_markdown``
-    and, where it has figures, ``_figures``.
+    A subclass sets ``json_name`` and ``markdown_name``, optionally ``json_indent``, and implements ``to_dict``,
+    ``to_markdown`` and, where it has figures, ``_figures``.
     """
 
     json_name: ClassVar[str]
     markdown_name: ClassVar[str]
-    owned: ClassVar[tuple[str, ...]] = ()
     json_indent: ClassVar[int] = 2
 
     def to_dict(self) -> dict[str, Any]:  # pragma: no cover - every report implements it
@@ -92,41 +92,40 @@ class SavedReport:
         """:return: Every file written beside the JSON and the Markdown, by name (the figures as PNG)."""
         return {name: figure_png(draw()) for name, draw in self._figures().items()}
 
+    def rendered_files(self) -> dict[str, str | bytes]:
+        """:return: The report's files, rendered: its Markdown, its figures and its JSON, by name."""
+        files: dict[str, str | bytes] = {self.markdown_name: self.to_markdown(), **self._side_files()}
+        files[self.json_name] = report_json(self.to_dict(), self.json_indent)
+        return files
+
+    def stage(self, out: OutputFolder, folder: str = "") -> None:
+        """
+        Stage the report's files in an open :class:`~art_malleability._output_folder.OutputFolder` (they appear when
+        its run succeeds).
+
+        :param out: The open output folder.
+        :param folder: Subfolder of the output folder (``""``: the folder itself).
+        """
+        out.write_all(self.rendered_files(), folder)
+
     def save(self, directory: str | os.PathLike) -> Path:
         """
-        Write the report's JSON, its Markdown and its figures into a folder. Everything is rendered and staged in
-        temporary files first, then renamed into place (the JSON last), so a save interrupted while rendering or
-        writing leaves the previous report intact; then the files an earlier save of this class wrote and this
-        one does not are removed (nothing else in the folder is touched).
+        Write the report's JSON, its Markdown and its figures into a folder, safely: the folder is locked while
+        the files are rendered and staged, and they replace the previous report only once all are ready (an
+        interrupted save leaves it intact). Only files this package wrote are ever replaced or removed: the files
+        an earlier save of this class wrote and this one does not are removed, and a file of the same name that
+        this package did not write is an error (see :mod:`art_malleability._output_folder`).
 
         :param directory: Output folder (created if missing).
         :return: The folder.
+        :raises NotADirectoryError: When ``directory`` is an existing file.
+        :raises FileExistsError: When it holds a file of a report's name that this package did not write.
+        :raises RuntimeError: When another run is writing to it.
         """
-        out = Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
-        files: dict[str, str | bytes] = {self.markdown_name: self.to_markdown(), **self._side_files()}
-        files[self.json_name] = report_json(self.to_dict(), self.json_indent)  # renamed last
-        atomic_write_files(out, files)
-        self.clear(out, keep=files)
-        logger.info("%s written to %s", type(self).__name__, out)
-        return out
-
-    @classmethod
-    def clear(cls, directory: str | os.PathLike, keep: Iterable[str] = ()) -> None:
-        """
-        Remove the files a save of this class writes from a folder (a missing folder is left alone).
-
-        :param directory: A report folder.
-        :param keep: Names to keep.
-        """
-        folder = Path(directory)
-        if not folder.is_dir():
-            return
-        keep = set(keep)
-        for pattern in (cls.json_name, cls.markdown_name, *cls.owned):
-            for path in folder.glob(pattern):
-                if path.name not in keep and path.is_file():
-                    path.unlink()
+        with OutputFolder(directory, writer=type(self).__name__, description=f"{type(self).__name__}.save") as out:
+            self.stage(out)
+        logger.info("%s written to %s", type(self).__name__, directory)
+        return Path(directory)
 
     @classmethod
     def load(cls: type[Report], path: str | os.PathLike) -> Report:
@@ -134,5 +133,13 @@ class SavedReport:
         :param path: The report's JSON file or the folder holding it.
         :return: The report.
         :raises FileNotFoundError: When there is no such file.
+        :raises ValueError: When the file is not JSON, or not this report's JSON.
         """
-        return cls.from_dict(read_report_json(path, cls.json_name))
+        data = read_report_json(path, cls.json_name)
+        try:
+            return cls.from_dict(data)
+        except (TypeError, KeyError, ValueError, AttributeError) as err:
+            raise ValueError(
+                f"path must hold a {cls.__name__} written by save(), got {str(path)!r}, whose {cls.json_name} does not "
+                f"describe one ({type(err).__name__}: {err})"
+            ) from err

@@ -12,15 +12,15 @@ the options they share in ``_cli_options`` and the checks before any work in ``_
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
 import sys
-from collections.abc import Sequence
-
-import torch.distributed as dist
+from collections.abc import Iterator, Sequence
 
 from art_malleability._cli_audit import add_audit, run_audit
-from art_malleability._cli_checks import UsageError, message_of, preflight
+from art_malleability._cli_checks import UsageError, message_of, output_claims, preflight
 from art_malleability._cli_options import add_output_options
 from art_malleability._cli_studies import (
     add_ntk_check,
@@ -31,10 +31,11 @@ from art_malleability._cli_studies import (
     run_spectrum,
 )
 from art_malleability._cli_validate import add_validate, run_validate
-from art_malleability.distributed import launched_by_torchrun
+from art_malleability._output_folder import OutputFolder
+from art_malleability.distributed import launched_by_torchrun, peer_failure
 
 __all__ = [
-    "UsageError", "build_parser", "main", "run_audit", "run_ntk_check", "run_reproduce", "run_spectrum",
+    "UsageError", "build_parser", "console_main", "main", "run_audit", "run_ntk_check", "run_reproduce", "run_spectrum",
     "run_validate",
 ]
 
@@ -64,11 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """
-    Entry point of the ``art-malleability`` command.
+    Run one ``art-malleability`` command.
 
     :param argv: Arguments (default: ``sys.argv[1:]``).
-    :return: Exit status: 0 on success, 2 for an option the command cannot use (as argparse), 1 for a failure
-        while running (data, weights, training, another process), 130 when interrupted.
+    :return: Exit status: 0 on success, 2 for an option the command cannot use (as argparse; also an ``--output``
+        folder that another run is writing to or that holds files of the report's names this package did not
+        write), 1 for a failure while running (data, weights, training, another process), 130 when interrupted.
     """
     args = build_parser().parse_args(argv)
     level = logging.ERROR if args.quiet else (logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)]
@@ -82,6 +84,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         package.setLevel(previous)
 
 
+def console_main() -> None:
+    """
+    Entry point of the ``art-malleability`` console script (and of ``python -m art_malleability.cli``): run
+    :func:`main` and exit with its status. An interrupt after the command has finished, while the interpreter shuts
+    down, ends the process with status 130 and one line, instead of a traceback and status 0.
+    """
+    try:
+        status = main()
+    except KeyboardInterrupt:  # between the command's end and here
+        status = _interrupted_while_exiting(None)
+    signal.signal(signal.SIGINT, lambda signum, frame: _interrupted_while_exiting(status))
+    sys.exit(status)
+
+
+def _interrupted_while_exiting(status: int | None) -> int:
+    """One line on stderr, then exit 130 at once (the interpreter's own shutdown is what was interrupted)."""
+    done = "" if status is None else f" after the command had ended with status {status}"
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.write(f"art-malleability: interrupted while exiting{done}\n")
+        sys.stderr.flush()
+    os._exit(130)
+
+
 def _run(args: argparse.Namespace) -> int:
     """Run the parsed command; errors become one line on stderr and an exit status."""
     # under torchrun, name the process in every error (the launcher shows each worker's output)
@@ -89,20 +115,51 @@ def _run(args: argparse.Namespace) -> int:
     prefix = f"art-malleability {args.command}{where}: error:"
     try:
         preflight(args)
-        return args.func(args)
+        with _output_folder(args) as args.out:
+            return args.func(args)
     except KeyboardInterrupt:
         print(f"art-malleability {args.command}{where}: interrupted", file=sys.stderr)
         return 130
     except UsageError as err:
         _explain(prefix, err, args.verbose)
         return 2
-    except dist.DistBackendError as err:
-        _explain(prefix, f"another process failed or stopped answering ({type(err).__name__}: "
-                         f"{str(err).splitlines()[0] if str(err) else ''})", args.verbose, err)
-        return 1
     except Exception as err:  # noqa: BLE001 - one line for the user, the traceback with --verbose
-        _explain(prefix, err, args.verbose)
+        cause = peer_failure(err)
+        if cause is not None:
+            timeout = getattr(args, "dist_timeout", None)
+            within = "" if timeout is None else f" within --dist-timeout ({timeout:g} s)"
+            _explain(prefix, f"another process failed or stopped answering{within} ({type(err).__name__}: {cause})",
+                     args.verbose, err)
+        else:
+            _explain(prefix, err, args.verbose)
         return 1
+
+
+@contextlib.contextmanager
+def _output_folder(args: argparse.Namespace) -> Iterator[OutputFolder | None]:
+    """
+    The ``--output`` folder of the command, open for the run (on the lead process of a ``torchrun`` launch; the
+    others write nothing and get ``None``): locked, checked for files of the report's names that this package did
+    not write, and committed only when the command succeeds. A folder that cannot be used is a :class:`UsageError`.
+    """
+    lead = not launched_by_torchrun() or os.environ.get("RANK") == "0"
+    if getattr(args, "output", None) is None or not lead:
+        yield None
+        return
+    out = OutputFolder(args.output, writer=args.command, description=f"art-malleability {args.command}",
+                       option="--output")
+    try:
+        out.open()
+        out.claim(output_claims(args))
+    except (RuntimeError, OSError) as err:
+        out.close(success=False)
+        raise UsageError(message_of(err)) from err
+    try:
+        yield out
+    except BaseException:
+        out.close(success=False)
+        raise
+    out.close(success=True)
 
 
 def _explain(prefix: str, err: BaseException | str, verbose: int, cause: BaseException | None = None) -> None:
@@ -118,4 +175,4 @@ def _explain(prefix: str, err: BaseException | str, verbose: int, cause: BaseExc
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

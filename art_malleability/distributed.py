@@ -22,6 +22,7 @@ import hashlib
 import logging
 import os
 import pickle
+import re
 from dataclasses import dataclass
 
 import torch
@@ -164,6 +165,30 @@ def current_shard(distributed: bool | str = "auto") -> Shard | None:
     if world == 1 and distributed == "auto":
         return None
     return Shard(rank=dist.get_rank(), world_size=world, backend=str(dist.get_backend()))
+
+
+#: What gloo and the c10d store say when a peer stops answering or goes away (gloo raises a plain ``RuntimeError``).
+_PEER_FAILURE = re.compile(
+    r"Timed out waiting \d+ms|Connection (closed|reset) by peer|gloo/transport|Socket Timeout|wait timeout after"
+)
+
+
+def peer_failure(error: BaseException) -> str | None:
+    """
+    Whether an error says that another process of the group failed or stopped answering: a
+    ``torch.distributed`` error (``DistBackendError``, ``DistStoreError``, ``DistNetworkError``) or gloo's
+    ``RuntimeError`` for a timed-out or closed connection ("Timed out waiting 30000ms for recv operation to
+    complete").
+
+    :param error: Any error.
+    :return: Its first line without gloo's source location, or ``None`` for any other error.
+    """
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    if not isinstance(error, getattr(dist, "DistError", ())) and not (
+        isinstance(error, RuntimeError) and _PEER_FAILURE.search(text)
+    ):
+        return None
+    return re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text)
 
 
 def launched_by_torchrun() -> bool:

@@ -131,9 +131,20 @@ class MalleabilityEstimator:
         self._configure()
 
     def __setattr__(self, name: str, value: Any) -> None:
-        # after construction, assigning a parameter is set_params: validated, and what depends on it rebuilt
-        if name in self.estimator_params and self.__dict__.get("_configured", False):
+        # after construction, assigning a parameter is set_params: validated, and what depends on it rebuilt; a new
+        # public name is refused, as set_params refuses it (a typo such as ``epsilon`` would otherwise do nothing)
+        configured = self.__dict__.get("_configured", False)
+        if name in self.estimator_params and configured:
             self.set_params(**{name: value})
+        elif configured and not name.startswith("_") and name not in self.__dict__ and not hasattr(type(self), name):
+            import difflib
+
+            close = difflib.get_close_matches(name, self.estimator_params, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise AttributeError(
+                f"{type(self).__name__} attribute must be one of its parameters {self.estimator_params}, got the "
+                f"unknown name {name!r}{hint}"
+            )
         else:
             object.__setattr__(self, name, value)
 
@@ -243,6 +254,11 @@ class MalleabilityEstimator:
                 )
             rows = np.sort(rng.choice(source.n, min(self.n_queries, source.n), replace=False))
             (x_q, y_q), self_pairs, queries = source.take(rows, self.batch_size), rows, source
+        if len(x_q) < 2:
+            message = ("x_test holds a single query point: every interval resamples the queries and needs two or more, "
+                       "so the intervals are null; pass more test points")
+            logger.warning(message)
+            input_warnings.append(message)
 
         if validation is not None and not hasattr(validation, "fidelity"):
             from art_malleability.validation import ValidationReport
@@ -277,7 +293,9 @@ class MalleabilityEstimator:
 
     def _source(self, x: Any, y: Any, name: str, shape: tuple[int, ...], nb_classes: int) -> ExampleSource:
         if is_torch_data(x):
-            return ExampleSource(x, y, input_shape=shape, nb_classes=nb_classes, name=name)
+            return ExampleSource(
+                x, y, input_shape=shape, nb_classes=nb_classes, name=name, clip_values=self.classifier.clip_values
+            )
         x = check_features(x, name, shape)
         check_range(x, name, self.classifier.clip_values)
         return ExampleSource(x, check_labels(y, "y" + name[1:], len(x), nb_classes), name=name)
@@ -293,9 +311,20 @@ class MalleabilityEstimator:
             )
 
     def _check_outputs(self, source: ExampleSource) -> list[str]:
-        """The model must return one tensor of ``nb_classes`` logits per example; :return: warnings on the labels."""
-        x_one, _ = source.take(np.arange(1), 1)
+        """
+        The model's weights must be finite and it must return one tensor of ``nb_classes`` logits per example; every
+        label is read (and, for a dataset, every batch checked against ``clip_values``).
+
+        :return: Warnings on the labels.
+        """
         model = self.classifier.model
+        for name, tensor in (*model.named_parameters(), *model.named_buffers()):
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise ValueError(
+                    f"classifier.model must have finite weights, got {int((~torch.isfinite(tensor)).sum())} NaN or "
+                    f"infinite value(s) in {name!r}; the training that produced them diverged"
+                )
+        x_one, _ = source.take(np.arange(1), 1)
         device, dtype = model_device_dtype(model)
         with preserved(model, None), torch.no_grad():
             model.eval()

@@ -3,7 +3,7 @@ Results of a malleability audit: text table, JSON and Markdown writers, figures.
 
 Undefined values (an interval from a single query, a flip rate of an empty set) are stored as
 ``None``, so a report survives a JSON round trip unchanged: ``MalleabilityReport.load(path) ==
-report``.
+report``. The JSON says why each ``null`` is one (``null_reasons``).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import numpy as np
 
 from art_malleability._io import json_ready
 from art_malleability._report_base import SavedReport, markdown_table, text_table
+from art_malleability._report_nulls import null_reasons
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +140,6 @@ class MalleabilityReport(SavedReport):
 
     json_name: ClassVar[str] = "report.json"
     markdown_name: ClassVar[str] = "report.md"
-    owned: ClassVar[tuple[str, ...]] = ("flip_rates.png", "scatter_*.png")
 
     def __post_init__(self) -> None:
         self.results = [r if isinstance(r, AttackResult) else AttackResult(**r) for r in self.results]
@@ -160,11 +160,23 @@ class MalleabilityReport(SavedReport):
         raise KeyError(f"attack must be one of {[r.attack for r in self.results]}, got {attack!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        """:return: A JSON-ready dict of the whole report (bootstrap replicates left out)."""
+        """
+        :return: A JSON-ready dict of the whole report (bootstrap replicates left out), with ``null_reasons``: the
+            path of every ``null`` in it (``"results[0].flip_rate_ci[1]"``) to the reason it is ``null``.
+        """
         data = asdict(self)
         for result in data["results"]:
             result.pop("replicates", None)
+        data["null_reasons"] = null_reasons(data)
         return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MalleabilityReport:
+        """
+        :param data: A dict written by :meth:`to_dict` (its ``null_reasons`` are derived, not stored).
+        :return: The report.
+        """
+        return cls(**{k: v for k, v in data.items() if k != "null_reasons"})
 
     def summary(self) -> str:
         """

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset
 
-from art_malleability._validation import check_features, check_labels
+from art_malleability._validation import check_features, check_labels, check_range
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,8 @@ class ExampleSource:
     :param input_shape: Input shape expected from a dataset (default: the shape of its first example).
     :param nb_classes: Number of classes, the bound of a dataset's labels (default: no bound).
     :param name: Argument name of ``x`` (for error messages); the labels are ``y`` + its suffix.
+    :param clip_values: The classifier's valid input range: every batch read from a dataset must lie in it, as
+        arrays must (:func:`~art_malleability._validation.check_range`); ``None``: any range.
     """
 
     def __init__(
@@ -52,8 +54,10 @@ class ExampleSource:
         input_shape: tuple[int, ...] | None = None,
         nb_classes: int | None = None,
         name: str = "x",
+        clip_values: tuple | None = None,
     ) -> None:
         self.name = name
+        self.clip_values = clip_values
         self.label_name = "y" + name[1:]
         self.nb_classes = None if nb_classes is None else int(nb_classes)
         self._labels: np.ndarray | None = None
@@ -156,6 +160,7 @@ class ExampleSource:
                 f"{tuple(x.shape[1:])}"
             )
         x = check_features(np.asarray(x), where, self.input_shape)
+        check_range(x, where, self.clip_values)
         nb_classes = self.nb_classes
         if nb_classes is None and y.ndim == 2 and y.shape[1] > 1:  # one-hot rows: their width is the bound
             nb_classes = y.shape[1]

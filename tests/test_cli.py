@@ -1,8 +1,12 @@
 """The art-malleability command line, on tiny settings."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -15,11 +19,12 @@ TINY = [
     "--n-train", "100", "--n-test", "30", "--epochs", "3", "--width", "32", "--n-queries", "10",
     "--n-bootstrap", "20", "--quiet",
 ]
+LOUD = [a for a in TINY if a != "--quiet"]
 
 
 def test_audit_both_reference_models(tmp_path, capsys):
     out = tmp_path / "audit"
-    assert main(["audit", *TINY, "--attacks", "fgsm", "mim", "--output", str(out)]) == 0
+    assert main(["audit", *LOUD, "--attacks", "fgsm", "mim", "--output", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "2l-relu" in printed and "mlp-attn" in printed and "flip rate" in printed
     for model in ("2l-relu", "mlp-attn"):
@@ -61,7 +66,8 @@ def test_audit_npz_dataset(tmp_path):
         (["--eps", "0"], "eps"),
         (["--top-fraction", "2"], "top_fraction"),
         # the estimator's own parameter check, before any training
-        (["--eps", "inf"], "--eps (eps) must be a positive finite number"),
+        (["--eps", "inf"], "--eps must lie in (0, 1)"),
+        (["--eps", "5"], "--eps must lie in (0, 1): an l-inf budget on inputs scaled to [0, 1]"),
         (["--ridge", "0"], "--ridge (ridge) must be a positive finite number"),
         (["--n-bootstrap", "0"], "--n-bootstrap (n_bootstrap) must be a positive integer"),
         (["--projection-dim", "3000000000"], "--projection-dim (projection_dim) must be a positive integer below"),
@@ -140,7 +146,8 @@ def test_audit_states_the_fidelity_of_a_validate_run_and_skips_controls(tmp_path
     assert main(["validate", *same, "--estimators", "ntk", "--projection-dim", "none", "--n-models", "3",
                  "--n-queries", "8", "--loo-queries", "0", "--n-bootstrap", "20", "--output", str(validated)]) == 0
     out = tmp_path / "audit"
-    assert main(["audit", *same, "--attacks", "fgsm", "--n-queries", "10", "--n-bootstrap", "20", "--no-controls",
+    loud = [a for a in same if a != "--quiet"]
+    assert main(["audit", *loud, "--attacks", "fgsm", "--n-queries", "10", "--n-bootstrap", "20", "--no-controls",
                  "--validation", str(validated), "--output", str(out)]) == 0
     report = json.loads((out / "2l-relu" / "report.json").read_text())
     lds = json.loads((validated / "2l-relu" / "validation.json").read_text())["results"]["ntk-exact"]["lds"]
@@ -183,15 +190,20 @@ def test_report_files_share_one_mode_and_bars_are_sparse_in_logs(tmp_path):
     import os
     import stat
 
-    from art_malleability._io import atomic_write, progress_bar
+    from art_malleability._io import progress_bar
+    from art_malleability._output_folder import OutputFolder
 
-    atomic_write(tmp_path / "a.json", "{}")
+    def write(name):
+        with OutputFolder(tmp_path, writer="test") as out:
+            out.write(name, "{}")
+
+    write("a.json")
     (tmp_path / "b.png").write_bytes(b"")
     mode = stat.S_IMODE((tmp_path / "a.json").stat().st_mode)
     assert mode == stat.S_IMODE((tmp_path / "b.png").stat().st_mode)
     previous = os.umask(0o077)  # the umask in force when the file is written applies, not the one at import
     try:
-        atomic_write(tmp_path / "c.json", "{}")
+        write("c.json")
     finally:
         os.umask(previous)
     assert stat.S_IMODE((tmp_path / "c.json").stat().st_mode) == 0o600
@@ -304,3 +316,89 @@ def test_unreadable_data_files_are_one_line_naming_the_option(tmp_path, capsys, 
 def test_options_that_do_not_go_together_exit_2(tmp_path, capsys, args, message):
     assert main([*args, "--output", str(tmp_path / "out")]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_quiet_prints_nothing_on_success(tmp_path):
+    """-q: no data line, no tables, no progress, no warnings (a model near chance is only in the report)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "art_malleability.cli", "audit", *TINY, "--attacks", "fgsm", "--output",
+         str(tmp_path / "o")],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "" and done.stderr == ""
+    assert (tmp_path / "o" / "summary.md").is_file()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "2l-relu", "--weights", "missing.pt"], "--weights must be a state_dict file, got 'missing.pt', "
+         "which is not an existing file"),
+        (["--eps", "5"], "--eps must lie in (0, 1)"),
+        (["--dist-timeout", "0"], "--dist-timeout must be a positive number of seconds, got 0"),
+        (["--model", "os:system"], "--model must name a function or class that builds a torch.nn.Module from "
+         "input_shape= and nb_classes= (or from no arguments), got 'os:system', which needs 'command'"),
+        (["--model", "collections:OrderedDict"], "a class that is not a torch.nn.Module"),
+        (["--n-queries", "1"], "--n-queries must be at least 2"),
+        (["--output", "/proc/art-malleability-cannot-write-here"], "--output must be a folder this process can write"),
+        (["--output", "FILE/below"], "--output must be a folder this process can write"),
+    ],
+)
+def test_what_the_options_tell_is_checked_before_any_data_is_read(tmp_path, capsys, monkeypatch, args, message):
+    import art_malleability._cli_audit as cli_audit
+
+    def never(args):
+        raise AssertionError("the data was read before the options were checked")
+
+    if "/proc/" in " ".join(args) and not os.path.isdir("/proc/self"):
+        pytest.skip("no /proc")
+    monkeypatch.setattr(cli_audit, "load_data", never)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "FILE").write_text("")
+    args = [str(tmp_path / "FILE" / "below") if a == "FILE/below" else a for a in args]
+    output = [] if "--output" in args else ["--output", str(tmp_path / "out")]
+    assert main(["audit", *TINY, *output, *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+    assert "timeout_s" not in err and "(eps)" not in err
+
+
+def test_weights_that_are_not_finite_are_named_with_their_file(tmp_path, capsys):
+    model = build_reference_model("2l-relu", (1, 8, 8), 10, width=32, seed=0)
+    state = model.state_dict()
+    next(iter(state.values()))[0, 0] = float("nan")
+    torch.save(state, tmp_path / "diverged.pt")
+    code = main(["audit", *TINY, "--model", "2l-relu", "--weights", str(tmp_path / "diverged.pt"), "--output",
+                 str(tmp_path / "o")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert f"--weights must hold finite values, got {str(tmp_path / 'diverged.pt')!r}" in err
+    assert "1 NaN or infinite value(s)" in err and "K + ridge" not in err
+
+
+def test_an_interrupt_while_the_interpreter_exits_is_one_line_and_status_130(tmp_path):
+    """A SIGINT after the command has finished (here: while a non-daemon thread is joined at exit)."""
+    script = textwrap.dedent(f"""
+        import sys, threading, time
+        import art_malleability.cli as cli
+
+        def finished(args):
+            threading.Thread(target=time.sleep, args=(20,)).start()  # joined while the interpreter exits
+            print("done", flush=True)
+            return 0
+
+        cli.run_spectrum = finished
+        sys.argv = ["art-malleability", "spectrum", "--output", {str(tmp_path / "o")!r}]
+        cli.console_main()
+    """)
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "done"
+        time.sleep(1.5)  # main() has returned: the interpreter waits for the thread
+        child.send_signal(signal.SIGINT)
+        _, err = child.communicate(timeout=30)
+    finally:
+        child.kill()
+    assert child.returncode == 130
+    assert err.strip() == "art-malleability: interrupted while exiting after the command had ended with status 0"

@@ -18,10 +18,10 @@ WORKER = Path(__file__).with_name("dist_worker.py")
 LAUNCH_TIMEOUT = 240
 
 
-def _torchrun(*args: str) -> subprocess.CompletedProcess:
+def _torchrun(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, env=env)
+    return subprocess.run(command, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, env=env, cwd=cwd)
 
 
 def _read(folder: Path) -> tuple[dict, np.ndarray]:
@@ -74,6 +74,21 @@ def test_a_process_that_stops_answering_times_out(tmp_path):
     assert "timed out" in done.stderr.lower() or "timeout" in done.stderr.lower()
 
 
+def test_a_rank_that_stops_answering_gets_the_documented_message_from_the_cli(tmp_path):
+    """gloo's own timeout is a plain RuntimeError ("Timed out waiting 5000ms ..."): the CLI names it."""
+    start = time.perf_counter()
+    done = _torchrun(
+        "-m", "art_malleability.cli", "audit", "--model", "cli_factory:hangs_on_rank_1", "--n-train", "60",
+        "--n-test", "20", "--epochs", "2", "--n-queries", "5", "--attacks", "fgsm", "--dist-timeout", "5", "--quiet",
+        "--output", str(tmp_path / "o"), cwd=WORKER.parent,
+    )
+    assert done.returncode != 0 and time.perf_counter() - start < 150
+    expected = ("art-malleability audit (rank 0): error: another process failed or stopped answering within "
+                "--dist-timeout (5 s) (RuntimeError: Timed out waiting 5000ms for")
+    assert expected in done.stderr, done.stderr[-3000:]
+    assert "unbound_buffer.cc" not in done.stderr and not (tmp_path / "o").exists()
+
+
 def test_an_influence_estimator_that_does_not_shard_is_refused(tmp_path):
     done = _torchrun(str(WORKER), str(tmp_path), "userinf")
     assert done.returncode != 0
@@ -89,7 +104,7 @@ def test_more_processes_than_training_examples_is_refused(tmp_path):
 def test_cli_under_torchrun_writes_the_single_process_report(tmp_path):
     args = [
         "audit", "--model", "cnn", "--n-train", "150", "--n-test", "40", "--epochs", "5", "--n-queries", "10",
-        "--n-bootstrap", "30", "--attack-max-iter", "4", "--projection-dim", "64", "--quiet",
+        "--n-bootstrap", "30", "--attack-max-iter", "4", "--projection-dim", "64",
     ]
     single = subprocess.run(
         [sys.executable, "-m", "art_malleability.cli", *args, "--output", str(tmp_path / "one")],

@@ -11,7 +11,7 @@ def test_audit_on_real_mnist(shared_data, tmp_path, capsys):
     args = [
         "audit", "--dataset", "mnist", "--data-root", str(shared_data / "mnist"), "--n-train", "500",
         "--n-test", "100", "--width", "256", "--epochs", "60", "--n-queries", "50", "--n-bootstrap", "200",
-        "--output", str(out), "--quiet",
+        "--output", str(out),
     ]
     assert main(args) == 0
     assert "mnist" in capsys.readouterr().out

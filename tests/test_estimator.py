@@ -595,3 +595,71 @@ def test_a_single_class_is_a_warning_in_the_log_and_the_report(relu_clf, caplog)
                                    top_fraction=0.5).evaluate(x, y)
     assert any("single class (3)" in w for w in report.warnings)
     assert "single class (3)" in caplog.text
+
+
+@pytest.mark.parametrize("wrap", ["dataset", "loader"])
+def test_a_dataset_of_pixels_in_0_255_is_refused_like_an_array(relu_clf, wrap):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = digits(100, 20)
+    dataset = TensorDataset(torch.tensor(np.round(data.x_train * 255)), torch.tensor(data.y_train))
+    source = dataset if wrap == "dataset" else DataLoader(dataset, batch_size=16)
+    state = {k: v.clone() for k, v in relu_clf.model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"x \(examples 0\.\.\d+\) must lie in the classifier's clip_values \(0, 1\), "
+                                         r"got values in \[0, 255\]"):
+        MalleabilityEstimator(relu_clf, **FAST).evaluate(source)
+    assert all(torch.equal(state[k], v) for k, v in relu_clf.model.state_dict().items())
+
+
+def test_weights_that_are_not_finite_are_named(relu_clf):
+    model = copy.deepcopy(relu_clf.model)
+    with torch.no_grad():
+        next(model.parameters())[0, 0] = float("inf")
+    clf = PyTorchClassifier(model, torch.nn.CrossEntropyLoss(), (1, 8, 8), 10, clip_values=(0.0, 1.0))
+    data = digits(100, 20)
+    with pytest.raises(ValueError, match=r"classifier.model must have finite weights, got 1 NaN or infinite value\(s\) "
+                                         r"in '.*weight'"):
+        MalleabilityEstimator(clf, **FAST).evaluate(data.x_train, data.y_train)
+
+
+@pytest.mark.parametrize(
+    ("params", "error", "match"),
+    [
+        ({"n_queries": 1}, ValueError, "n_queries must be at least 2, got 1; every interval resamples the queries"),
+        ({"seed": -1}, ValueError, r"seed must be a non-negative integer \(numpy's seeds are\), got -1"),
+        ({"seed": 1.5}, TypeError, "seed must be a non-negative integer, got 1.5"),
+    ],
+)
+def test_values_that_would_fail_later_are_refused_by_the_constructor_and_set_params(relu_clf, params, error, match):
+    with pytest.raises(error, match=match):
+        MalleabilityEstimator(relu_clf, **{**FAST, **params})
+    estimator = MalleabilityEstimator(relu_clf, **FAST)
+    before = estimator.get_params()
+    with pytest.raises(error, match=match):
+        estimator.set_params(**params)
+    ((name, value),) = params.items()
+    with pytest.raises(error, match=match):
+        setattr(estimator, name, value)
+    assert estimator.get_params() == before
+
+
+def test_a_misspelt_parameter_is_refused_not_ignored(relu_clf):
+    estimator = MalleabilityEstimator(relu_clf, **FAST)
+    with pytest.raises(AttributeError, match=r"got the unknown name 'epsilon'; did you mean 'eps'\?"):
+        estimator.epsilon = 0.05
+    assert "epsilon" not in vars(estimator) and estimator.eps == 0.3
+    estimator.model_name = "renamed"  # an existing attribute may be set
+    estimator._private = 1  # and private ones
+    assert estimator.model_name == "renamed"
+
+
+def test_a_single_test_point_is_said_in_the_report(relu_clf, caplog):
+    caplog.set_level("WARNING", logger="art_malleability")
+    data = digits(100, 20)
+    report = MalleabilityEstimator(relu_clf, attacks=["fgsm"], **{**FAST, "controls": False}).evaluate(
+        data.x_train, data.y_train, data.x_test[:1], data.y_test[:1]
+    )
+    assert report.n_queries == 1 and report.results[0].flip_rate_ci == [None, None]
+    assert any("single query point" in w for w in report.warnings) and "single query point" in caplog.text
+    reasons = report.to_dict()["null_reasons"]
+    assert reasons["results[0].flip_rate_ci[0]"].startswith("a single query point")

@@ -249,3 +249,16 @@ def test_a_dataset_with_column_labels_fits_like_arrays() -> None:
     data = TensorDataset(torch.tensor(x), torch.tensor(y[:, None]))
     scores = GradientInfluence(device="cpu", batch_size=4).fit(model, data).scores(xq, yq)
     np.testing.assert_array_equal(scores, expected)
+
+
+def test_self_influence_of_examples_without_labels_is_named():
+    from helpers import digits, trained_classifier
+
+    from art_malleability.influence import GradientInfluence
+
+    data = digits(100, 20)
+    estimator = GradientInfluence().fit(trained_classifier("2l-relu", epochs=5).model, data.x_train, data.y_train)
+    with pytest.raises(ValueError, match=r"y must be given with x to self_influence .*got None"):
+        estimator.self_influence(data.x_test[:8])
+    with pytest.raises(ValueError, match=r"x must be given with y to self_influence"):
+        estimator.self_influence(None, data.y_test[:8])

@@ -91,7 +91,9 @@ def test_a_rerun_with_fewer_levels_leaves_no_stale_figure(report, tmp_path):
     (tmp_path / "notes.txt").write_text("kept")
     static_only = dataclasses.replace(report, fits=[f for f in report.fits if f.level == "static"])
     static_only.save(tmp_path)
-    assert {p.name for p in tmp_path.iterdir()} == {"convergence.json", "convergence.md", "static.png", "notes.txt"}
+    assert {p.name for p in tmp_path.iterdir() if not p.name.startswith(".")} == {
+        "convergence.json", "convergence.md", "static.png", "notes.txt"
+    }
     assert "dynamic.png" not in (tmp_path / "convergence.md").read_text()
     assert ConvergenceReport.load(tmp_path) == static_only
 
@@ -197,7 +199,7 @@ def test_bad_data(small_digits):
 
 def test_cli_ntk_check_tiny(tmp_path, capsys):
     code = main(["ntk-check", "--n-train", "20", "--n-test", "10", "--widths", "16", "64", "--seeds", "0", "1",
-                 "--gd-steps", "5", "--adam-epochs", "1", "--output", str(tmp_path / "c"), "--quiet"])
+                 "--gd-steps", "5", "--adam-epochs", "1", "--output", str(tmp_path / "c")])
     assert code == 0
     out = capsys.readouterr().out
     assert "kernel_error" in out and "lambda_min_error" in out and "kernel_movement" in out

@@ -113,7 +113,7 @@ def test_a_rerun_replaces_what_the_last_save_wrote_and_nothing_else(tmp_path):
     fewer = _report()
     fewer.results = fewer.results[:1]  # the pgd result is gone, and with it its figure
     fewer.save(tmp_path)
-    assert {p.name for p in tmp_path.iterdir()} == {
+    assert _visible(tmp_path) == {
         "report.json", "report.md", "flip_rates.png", "scatter_fgsm.png", "notes.txt", "scatter.png", "summary.md"
     }
     assert MalleabilityReport.load(tmp_path) == fewer
@@ -127,7 +127,7 @@ def test_a_reproduction_rerun_drops_its_stale_files(tmp_path):
     (tmp_path / "notes.txt").write_text("kept")
     assert (tmp_path / "ablation.png").read_bytes() == b"png"
     Reproduction({"dataset": "digits"}, "mnist").save(tmp_path)
-    assert {p.name for p in tmp_path.iterdir()} == {"reproduction.json", "reproduction.md", "notes.txt"}
+    assert _visible(tmp_path) == {"reproduction.json", "reproduction.md", "notes.txt"}
     assert Reproduction.load(tmp_path).tables == {}
 
 
@@ -137,8 +137,13 @@ def test_markdown_table():
     assert markdown_table(["a", "b"], [[1, "x"], ["y", 2.5]]) == "| a | b |\n|---|---|\n| 1 | x |\n| y | 2.5 |"
 
 
+def _visible(folder):
+    """The names in a folder, less the package's own hidden manifest."""
+    return {p.name for p in folder.iterdir() if not p.name.startswith(".art-malleability")}
+
+
 def test_an_interrupted_save_leaves_the_old_report_intact(tmp_path, monkeypatch):
-    import art_malleability._io as io_module
+    import art_malleability._output_folder as io_module
 
     report = _report()
     report.save(tmp_path)
@@ -159,3 +164,52 @@ def test_an_interrupted_save_leaves_the_old_report_intact(tmp_path, monkeypatch)
     assert calls  # everything was rendered and staged before the first rename
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == old  # no temporary files left either
     assert MalleabilityReport.load(tmp_path).model == report.model
+
+
+def test_every_null_in_a_real_report_says_why(tmp_path):
+    """fidelity, projection seeds, backend, the control of a run without controls, intervals of one query..."""
+    from helpers import digits, trained_classifier
+
+    from art_malleability import MalleabilityEstimator
+
+    clf, data = trained_classifier("2l-relu", epochs=50), digits(100, 20)
+    for kwargs, test in (({"controls": False}, slice(0, 1)), ({}, slice(0, 20))):
+        report = MalleabilityEstimator(clf, attacks=["fgsm"], n_queries=10, n_bootstrap=20, verbose=False,
+                                       **kwargs).evaluate(data.x_train, data.y_train, data.x_test[test],
+                                                          data.y_test[test])
+        saved = json.loads((report.save(tmp_path / str(len(kwargs))) / "report.json").read_text())
+        nulls = _null_paths(saved)
+        assert {"fidelity", "dataset", "execution.backend", "noise_floor.projection_seeds"} <= set(nulls)
+        reasons = saved["null_reasons"]
+        assert set(reasons) == set(nulls)
+        assert all(reasons[p] and reasons[p] != "not recorded by this run" for p in nulls), reasons
+        assert MalleabilityReport.load(tmp_path / str(len(kwargs))) == report
+        if kwargs:
+            assert reasons["results[0].control"].startswith("controls=False")
+            assert reasons["results[0].flip_rate_ci[1]"].startswith("a single query point")
+
+
+def _null_paths(value, path=""):
+    if value is None:
+        return [path]
+    if isinstance(value, dict):
+        return [p for k, v in value.items() if k != "null_reasons"
+                for p in _null_paths(v, f"{path}.{k}" if path else k)]
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in _null_paths(v, f"{path}[{i}]")]
+    return []
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"model": "x"}', "\xff\xfe"])
+def test_a_file_that_is_not_a_report_is_named(tmp_path, content):
+    (tmp_path / "report.json").write_bytes(content.encode("latin-1"))
+    with pytest.raises(ValueError, match=f"path must hold a .*got '{tmp_path / 'report.json'}'|got '{tmp_path}'"):
+        MalleabilityReport.load(tmp_path)
+
+
+def test_saving_into_an_existing_file_is_named(tmp_path):
+    (tmp_path / "taken").write_text("a file")
+    with pytest.raises(NotADirectoryError, match=f"directory must be a folder, got '{tmp_path / 'taken'}', which is "
+                                                 "an existing file"):
+        _report().save(tmp_path / "taken")
+    assert (tmp_path / "taken").read_text() == "a file"

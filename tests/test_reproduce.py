@@ -104,16 +104,23 @@ def test_table1_points_cover_every_class_of_a_class_sorted_source(tmp_path):
 
 
 def test_a_rerun_without_table1_removes_the_stale_sweep_and_nothing_else(tmp_path):
+    from art_malleability._output_folder import OutputFolder
+
     sweep = tmp_path / "table1_ntk"
-    sweep.mkdir()
-    for name in ("convergence.json", "convergence.md", "static.png", "dynamic.png", "notes.txt"):
-        (sweep / name).write_text("old")
-    (tmp_path / "ablation.png").write_bytes(b"old")
+    with OutputFolder(tmp_path, writer="reproduce") as out:  # what an earlier run with Table 1 left
+        for name in ("convergence.json", "convergence.md", "static.png", "dynamic.png"):
+            out.write(f"table1_ntk/{name}", "old")
+        out.write("ablation.png", b"old")
+    (sweep / "notes.txt").write_text("mine")
+    (sweep / "static.png").write_text("edited since")  # the run's file, changed by hand: it stays
+    (tmp_path / "mine.png").write_bytes(b"mine")
     config = ReproductionConfig(n_train=60, n_test=30, tables=("spectral",), device="cpu", verbose=False)
     run_reproduction(config, tmp_path)
-    assert [p.name for p in sweep.iterdir()] == ["notes.txt"]
-    assert {p.name for p in tmp_path.iterdir()} == {"reproduction.json", "reproduction.md", "table1_ntk"}
+    assert sorted(p.name for p in sweep.iterdir()) == ["notes.txt", "static.png"]
+    assert {p.name for p in tmp_path.iterdir() if not p.name.startswith(".")} == {
+        "reproduction.json", "reproduction.md", "table1_ntk", "mine.png"
+    }
     (sweep / "notes.txt").unlink()
-    (sweep / "convergence.json").write_text("old")
+    (sweep / "static.png").unlink()
     run_reproduction(config, tmp_path)
-    assert not sweep.exists()  # a folder that held only the sweep goes with it
+    assert not sweep.exists()  # a folder a run created goes once it is empty

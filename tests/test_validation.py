@@ -164,7 +164,9 @@ def test_same_seed_same_report_and_json_round_trip(report, tmp_path):
         assert again.results[name].lds_per_query == r.lds_per_query
         assert again.results[name].loo_pairs == r.loo_pairs
     folder = report.save(tmp_path / "v")
-    assert {p.name for p in folder.iterdir()} == {"validation.json", "validation.md", "lds.png", "scatter.png"}
+    assert {p.name for p in folder.iterdir() if not p.name.startswith(".")} == {
+        "validation.json", "validation.md", "lds.png", "scatter.png"
+    }
     assert ValidationReport.load(folder) == report
     assert json.loads((folder / "validation.json").read_text())["model_digest"] == report.model_digest
     assert "LDS" in (folder / "validation.md").read_text()
@@ -276,7 +278,7 @@ def test_cli_validate_tiny(tmp_path, capsys):
     code = main([
         "validate", "--n-train", "100", "--n-test", "30", "--n-queries", "8", "--epochs", "40", "--width", "32",
         "--model", "2l-relu", "--estimators", "ntk", "gradient", "--projection-dim", "none", "16", "--n-models", "3",
-        "--loo-queries", "1", "--loo-top", "1", "--loo-seeds", "2", "--n-bootstrap", "20", "--quiet",
+        "--loo-queries", "1", "--loo-top", "1", "--loo-seeds", "2", "--n-bootstrap", "20",
         "--output", str(out),
     ])
     assert code == 0

@@ -164,7 +164,13 @@ class GradientInfluence(InfluenceEstimator):
         :return: ``float64`` array ``(n,)``.
         """
         self._check_fitted("self_influence")
-        x, y = (self.x_train_, self.y_train_) if x is None and y is None else self._check_query(x, y)
+        if (x is None) != (y is None):
+            missing, given = ("y", "x") if y is None else ("x", "y")
+            raise ValueError(
+                f"{missing} must be given with {given} to self_influence (examples and their labels go together; "
+                "neither: the training set), got None"
+            )
+        x, y = (self.x_train_, self.y_train_) if x is None else self._check_query(x, y)
         return np.concatenate([
             np.diagonal(self._gram(x[s : s + self.batch_size], y[s : s + self.batch_size], None, None))
             for s in range(0, len(x), self.batch_size)

@@ -75,7 +75,6 @@ class ConvergenceReport(SavedReport):
 
     json_name: ClassVar[str] = "convergence.json"
     markdown_name: ClassVar[str] = "convergence.md"
-    owned: ClassVar[tuple[str, ...]] = tuple(f"{level}.png" for level in LEVELS)
     json_indent: ClassVar[int] = 1
 
     def __post_init__(self) -> None:

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from art_malleability._output_folder import OutputFolder, staged_output
 from art_malleability._report_base import markdown_table
 from art_malleability._state import preserved_rng
 from art_malleability.datasets import Dataset, load_dataset
@@ -121,18 +122,26 @@ def _choices(data: Dataset) -> list[tuple[str, str, bool, dict[str, Any]]]:
     ]
 
 
-def run_open_choices(config: ReproductionConfig, output: str | Path) -> Reproduction:
+def run_open_choices(
+    config: ReproductionConfig, output: str | Path | OutputFolder, folder: str = ""
+) -> Reproduction:
     """
     Run every alternative of every open choice and write ``open_choices.md`` beside the study's
-    ``reproduction.json`` and ``reproduction.md`` (after every alternative, through
-    :meth:`~art_malleability.paper.reproduce.Reproduction.save`).
+    ``reproduction.json`` and ``reproduction.md``.
 
     :param config: Settings (data, sizes, seeds, training protocol) shared with the reproduction.
-    :param output: Output folder.
+    :param output: Output folder, or an open :class:`~art_malleability._output_folder.OutputFolder` to stage in.
+    :param folder: Subfolder of ``output`` for the study's files (``""``: ``output`` itself).
     :return: A :class:`~art_malleability.paper.reproduce.Reproduction` holding the rows and the table.
     """
-    out = Path(output)
-    out.mkdir(parents=True, exist_ok=True)
+    with staged_output(output, writer="reproduce") as out:
+        result = _study(config)
+        result.stage(out, folder)
+    return result
+
+
+def _study(config: ReproductionConfig) -> Reproduction:
+    """Every alternative of every open choice, for both models and every seed: the rows and the table."""
     data = load_dataset(config.dataset, root=config.data_root, n_train=config.n_train, n_test=config.n_test, seed=0)
     family = "cifar10" if data.input_shape[0] == 3 else "mnist"
     result = Reproduction(asdict(config), family)
@@ -163,12 +172,10 @@ def run_open_choices(config: ReproductionConfig, output: str | Path) -> Reproduc
                                    flip_rate=row[metric], metric=metric)
                         row[REPLICATES] = {"flip_rate": row[REPLICATES].get(metric)}
                         rows.append(row)
-            # written after every alternative, so a long study leaves its finished part behind
-            result.rows = rows
-            result.seconds["open_choices"] = time.perf_counter() - start
-            result.tables["open_choices"] = _table(rows, PAPER["table2"][family], family, data, config)
-            result.files["open_choices.md"] = result.tables["open_choices"] + "\n"
-            result.save(out)
+    result.rows = rows
+    result.seconds["open_choices"] = time.perf_counter() - start
+    result.tables["open_choices"] = _table(rows, PAPER["table2"][family], family, data, config)
+    result.files["open_choices.md"] = result.tables["open_choices"] + "\n"
     return result
 
 

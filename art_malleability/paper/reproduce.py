@@ -42,12 +42,12 @@ import numpy as np
 import torch
 
 from art_malleability._io import figure_png, json_ready
+from art_malleability._output_folder import OutputFolder, staged_output
 from art_malleability._report_base import SavedReport, markdown_table
 from art_malleability._state import preserved_rng
 from art_malleability._validation import one_hot
 from art_malleability.datasets import Dataset, load_dataset, subsample
 from art_malleability.models import build_reference_model, is_transductive
-from art_malleability.ntk.convergence_report import ConvergenceReport
 from art_malleability.paper.common import (
     ATTACKS,
     REPLICATES,
@@ -178,7 +178,6 @@ class Reproduction(SavedReport):
 
     json_name: ClassVar[str] = "reproduction.json"
     markdown_name: ClassVar[str] = "reproduction.md"
-    owned: ClassVar[tuple[str, ...]] = ("ablation.png", "open_choices.md")
     json_indent: ClassVar[int] = 1
 
     def to_dict(self) -> dict[str, Any]:
@@ -200,49 +199,47 @@ class Reproduction(SavedReport):
         return dict(self.files)
 
 
-def run_reproduction(config: ReproductionConfig, output: str | Path) -> Reproduction:
+def run_reproduction(config: ReproductionConfig, output: str | Path | OutputFolder) -> Reproduction:
     """
     Run the chosen tables and write ``reproduction.json``, ``reproduction.md`` and figures to ``output``.
 
     :param config: Settings.
-    :param output: Output folder.
+    :param output: Output folder, or an open :class:`~art_malleability._output_folder.OutputFolder` to stage in
+        (the files appear when its run succeeds; a failed run leaves the folder as it was).
     :return: The :class:`Reproduction`.
     """
-    out = Path(output)
-    out.mkdir(parents=True, exist_ok=True)
-    data = load_dataset(config.dataset, root=config.data_root, n_train=config.n_train, n_test=config.n_test, seed=0)
-    family = "cifar10" if data.input_shape[0] == 3 else "mnist"
-    result = Reproduction(json_ready(asdict(config)), family)
-    trained: dict[tuple[str, int], Any] = {}
-    steps = {
-        "table1": lambda: _table1(config, data, family, result, out),
-        "table2": lambda: _table2(config, data, family, result, trained),
-        "table3": lambda: _table3(config, family, result),
-        "table4": lambda: _table4(config, data, family, result, trained),
-        "ablation": lambda: _ablation(config, data, result, trained),
-        "spectral": lambda: _spectral(config, family, result),
-    }
-    if "table1" not in config.tables:  # a rerun without Table 1 leaves no stale sweep behind
-        ConvergenceReport.clear(out / TABLE1_FOLDER)
-        if (out / TABLE1_FOLDER).is_dir() and not any((out / TABLE1_FOLDER).iterdir()):
-            (out / TABLE1_FOLDER).rmdir()
-    with preserved_rng():
-        for name in TABLES:
-            if name not in config.tables:
-                continue
-            start = time.perf_counter()
-            steps[name]()
-            result.seconds[name] = time.perf_counter() - start
-            if config.verbose:
-                print(result.tables.get(name, ""), flush=True)
-            result.save(out)
+    with staged_output(output, writer="reproduce") as out:
+        data = load_dataset(
+            config.dataset, root=config.data_root, n_train=config.n_train, n_test=config.n_test, seed=0
+        )
+        family = "cifar10" if data.input_shape[0] == 3 else "mnist"
+        result = Reproduction(json_ready(asdict(config)), family)
+        trained: dict[tuple[str, int], Any] = {}
+        steps = {
+            "table1": lambda: _table1(config, data, family, result, out),
+            "table2": lambda: _table2(config, data, family, result, trained),
+            "table3": lambda: _table3(config, family, result),
+            "table4": lambda: _table4(config, data, family, result, trained),
+            "ablation": lambda: _ablation(config, data, result, trained),
+            "spectral": lambda: _spectral(config, family, result),
+        }
+        with preserved_rng():
+            for name in TABLES:
+                if name not in config.tables:
+                    continue
+                start = time.perf_counter()
+                steps[name]()
+                result.seconds[name] = time.perf_counter() - start
+                if config.verbose:
+                    print(result.tables.get(name, ""), flush=True)
+        result.stage(out)
     return result
 
 
 # ------------------------------------------------------------------------------------------------- tables
 
 
-def _table1(config, data: Dataset, family: str, result: Reproduction, out: Path) -> None:
+def _table1(config, data: Dataset, family: str, result: Reproduction, out: OutputFolder) -> None:
     from art_malleability.ntk.convergence import NTKConvergenceChecker
 
     tr, te = _ntk_points(config, data)
@@ -254,7 +251,7 @@ def _table1(config, data: Dataset, family: str, result: Reproduction, out: Path)
         device=config.device, verbose=config.verbose,
     )
     report = checker.run(data.x_train[tr], data.y_train[tr], data.x_test[te], data.y_test[te], dataset=data.name)
-    report.save(out / TABLE1_FOLDER)
+    report.stage(out, TABLE1_FOLDER)
     shown = [w for w in (16, 1024, 4096) if w in config.widths]
     lines = [
         "## Table 1: NTK distance ‖f_m − f_NTK‖ (Adam protocol) at widths " + " / ".join(map(str, shown)),

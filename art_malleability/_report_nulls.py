@@ -1,0 +1,92 @@
+"""
+Why a value of an audit report is ``null``: every ``null`` in ``report.json`` comes with a reason under
+``null_reasons`` (its path, as ``results[0].flip_rate_ci[1]``, to one sentence), so a reader never has to guess
+whether a missing number means "not run", "not defined" or "not measurable".
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+#: Reasons of the fields that are ``null`` by what the run was given or how it ran.
+_FIELDS = {
+    "dataset": "no data set name was given to evaluate (dataset=...)",
+    "fidelity": "no validation of these weights was given (evaluate(validation=...), audit --validation); a "
+    "validation that did not match them is named in the warnings",
+    "clean_accuracy": "no query point had a label to score the predictions against",
+    "execution.backend": "one process: no torch.distributed process group ran the audit",
+    "execution.params.memory_limit_gb": "no memory limit was set: the estimator plans with the memory available "
+    "when it runs",
+    "noise_floor.projection_seeds": "the influence estimator is deterministic in this run (not a random "
+    "projection): no second seed was compared, and projection_sd is 0",
+}
+
+#: Reasons of a ``null`` statistic, by name (the value itself; its interval has its own reasons).
+_STATISTICS = {
+    "flip_rate": "the influential set is empty, or no member has a finite score before and after",
+    "flip_rate_above_floor": "the influential set is empty, or no member has a finite score before and after",
+    "per_query_flip_rate": "no query has a non-empty influential set with finite scores",
+    "spearman": "fewer than two finite score pairs, or the scores on one side are constant",
+    "top_k_jaccard": "both influential sets are empty",
+    "attack_success": "no training example was perturbed, so no prediction could change",
+    "excess_flip_rate": "the attack's or the control's flip rate is undefined",
+}
+
+
+def null_reasons(data: dict[str, Any]) -> dict[str, str]:
+    """
+    :param data: An audit report's ``to_dict()`` (without ``null_reasons``).
+    :return: The path of every ``null`` in it, to the reason it is ``null``.
+    """
+    reasons = {}
+    for path in _null_paths(data, ""):
+        reasons[path] = _reason(path, data)
+    return reasons
+
+
+def _null_paths(value: Any, path: str) -> Iterator[str]:
+    if value is None:
+        yield path
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _null_paths(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from _null_paths(item, f"{path}[{i}]")
+
+
+def _reason(path: str, data: dict[str, Any]) -> str:
+    if path in _FIELDS:
+        return _FIELDS[path]
+    if re.fullmatch(r"scores_(before|after)\[\d+\]|results\[\d+\]\.scores_after\[\d+\]", path):
+        return "no query gave this example a finite score (a query's score on itself is excluded)"
+    match = re.fullmatch(r"results\[(\d+)\]\.(.+)", path)
+    if match is None:
+        return "not recorded by this run"
+    result = data["results"][int(match.group(1))]
+    rest = match.group(2)
+    if rest.startswith("params."):
+        return f"the attack's parameter {rest[len('params.'):]!r} is None: ART's default for it"
+    if rest == "control":
+        if not data.get("config", {}).get("controls", True):
+            return "controls=False (audit --no-controls): no random-sign control was run"
+        return "the attack has no l-inf budget to match, so no random-sign control was run beside it"
+    if rest.startswith("excess_flip_rate") and result.get("control") is None:
+        return "no random-sign control was run beside this attack, so there is no excess over it"
+    control = re.fullmatch(r"control\.(.+)", rest)
+    if control is not None:
+        rest, result = control.group(1), result["control"]
+    interval = re.fullmatch(r"(\w+)_ci\[[01]\]", rest)
+    if interval is not None:
+        return _interval_reason(interval.group(1), result, data)
+    return _STATISTICS.get(rest, "not recorded by this run")
+
+
+def _interval_reason(statistic: str, result: dict[str, Any], data: dict[str, Any]) -> str:
+    if data.get("n_queries", 2) < 2:
+        return "a single query point: the interval resamples the queries and needs two or more"
+    if result.get(statistic) is None:
+        return "the statistic itself is undefined (see its own reason), so it has no interval"
+    return "no bootstrap resample of the queries gave a finite value of the statistic"
