@@ -149,10 +149,10 @@ class AuditRun:
         influence, twin = self.influence, None
         twin_first = _projection_likely(influence, self.source.n, self.shard)
         if twin_first:  # large runs: before the clean fit, so that two fitted estimators never share the memory
-            self.steps.set_postfix_str("influence (second projection seed)")
+            self.steps.set_postfix_str("influence (second projection seed)", refresh=False)
             with timed(self.seconds, "influence_second_seed"):
                 twin = self._second_seed_scores()
-        self.steps.set_postfix_str("influence (clean)")
+        self.steps.set_postfix_str("influence (clean)", refresh=False)
         with timed(self.seconds, "influence_clean"):
             self._fit_on(influence, self.train_data)
             self.before = self._scores_now(influence)
@@ -202,7 +202,7 @@ class AuditRun:
         """:return: The metrics of the random-sign control of every distinct budget, by budget."""
         control_metrics: dict[float, dict] = {}
         for eps in sorted(set(self.controls.values())):
-            self.steps.set_postfix_str(f"control eps={eps:g}")
+            self.steps.set_postfix_str(f"control eps={eps:g}", refresh=False)
             with timed(self.seconds, f"control_eps_{eps:g}"):
                 x_ctrl = self._everywhere(self._control_rows, eps)
                 control_metrics[eps] = self._metrics_of(self._perturbed_scores(x_ctrl))
@@ -212,12 +212,12 @@ class AuditRun:
     def run_attack(self, attack: EvasionAttack, control_metrics: dict[float, dict]) -> AttackResult:
         """:return: The result of one attack: the influence after it, against the clean one and the control."""
         label, timing = attack_label(attack), {}
-        self.steps.set_postfix_str(f"attack {label}")
+        self.steps.set_postfix_str(f"attack {label}", refresh=False)
         with timed(timing, "attack"):
             x_adv, changed, linf = self._everywhere(self._attack_rows, attack)
             success, linf = _combine_attack_stats(changed, linf, len(self.perturbed), self.shard)
         self.steps.update()
-        self.steps.set_postfix_str(f"influence ({label})")
+        self.steps.set_postfix_str(f"influence ({label})", refresh=False)
         with timed(timing, "influence"):
             after = self._perturbed_scores(x_adv)
         control = control_metrics.get(self.controls.get(attack))

@@ -160,7 +160,7 @@ def _fit(
             batch_loss.backward()
             optimizer.step()
             total += float(batch_loss.detach()) * batch.shape[0]
-        progress.set_postfix(loss=f"{total / n:.4f}")
+        progress.set_postfix(loss=f"{total / n:.4f}", refresh=False)
     return total / n
 
 

@@ -114,6 +114,9 @@ def test_verbose_controls_progress_bar(digits, capsys):
     assert "Training" not in capsys.readouterr().err
     train_model(model, x, y, epochs=2, device="cpu", verbose=True)
     assert "Training TwoLayerReLU" in capsys.readouterr().err
+    # in a log (stderr not a terminal) the loss shown beside the bar does not redraw it on every step
+    train_model(model, x, y, epochs=60, batch_size=10, device="cpu", verbose=True)
+    assert capsys.readouterr().err.count("Training TwoLayerReLU") <= 3
 
 
 @pytest.mark.parametrize("loss", ["cross_entropy", "mse"])
