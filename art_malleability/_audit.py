@@ -1,6 +1,6 @@
 """
 The steps of one audit once its inputs are checked (:meth:`~art_malleability.estimator.MalleabilityEstimator.evaluate`):
-the clean influence and its noise floor, the random-sign controls, and each attack with the influence after it.
+the clean influence and its projection noise, the random-sign controls, and each attack with the influence after it.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 from art.attacks import EvasionAttack
 from art.utils import compute_success_array
 
+from art_malleability._flip_posterior import projection_noise
 from art_malleability._io import progress_bar
 from art_malleability._validation import one_hot
 from art_malleability.attacks import (
@@ -30,12 +31,19 @@ from art_malleability.attacks import (
 from art_malleability.distributed import Shard, raise_if_any
 from art_malleability.influence import InfluenceEstimator, NTKInfluence
 from art_malleability.input_pipeline import with_input_pipeline
-from art_malleability.metrics import aggregate_scores, malleability_metrics, top_indices, z_value
+from art_malleability.metrics import aggregate_scores, combine_controls, malleability_metrics, top_indices
 from art_malleability.models import is_transductive
 from art_malleability.report import AttackResult
 from art_malleability.streaming import ExampleSource, is_torch_data
 
 logger = logging.getLogger(__name__)
+
+#: Projection seeds of a projected influence (the audit's and the next ones): their spread is the projection's noise.
+PROJECTION_SEEDS = 3
+#: Share of the influential set with undecidable perturbed signs above which the report warns.
+UNDECIDED_WARNING = 0.25
+#: Draw ``d`` of a random-sign control is seeded with ``seed + CONTROL_SEED_STRIDE * d``.
+CONTROL_SEED_STRIDE = 1000
 
 
 @contextmanager
@@ -92,7 +100,8 @@ class AuditRun:
         self.x_all = source.arrays(est.batch_size * 8)[0] if self.transductive else None
         self.y = source.labels(est.batch_size * 8)
         self.train_data = self.x_all if self.x_all is not None else source.given
-        self.noise: float | None = None
+        self.noise: tuple[float, float] | None = None
+        self.attack_warnings: list[str] = []
 
     # ------------------------------------------------------------------ influence
     def _scores_now(self, estimator: InfluenceEstimator) -> np.ndarray:
@@ -131,27 +140,33 @@ class AuditRun:
             influence.refit(rows, x_new)
         return self._scores_now(influence)
 
-    def _second_seed_scores(self) -> np.ndarray | None:
-        """Clean aggregate scores of a twin estimator with the next projection seed (``None``: not projected)."""
-        influence = self.influence
-        twin = type(influence)(**{**influence.get_params(), "projection_seed": influence.projection_seed + 1})
-        self._fit_on(twin, self.train_data)
-        if getattr(twin, "mode_", None) != "projected" or twin.projector_.is_exact:
-            return None
-        return aggregate_scores(self._scores_now(twin))
+    def _other_seed_scores(self) -> list[np.ndarray]:
+        """
+        Clean aggregate scores of twin estimators with the next projection seeds (none when the influence does not
+        run projected): with the clean fit's, they give the projection's noise model.
+        """
+        influence, found = self.influence, []
+        for offset in range(1, PROJECTION_SEEDS):
+            twin = type(influence)(**{**influence.get_params(), "projection_seed": influence.projection_seed + offset})
+            self._fit_on(twin, self.train_data)
+            if getattr(twin, "mode_", None) != "projected" or twin.projector_.is_exact:
+                return []
+            found.append(aggregate_scores(self._scores_now(twin)))
+            del twin
+        return found
 
     def score_clean(self, k: int) -> None:
         """
-        The clean influence (``before``, its aggregate ``agg_before``), the projection's noise floor (``noise``)
+        The clean influence (``before``, its aggregate ``agg_before``), the projection's noise model (``noise``)
         and the ``k`` most influential examples (``top``), with the rows to perturb (``perturbed``; ``local``:
         those of this process).
         """
-        influence, twin = self.influence, None
+        influence, twins = self.influence, []
         twin_first = _projection_likely(influence, self.source.n, self.shard)
         if twin_first:  # large runs: before the clean fit, so that two fitted estimators never share the memory
-            self.steps.set_postfix_str("influence (second projection seed)", refresh=False)
-            with timed(self.seconds, "influence_second_seed"):
-                twin = self._second_seed_scores()
+            self.steps.set_postfix_str("influence (other projection seeds)", refresh=False)
+            with timed(self.seconds, "influence_other_seeds"):
+                twins = self._other_seed_scores()
         self.steps.set_postfix_str("influence (clean)", refresh=False)
         with timed(self.seconds, "influence_clean"):
             self._fit_on(influence, self.train_data)
@@ -161,9 +176,10 @@ class AuditRun:
         self.projected = getattr(influence, "mode_", None) == "projected" and not influence.projector_.is_exact
         if self.projected:
             if not twin_first:
-                with timed(self.seconds, "influence_second_seed"):
-                    twin = self._second_seed_scores()
-            self.noise = _seed_noise(self.agg_before, twin)
+                with timed(self.seconds, "influence_other_seeds"):
+                    twins = self._other_seed_scores()
+            if twins:
+                self.noise = projection_noise(np.stack([self.agg_before, *twins]))
         self.top = top_indices(self.agg_before, k, self.est.rank_by)
         self.perturbed = self.top if self.est.strategy == "top" else np.arange(self.source.n)
         lo, hi = self.shard.bounds(self.source.n) if self.shard is not None else (0, self.source.n)
@@ -181,7 +197,7 @@ class AuditRun:
                 est.confidence,
                 est.seed,
                 self.top,
-                noise=self.noise or 0.0,
+                noise=self.noise,
                 control=control,
                 keep_draws=True,
             )
@@ -199,13 +215,19 @@ class AuditRun:
 
     # ------------------------------------------------------------------ controls and attacks
     def run_controls(self) -> dict[float, dict]:
-        """:return: The metrics of the random-sign control of every distinct budget, by budget."""
+        """
+        :return: The random-sign control of every distinct budget, by budget: ``control_draws`` independent draws
+            of the signs, combined (:func:`~art_malleability.metrics.combine_controls`).
+        """
         control_metrics: dict[float, dict] = {}
         for eps in sorted(set(self.controls.values())):
-            self.steps.set_postfix_str(f"control eps={eps:g}", refresh=False)
             with timed(self.seconds, f"control_eps_{eps:g}"):
-                x_ctrl = self._everywhere(self._control_rows, eps)
-                control_metrics[eps] = self._metrics_of(self._perturbed_scores(x_ctrl))
+                draws = []
+                for draw in range(self.est.control_draws):
+                    self.steps.set_postfix_str(f"control eps={eps:g} draw {draw + 1}", refresh=False)
+                    x_ctrl = self._everywhere(self._control_rows, eps, draw)
+                    draws.append(self._metrics_of(self._perturbed_scores(x_ctrl)))
+                control_metrics[eps] = combine_controls(draws, self.est.confidence)  # every process has the draws
             self.steps.update()
         return control_metrics
 
@@ -224,9 +246,8 @@ class AuditRun:
         with timed(timing, "metrics"):
             metrics = self._metrics_of(after, control)
         self.steps.update()
-        draws = metrics.pop("draws")
-        if control is not None:
-            draws["control_flip_rate"] = control["draws"]["flip_rate"]
+        for internal in ("draws", "resamples"):
+            metrics.pop(internal)
         result = AttackResult(
             attack=label,
             params=attack_config(attack),
@@ -236,10 +257,18 @@ class AuditRun:
             scores_after=aggregate_scores(after),
             seconds=timing,
             control=_control_summary(control, self.controls.get(attack)),
-            replicates=draws,
             **metrics,
         )
         logger.info("%s: flip rate %.3f", label, metrics["flip_rate"])
+        undecided = metrics.get("undecided_share")
+        if undecided is not None and undecided > UNDECIDED_WARNING:
+            self.attack_warnings.append(
+                f"{label}: {100 * undecided:.0f}% of the influential set has a perturbed aggregate within one standard "
+                "error of zero, where the sign of the population aggregate can hardly be decided from these queries; "
+                "the noise-aware flip rate is then biased upward (by about 0.06-0.11 in the simulations of "
+                "docs/metrics.md) and the raw flip rate is mostly noise (compare it with its 'by noise' value); more "
+                "queries (n_queries) decide more signs"
+            )
         return result
 
     def _attack_rows(self, attack: EvasionAttack) -> tuple[np.ndarray, int, float]:
@@ -272,19 +301,24 @@ class AuditRun:
         bar.close()
         return x_adv, changed, linf
 
-    def _control_rows(self, eps: float) -> np.ndarray:
-        """The random-sign control of this process's perturbed training rows, read from the source in chunks."""
+    def _control_rows(self, eps: float, draw: int) -> np.ndarray:
+        """
+        Draw ``draw`` of the random-sign control of this process's perturbed training rows, read from the source in
+        chunks; the signs of draw ``d`` are seeded with ``seed + 1000 d``.
+        """
         est, rows = self.est, self.local
         x_ctrl = np.empty((len(rows), *self.source.input_shape), dtype=np.float32)
         clip = est.classifier.clip_values
         for s, xb, _ in self.source.batches(max(est.batch_size * 8, 1), indices=rows):
-            x_ctrl[s : s + len(xb)] = random_sign_perturbation(xb, rows[s : s + len(xb)], eps, clip, seed=est.seed)
+            x_ctrl[s : s + len(xb)] = random_sign_perturbation(
+                xb, rows[s : s + len(xb)], eps, clip, seed=est.seed + CONTROL_SEED_STRIDE * draw
+            )
         return x_ctrl
 
     # ------------------------------------------------------------------ what the report states
     def warnings(self) -> list[str]:
-        """:return: Warnings on the run: attacks without a control, and a projected influence."""
-        found = []
+        """:return: Warnings on the run: undecidable signs, attacks without a control, and a projected influence."""
+        found = list(self.attack_warnings)
         missing = [attack_label(a) for a in self.est._attacks if a not in self.controls]
         if self.est.controls and missing:
             found.append(
@@ -299,15 +333,15 @@ class AuditRun:
             )
         return found
 
-    def noise_floor(self) -> dict[str, Any]:
-        """How the noise floor of the ``flip_rate_above_floor`` metrics was set."""
+    def noise_model(self) -> dict[str, Any]:
+        """How the noise-aware flip rate modelled the noise of the aggregate scores."""
         seed, noise = self.est.seed, self.noise
         return {
-            "rule": "a flip counts when the clean and the perturbed aggregate score both exceed "
-            "z * sqrt(SE^2 + projection_sd^2) in magnitude (SE: standard error of the mean over queries)",
-            "z": z_value(self.est.confidence),
-            "projection_sd": 0.0 if noise is None else noise,
-            "projection_seeds": None if noise is None else [int(seed), int(seed) + 1],
+            "method": "empirical-Bayes deconvolution of the influential set's paired clean and perturbed aggregates "
+            "(bivariate normal, covariance of the two means from the per-query scores; selection of the set by the "
+            "clean aggregates corrected), posterior share of sign changes",
+            "projection_sd": None if noise is None else {"intercept": noise[0], "slope": noise[1]},
+            "projection_seeds": None if noise is None else [int(seed) + i for i in range(PROJECTION_SEEDS)],
         }
 
     def execution(self) -> dict[str, Any]:
@@ -359,24 +393,13 @@ def _projection_likely(influence: InfluenceEstimator, n: int, shard: Shard | Non
     return influence.projection_dim != "auto" or shard is not None or n > influence.max_exact_n
 
 
-def _seed_noise(first: np.ndarray, second: np.ndarray | None) -> float:
-    """
-    Standard deviation of one aggregate score due to the projection: the root mean square difference between
-    two projection seeds over ``sqrt(2)`` (two independent draws differ by twice the variance).
-    """
-    if second is None:
-        return 0.0
-    gap = first - second
-    gap = gap[np.isfinite(gap)]
-    return float(np.sqrt(np.mean(gap**2) / 2.0)) if gap.size else 0.0
-
-
 def _control_summary(control: dict | None, eps: float | None) -> dict[str, Any] | None:
     """The control's metrics as reported beside an attack."""
     if control is None:
         return None
     names = ("flip_rate", "flip_rate_above_floor", "spearman", "top_k_jaccard")
-    summary: dict[str, Any] = {"perturbation": CONTROL_LABEL, "eps": eps}
+    summary: dict[str, Any] = {"perturbation": CONTROL_LABEL, "eps": eps, "draws": control["n_draws"],
+                               "flip_rate_null": control["flip_rate_null"]}
     for name in names:
         summary[name], summary[name + "_ci"] = control[name], control[name + "_ci"]
     return summary

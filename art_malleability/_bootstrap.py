@@ -1,14 +1,19 @@
 """
-Bootstrap over queries: resamples of query rows, batched evaluation of a statistic on them, the percentile
-interval and its shifted form, and the two-level (runs x queries) bootstrap. :mod:`art_malleability.metrics`
-exports the public names and describes the method.
+Intervals: resamples of query rows and batched evaluation of a statistic on them, the normal interval with a
+bootstrap standard error (discontinuous statistics), BCa through :func:`scipy.stats.bootstrap` (smooth ones), the
+Student-t interval of a mean over queries or over training seeds, and the percentile interval.
+:mod:`art_malleability.metrics` exports the public names and docs/metrics.md gives each one's estimand and measured
+coverage.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import numpy as np
+from scipy.stats import bootstrap, norm
+from scipy.stats import t as student_t
 
 
 def resample_rows(n_query: int, n_bootstrap: int = 1000, seed: int = 0) -> np.ndarray:
@@ -47,7 +52,7 @@ def evaluate_resamples(statistic: Callable[[np.ndarray], float], rows: np.ndarra
 def percentile_interval(draws: np.ndarray, confidence: float = 0.95) -> tuple[float, float]:
     """
     The plain percentile interval of bootstrap replicates: their ``(1 ∓ confidence)/2`` quantiles (the package's
-    one home for it; :func:`shifted_percentile_interval` moves it onto a point estimate).
+    one home for it: the NTK checker's intervals over seeds).
 
     :param draws: Replicates (non-finite ones are ignored).
     :param confidence: Coverage, in (0, 1).
@@ -63,46 +68,57 @@ def percentile_interval(draws: np.ndarray, confidence: float = 0.95) -> tuple[fl
     return float(low), float(high)
 
 
-def shifted_percentile_interval(
-    point: float,
-    draws: np.ndarray,
-    confidence: float = 0.95,
-    bounds: tuple[float, float] = (-np.inf, np.inf),
+def normal_interval(
+    point: float, draws: np.ndarray, confidence: float = 0.95, bounds: tuple[float, float] = (-np.inf, np.inf)
 ) -> tuple[float, float]:
     """
-    Percentile interval of bootstrap replicates, moved so that their median sits on the point estimate:
-    ``[point + q_lo − m, point + q_hi − m]`` with ``q_lo, q_hi`` the replicates' ``(1 ∓ confidence)/2``
-    quantiles and ``m`` their median, then clipped to the statistic's range ``bounds``.
-
-    Why not the plain percentile interval: the audit's statistics are discontinuous functions of means
-    over queries (signs of aggregate scores, membership of a top set). A resample with repeated queries
-    has noisier means, so its replicates are biased (flip rates up, overlaps down) and a percentile
-    interval can exclude the estimate it is meant to bound. BCa corrects that bias only while the
-    estimate lies inside the central ``confidence`` share of the replicates, which is exactly when the
-    problem does not arise. The shift keeps the percentile interval's width and shape, removes the
-    replicates' median bias, contains the estimate by construction (``q_lo ≤ m ≤ q_hi``) and equals the
-    percentile interval whenever the replicates are median-unbiased. It describes the query-sampling
-    variability of the reported statistic; it does not correct the statistic's own small-sample bias.
+    Normal interval with a bootstrap standard error: ``point ± z · sd(draws)``, clipped to the statistic's range.
+    The interval of the statistics that are discontinuous in the query means (flip rates, top-set overlap): its
+    estimand is the statistic's expected value at this number of queries, of which the statistic itself is
+    unbiased. A percentile interval would inherit the resamples' bias (a resample repeats queries, so its means
+    are noisier and its flip rates higher); the spread of the resamples is a usable standard error (coverage
+    measured in the test suite).
 
     :param point: The statistic on all queries.
     :param draws: Its bootstrap replicates (non-finite ones are ignored).
     :param confidence: Coverage, in (0, 1).
-    :param bounds: Range of the statistic (e.g. ``(0, 1)`` for a rate).
-    :return: ``(low, high)``; ``(NaN, NaN)`` when the point or every replicate is undefined.
+    :param bounds: Range of the statistic.
+    :return: ``(low, high)``; ``(NaN, NaN)`` when the point is undefined or fewer than two replicates are finite.
     """
     check_confidence(confidence)
     draws = np.asarray(draws, dtype=np.float64)
     draws = draws[np.isfinite(draws)]
-    if draws.size == 0 or not np.isfinite(point):
+    if draws.size < 2 or not np.isfinite(point):
         return float("nan"), float("nan")
-    (low, high), median = percentile_interval(draws, confidence), float(np.median(draws))
-    low, high = point + (low - median), point + (high - median)
-    # min/max keep the point inside when rounding moves an endpoint across it
-    return float(max(min(low, point), bounds[0])), float(min(max(high, point), bounds[1]))
+    half = float(norm.ppf(0.5 + confidence / 2.0)) * float(draws.std(ddof=1))
+    return float(max(point - half, bounds[0])), float(min(point + half, bounds[1]))
 
 
-def bootstrap_interval(
-    statistic: Callable[[np.ndarray], float],
+def t_interval(
+    values: np.ndarray, confidence: float = 0.95, bounds: tuple[float, float] = (-np.inf, np.inf)
+) -> tuple[float, float]:
+    """
+    Student-t interval of a mean over independent units (queries, training seeds): ``mean ± t · sd / sqrt(n)``,
+    clipped to the statistic's range.
+
+    :param values: One value per unit (non-finite ones are ignored).
+    :param confidence: Coverage, in (0, 1).
+    :param bounds: Range of the statistic.
+    :return: ``(low, high)``; ``(NaN, NaN)`` with fewer than two finite values.
+    """
+    check_confidence(confidence)
+    values = np.asarray(values, dtype=np.float64)
+    values = values[np.isfinite(values)]
+    if values.size < 2:
+        return float("nan"), float("nan")
+    mean = float(values.mean())
+    quantile = float(student_t.ppf(0.5 + confidence / 2.0, values.size - 1))
+    half = quantile * float(values.std(ddof=1)) / np.sqrt(values.size)
+    return float(max(mean - half, bounds[0])), float(min(mean + half, bounds[1]))
+
+
+def bca_interval(
+    batch: Callable[[np.ndarray], np.ndarray],
     n_query: int,
     n_bootstrap: int = 1000,
     confidence: float = 0.95,
@@ -110,78 +126,57 @@ def bootstrap_interval(
     bounds: tuple[float, float] = (-np.inf, np.inf),
 ) -> tuple[float, float]:
     """
-    Bootstrap interval over queries of a statistic of the query rows (see
-    :func:`shifted_percentile_interval` for the method; it always contains ``statistic(all rows)``).
+    BCa interval of a smooth statistic of the query rows (Spearman's correlation), by
+    :func:`scipy.stats.bootstrap` resampling the row indices.
 
-    :param statistic: Function of an index array of query rows (see :func:`evaluate_resamples`).
+    :param batch: The statistic of ``(B, m)`` row-index arrays, ``B`` values.
     :param n_query: Number of queries.
-    :param n_bootstrap: Number of resamples.
-    :param confidence: Coverage of the interval, in (0, 1).
-    :param seed: Seed of the resampling generator.
+    :param n_bootstrap: Resamples.
+    :param confidence: Coverage, in (0, 1).
+    :param seed: Seed of the resampling.
     :param bounds: Range of the statistic.
-    :return: (low, high); (NaN, NaN) with fewer than two queries or no finite resample.
+    :return: ``(low, high)``; ``(NaN, NaN)`` with fewer than three queries or an undefined statistic.
     """
     check_confidence(confidence)
-    rows = resample_rows(n_query, n_bootstrap, seed)
-    if n_query < 2:
+    if n_query < 3 or not np.isfinite(batch(np.arange(n_query)[None, :])[0]):
         return float("nan"), float("nan")
-    point = float(statistic(np.arange(n_query)))
-    return shifted_percentile_interval(point, evaluate_resamples(statistic, rows), confidence, bounds)
+
+    def statistic(rows: np.ndarray, axis: int = -1) -> np.ndarray:
+        rows = np.asarray(rows)
+        flat = rows.reshape(-1, rows.shape[-1]).astype(np.int64)
+        return np.concatenate([batch(flat[s : s + 256]) for s in range(0, len(flat), 256)]).reshape(rows.shape[:-1])
+
+    with np.errstate(invalid="ignore", divide="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # scipy warns about degenerate resamples; a NaN interval says it
+        result = bootstrap(
+            (np.arange(n_query),), statistic, n_resamples=int(n_bootstrap), vectorized=True,
+            confidence_level=confidence, method="BCa", rng=np.random.default_rng(seed),
+        )
+    low, high = float(result.confidence_interval.low), float(result.confidence_interval.high)
+    if not (np.isfinite(low) and np.isfinite(high)):
+        return float("nan"), float("nan")
+    return float(max(low, bounds[0])), float(min(high, bounds[1]))
 
 
-def hierarchical_replicates(draws: np.ndarray, n_bootstrap: int = 1000, seed: int = 0) -> np.ndarray:
-    """
-    Two-level bootstrap replicates of the mean of a statistic over independent runs (training seeds): each
-    replicate draws the runs with replacement and, for every drawn run, one of that run's own bootstrap
-    replicates over queries (independently each time a run is drawn twice), and averages them.
-
-    :param draws: Each run's bootstrap replicates over queries, ``(R, B)`` (``NaN`` allowed).
-    :param n_bootstrap: Number of two-level replicates.
-    :param seed: Seed of the resampling.
-    :return: ``(n_bootstrap,)`` replicates of the mean over runs.
-    """
-    draws = np.asarray(draws, dtype=np.float64)
-    if draws.ndim != 2 or draws.shape[0] == 0 or draws.shape[1] == 0:
-        raise ValueError(f"draws must hold one row of replicates per run, got shape {draws.shape}")
-    rng = np.random.default_rng(seed)
-    runs = rng.integers(0, draws.shape[0], (int(n_bootstrap), draws.shape[0]))
-    picked = draws[runs, rng.integers(0, draws.shape[1], runs.shape)]
-    finite = np.isfinite(picked)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(finite, picked, 0.0).sum(axis=1) / np.where(finite.any(axis=1), finite.sum(axis=1), np.nan)
-
-
-def hierarchical_interval(
-    points: np.ndarray,
-    draws: list[np.ndarray] | np.ndarray,
-    n_bootstrap: int = 1000,
-    confidence: float = 0.95,
-    seed: int = 0,
-    bounds: tuple[float, float] = (-np.inf, np.inf),
+def seed_interval(
+    points: np.ndarray, confidence: float = 0.95, bounds: tuple[float, float] = (-np.inf, np.inf)
 ) -> tuple[float, tuple[float, float]]:
     """
-    Mean of a statistic over independent runs (training seeds) with a two-level bootstrap interval
-    (:func:`hierarchical_replicates`): it includes both the run-to-run spread and each run's query-sampling
-    noise, and is a :func:`shifted_percentile_interval` around the mean of the runs' point estimates.
+    Mean of a statistic over independent runs (training seeds) with a Student-t interval over the runs. Each run's
+    estimate already carries its own query noise, so the spread between runs holds it once (a bootstrap of runs
+    and then of queries within runs counts it twice); the estimand is the statistic's expected value over training
+    seeds and query draws. With fewer than two runs the interval is undefined.
 
-    :param points: The statistic of each run (R,).
-    :param draws: Each run's bootstrap replicates over queries, ``(R, B)`` (``NaN`` allowed).
-    :param n_bootstrap: Number of two-level replicates.
+    :param points: The statistic of each run (non-finite ones are ignored).
     :param confidence: Coverage.
-    :param seed: Seed of the resampling.
     :param bounds: Range of the statistic.
-    :return: ``(mean, (low, high))``; with one run only the query level remains.
+    :return: ``(mean, (low, high))``.
     """
     points = np.asarray(points, dtype=np.float64)
-    draws = np.asarray(draws, dtype=np.float64)
-    if draws.ndim != 2 or draws.shape[0] != points.size or points.size == 0:
-        raise ValueError(f"draws must have one row of replicates per run ({points.size}), got shape {draws.shape}")
-    keep = np.isfinite(points)
-    if not keep.any():
+    finite = points[np.isfinite(points)]
+    if finite.size == 0:
         return float("nan"), (float("nan"), float("nan"))
-    mean = float(points[keep].mean())
-    pooled = hierarchical_replicates(draws[keep], n_bootstrap, seed)
-    return mean, shifted_percentile_interval(mean, pooled, confidence, bounds)
+    return float(finite.mean()), t_interval(finite, confidence, bounds)
 
 
 def _batched(batch: Callable[[np.ndarray], np.ndarray]) -> Callable[[np.ndarray], float]:

@@ -69,6 +69,11 @@ def add_audit(sub: argparse._SubParsersAction, run: Runner) -> None:
         "flip rate",
     )
     group.add_argument(
+        "--control-draws", type=int, default=5,
+        help="independent draws of each control's random signs (their mean is the control; their spread enters the "
+        "excess flip rate's interval)",
+    )
+    group.add_argument(
         "--validation", default=None,
         help="output folder of 'art-malleability validate' for the same data and training settings: each report "
         "then states its estimator's LDS against retraining (from <folder>/<model>/validation.json)",
@@ -122,6 +127,7 @@ def estimator_params(args: argparse.Namespace) -> dict[str, Any]:
         strategy=args.strategy, ridge=args.ridge, n_queries=args.n_queries, rank_by=args.rank_by,
         n_bootstrap=args.n_bootstrap, attack_max_iter=args.attack_max_iter, batch_size=args.batch_size,
         seed=args.seed, device=args.device, projection_dim=args.projection_dim, controls=not args.no_controls,
+        control_draws=args.control_draws,
     )
 
 

@@ -100,7 +100,8 @@ def add_reproduce(sub: argparse._SubParsersAction, run: Runner) -> None:
         "regenerate the paper's Tables 1-4, the eps ablation and spectral numbers next to its values",
         description="Reproduce the paper's comparisons with the paper's training protocol by default "
         "(Adam, lr 1e-3, batch 128, L2 1e-3, 500 epochs). Every flip rate: mean over seeds with a 95% "
-        "two-level bootstrap interval (seeds, then queries), beside the random-sign control, the excess flip rate, "
+        "Student-t interval over the seeds, beside its expectation by query noise, the noise-aware flip rate, the "
+        "random-sign control, the excess flip rate, "
         "the paper's value and the ratio MLP-Attn / 2L-ReLU; Table 2 adds the LDS of its influence estimator.",
     )
     add_data_options(rep, n_train=defaults.n_train, n_test=defaults.n_test)

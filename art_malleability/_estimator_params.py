@@ -38,6 +38,7 @@ PARAM_NAMES = (
     "projection_dim",
     "distributed",
     "controls",
+    "control_draws",
 )
 
 
@@ -59,7 +60,7 @@ def check_params(est: Any) -> None:
     _positive_number("ridge", est.ridge)
     if est.rank_by not in RANK_BY:
         raise ValueError(f"rank_by must be one of {RANK_BY}, got {est.rank_by!r}")
-    for name in ("n_queries", "n_bootstrap", "attack_max_iter", "batch_size"):
+    for name in ("n_queries", "n_bootstrap", "attack_max_iter", "batch_size", "control_draws"):
         check_positive_int(getattr(est, name), name)
     if est.n_queries < 2:
         raise ValueError(

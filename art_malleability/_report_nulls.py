@@ -19,14 +19,23 @@ _FIELDS = {
     "execution.backend": "one process: no torch.distributed process group ran the audit",
     "execution.params.memory_limit_gb": "no memory limit was set: the estimator plans with the memory available "
     "when it runs",
-    "noise_floor.projection_seeds": "the influence estimator is deterministic in this run (not a random "
-    "projection): no second seed was compared, and projection_sd is 0",
+    "noise_model.projection_seeds": "the influence estimator is deterministic in this run (not a random "
+    "projection): no other projection seed was compared",
+    "noise_model.projection_sd": "the influence estimator is deterministic in this run (not a random projection): "
+    "its scores carry query noise only",
 }
 
 #: Reasons of a ``null`` statistic, by name (the value itself; its interval has its own reasons).
 _STATISTICS = {
     "flip_rate": "the influential set is empty, or no member has a finite score before and after",
-    "flip_rate_above_floor": "the influential set is empty, or no member has a finite score before and after",
+    "flip_rate_above_floor": "the influential set is empty, fewer than two queries, or no member has finite "
+    "scores before and after",
+    "flip_rate_null": "the influential set is empty, fewer than two queries, or no member has finite scores before "
+    "and after",
+    "undecided_share": "the influential set is empty, fewer than two queries, or no member has finite scores before "
+    "and after",
+    "no_flip_statistic": "the influential set is empty, fewer than two queries, or no member has finite scores "
+    "before and after",
     "per_query_flip_rate": "no query has a non-empty influential set with finite scores",
     "spearman": "fewer than two finite score pairs, or the scores on one side are constant",
     "top_k_jaccard": "both influential sets are empty",
@@ -87,6 +96,8 @@ def _reason(path: str, data: dict[str, Any]) -> str:
 def _interval_reason(statistic: str, result: dict[str, Any], data: dict[str, Any]) -> str:
     if data.get("n_queries", 2) < 2:
         return "a single query point: the interval resamples the queries and needs two or more"
+    if statistic == "spearman" and data.get("n_queries", 3) < 3:
+        return "fewer than three query points: the BCa interval needs three or more"
     if result.get(statistic) is None:
         return "the statistic itself is undefined (see its own reason), so it has no interval"
     return "no bootstrap resample of the queries gave a finite value of the statistic"

@@ -16,13 +16,6 @@ from art_malleability._bootstrap import _batched
 from art_malleability._scores import _mean_and_error, _top_masks, flip_mask
 
 
-def _nanmean_rows(values: np.ndarray) -> np.ndarray:
-    finite = np.isfinite(values)
-    counts = finite.sum(axis=1)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(counts > 0, np.where(finite, values, 0.0).sum(axis=1) / np.maximum(counts, 1), np.nan)
-
-
 def _mm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Matrix product through torch (numpy's BLAS competes with torch's threads for the same cores)."""
     return (torch.from_numpy(np.ascontiguousarray(a)) @ torch.from_numpy(np.ascontiguousarray(b))).numpy()
@@ -38,58 +31,34 @@ def _weights(rows: np.ndarray, n_query: int) -> np.ndarray:
 
 class _ResampledAggregates:
     """
-    The aggregate flip rates and top-k Jaccard of resamples of query rows, many resamples at once:
+    The aggregate flip rate and top-k Jaccard of resamples of query rows, many resamples at once:
     a resample's aggregate scores are ``(W @ S) / (W @ F)`` with ``W`` its query multiplicities, ``S``
-    the scores with ``NaN`` set to 0 and ``F`` the finite mask; their standard errors add ``W @ S²``.
-    The flip rates need the top set's columns only; the overlap needs every perturbed column.
+    the scores with ``NaN`` set to 0 and ``F`` the finite mask. The flip rate needs the top set's columns
+    only; the overlap needs every perturbed column.
     """
 
-    def __init__(
-        self, before: np.ndarray, after: np.ndarray, top: np.ndarray, k: int, rank_by: str, z: float, noise: float
-    ) -> None:
+    def __init__(self, before: np.ndarray, after: np.ndarray, top: np.ndarray, k: int, rank_by: str) -> None:
         self.n_query = before.shape[0]
         self.top, self.k, self.rank_by = np.asarray(top, dtype=int), k, rank_by
-        self.z, self.noise = float(z), float(noise)
         self.top_sides = [self._side(scores[:, self.top]) for scores in (before, after)]
-        self.after = self._side(after, squares=False)
+        self.after = self._side(after)
         self.batch_rows = max(1, 2**24 // max(before.shape[1], 1))
 
     @staticmethod
-    def _side(scores: np.ndarray, squares: bool = True) -> tuple[np.ndarray, ...]:
+    def _side(scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         finite = np.isfinite(scores)
         filled = np.where(finite, scores, 0.0)
-        return (finite.astype(np.float64), filled) + ((filled**2,) if squares else ())
+        return finite.astype(np.float64), filled
 
-    def _top_scores(self, weights: np.ndarray, side: int) -> tuple[np.ndarray, np.ndarray]:
-        finite, filled, squares = self.top_sides[side]
-        return _mean_and_error(_mm(weights, finite), _mm(weights, filled), _mm(weights, squares))
+    def _top_scores(self, weights: np.ndarray, side: int) -> np.ndarray:
+        finite, filled = self.top_sides[side]
+        return _mean_and_error(_mm(weights, finite), _mm(weights, filled), np.zeros(1))[0]
 
-    def _flips(self, weights: np.ndarray, floor: bool) -> np.ndarray:
-        (before, se_b), (after, se_a) = self._top_scores(weights, 0), self._top_scores(weights, 1)
-        flips = flip_mask(before, after)
-        if floor:
-            with np.errstate(invalid="ignore"):
-                flips &= np.abs(before) > self.z * np.sqrt(se_b**2 + self.noise**2)
-                flips &= np.abs(after) > self.z * np.sqrt(se_a**2 + self.noise**2)
-        return flips
-
-    def _rates(self, rows: np.ndarray, floor: bool) -> np.ndarray:
+    def flip_rate(self, rows: np.ndarray) -> np.ndarray:
         weights = _weights(rows, self.n_query)
         if self.top.size == 0:
             return np.full(len(weights), np.nan)
-        return self._flips(weights, floor).mean(axis=1)
-
-    def flip_rate(self, rows: np.ndarray) -> np.ndarray:
-        return self._rates(rows, False)
-
-    def flip_rate_above_floor(self, rows: np.ndarray) -> np.ndarray:
-        return self._rates(rows, True)
-
-    def counted_flips(self) -> list[int]:
-        """:return: Members of the top set whose aggregate score flips above the noise floor (all queries)."""
-        if self.top.size == 0:
-            return []
-        return self.top[self._flips(np.ones((1, self.n_query)), True)[0]].tolist()
+        return flip_mask(self._top_scores(weights, 0), self._top_scores(weights, 1)).mean(axis=1)
 
     def top_k_jaccard(self, rows: np.ndarray) -> np.ndarray:
         weights = _weights(rows, self.n_query)

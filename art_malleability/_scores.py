@@ -1,7 +1,7 @@
 """
 Building blocks of the malleability metrics on influence matrices ``(n_query, n_train)`` (positive =
 helpful, ``NaN`` = excluded pair): the influential set's size and ranking, aggregate scores over queries,
-sign flips, and the weighted column means and standard errors behind the noise floor. The definitions are
+sign flips, and weighted column means. The definitions are
 those of :mod:`art_malleability.metrics`, which exports the public names.
 """
 

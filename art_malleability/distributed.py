@@ -169,7 +169,8 @@ def current_shard(distributed: bool | str = "auto") -> Shard | None:
 
 #: What gloo and the c10d store say when a peer stops answering or goes away (gloo raises a plain ``RuntimeError``).
 _PEER_FAILURE = re.compile(
-    r"Timed out waiting \d+ms|Connection (closed|reset) by peer|gloo/transport|Socket Timeout|wait timeout after"
+    r"Timed out waiting \d+ms|Connection (closed|reset) by peer|Connect timeout|Read error|Write error|gloo/transport|"
+    r"Socket Timeout|wait timeout after"
 )
 
 
@@ -183,12 +184,15 @@ def peer_failure(error: BaseException) -> str | None:
     :param error: Any error.
     :return: Its first line without gloo's source location, or ``None`` for any other error.
     """
-    text = str(error).splitlines()[0] if str(error) else type(error).__name__
-    if not isinstance(error, getattr(dist, "DistError", ())) and not (
-        isinstance(error, RuntimeError) and _PEER_FAILURE.search(text)
-    ):
-        return None
-    return re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text)
+    for cause in (error, error.__cause__, error.__context__):  # also when package code re-raised it
+        if cause is None:
+            continue
+        text = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
+        if isinstance(cause, getattr(dist, "DistError", ())) or (
+            isinstance(cause, RuntimeError) and _PEER_FAILURE.search(text)
+        ):
+            return re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text)
+    return None
 
 
 def launched_by_torchrun() -> bool:

@@ -85,6 +85,7 @@ class MalleabilityEstimator:
         projection_dim: int | str | None = "auto",
         distributed: bool | str = "auto",
         controls: bool = True,
+        control_draws: int = 5,
     ) -> None:
         """
         :param classifier: An ART :class:`PyTorchClassifier`, or a raw :class:`torch.nn.Module` together
@@ -121,7 +122,9 @@ class MalleabilityEstimator:
         :param controls: Beside every ℓ∞ attack, perturb the same training examples by random signs at the same
                budget (:func:`~art_malleability.attacks.random_sign_perturbation`), recompute the influence and report
                the control's metrics and the attack's *excess* flip rate (attack minus control, paired bootstrap
-               interval). One extra influence pass per distinct budget.
+               interval). ``control_draws`` extra influence passes per distinct budget.
+        :param control_draws: Independent draws of the random signs of each control; the control's statistics are
+               their means, and the spread between draws enters the excess flip rate's interval.
         """
         self.classifier = as_classifier(classifier, input_shape, nb_classes, loss, clip_values, device, type(self))
         values = locals()
@@ -387,7 +390,7 @@ class MalleabilityEstimator:
             dataset=dataset,
             warnings=warnings + run.warnings(),
             execution=run.execution(),
-            noise_floor=run.noise_floor(),
+            noise_model=run.noise_model(),
         )
 
 

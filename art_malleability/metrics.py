@@ -18,27 +18,24 @@ Definitions (the paper leaves them open; these are this package's choices):
 * **Per-query ranking**: the same computed within each query row, averaged over queries.
 * **Spearman**: rank correlation of all finite (query, train) scores before and after.
 * **Top-k overlap**: Jaccard index of the clean and perturbed aggregate top sets.
-* **Flip rate above the noise floor**: the flip rate counting only sign changes between aggregate
-  scores distinguishable from zero: both the clean and the perturbed score exceed
-  ``z · sqrt(SE² + noise²)`` (``SE``: standard error of the mean over queries; ``noise``: the
-  estimator's own randomness, a projection's; ``z``: the normal quantile of the confidence). See
-  :func:`noise_thresholds`.
-* **Intervals**: bootstrap over queries (rows resampled with replacement, every statistic
-  recomputed by the same function that gives its point estimate, all statistics on the same
-  resamples) *conditional on the influential set*: the top set is chosen once from all clean scores
-  (it is the set an audit perturbs) and held fixed in every resample; only the aggregate scores, and
-  the perturbed top set of the overlap, are recomputed. Re-selecting the set per resample would mix
-  in examples that were never perturbed. The interval is the percentile interval moved so that the
-  replicates' median sits on the estimate (:func:`shifted_percentile_interval`: it always contains
-  the estimate). With a single query the interval is undefined (``NaN``). The package does its own
-  resampling rather than :func:`scipy.stats.bootstrap` (``method="percentile"``), which on the same draws gives the same
-  plain percentile interval but resamples one statistic at a time with its own draws, so it cannot pair all
-  statistics (and a control) on the same resamples, evaluate them in batches, take replicates made
-  elsewhere (the two-level bootstrap over runs) or shift the interval onto the estimate.
+* **Noise-aware flip rate** (key ``flip_rate_above_floor``): the estimated share of the top set whose
+  *population* aggregate (the mean over infinitely many queries) changes sign, by empirical-Bayes
+  deconvolution of the paired clean and perturbed aggregates (:func:`noise_aware_flip_rate`). Beside the raw
+  flip rate, its expectation under query noise alone (``flip_rate_null``).
+* **Intervals** (each one's estimand, method, assumptions and measured coverage: docs/metrics.md): the raw flip
+  rate, the top-k Jaccard and the excess flip rate take a normal interval with the standard error of a
+  bootstrap over queries (:func:`normal_interval`; estimand: the statistic's expected value at this number of
+  queries); Spearman a BCa interval (:func:`bca_interval`, through :func:`scipy.stats.bootstrap`); the per-query
+  flip rate a Student-t interval over queries (:func:`t_interval`); the noise-aware rate bootstrap refits of
+  its deconvolution. The bootstrap is *conditional on the influential set*: the top set is chosen once from all
+  clean scores (it is the set an audit perturbs) and held fixed in every resample. Every statistic of one audit
+  uses the same resamples (:func:`resample_rows`), so an attack and its control are paired. Results over
+  training seeds are pooled with a Student-t interval over the seeds (:func:`seed_interval`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -48,21 +45,19 @@ from numpy.typing import ArrayLike
 from scipy.stats import norm, spearmanr
 
 from art_malleability._bootstrap import (
-    _batched,
-    bootstrap_interval,
+    bca_interval,
     check_confidence,
     evaluate_resamples,
-    hierarchical_interval,
-    hierarchical_replicates,
+    normal_interval,
     percentile_interval,
     resample_rows,
-    shifted_percentile_interval,
+    seed_interval,
+    t_interval,
 )
-from art_malleability._resampled import _nanmean_rows, _ResampledAggregates, _ResampledSpearman
+from art_malleability._flip_posterior import FlipPosterior
+from art_malleability._resampled import _ResampledAggregates, _ResampledSpearman
 from art_malleability._scores import (
     RANK_BY,
-    _as_matrix,
-    _mean_and_error,
     _pair,
     _pair_and_top,
     aggregate_scores,
@@ -83,18 +78,18 @@ __all__ = [
     "spearman",
     "top_k_jaccard",
     "z_value",
-    "noise_thresholds",
-    "flip_rate_above_floor",
-    "counted_flips",
+    "selection_threshold",
+    "noise_aware_flip_rate",
     "resample_rows",
     "evaluate_resamples",
     "percentile_interval",
-    "shifted_percentile_interval",
-    "bootstrap_interval",
-    "hierarchical_replicates",
-    "hierarchical_interval",
+    "normal_interval",
+    "t_interval",
+    "bca_interval",
+    "seed_interval",
     "BOUNDS",
     "malleability_metrics",
+    "combine_controls",
 ]
 
 logger = logging.getLogger(__name__)
@@ -191,78 +186,73 @@ def z_value(confidence: float) -> float:
     return float(norm.ppf(0.5 + confidence / 2.0))
 
 
-def noise_thresholds(scores: np.ndarray, noise: float = 0.0, confidence: float = 0.95) -> np.ndarray:
+def selection_threshold(before: ArrayLike, top: ArrayLike, rank_by: str = "abs") -> float | None:
     """
-    The noise floor of each aggregate score: ``z · sqrt(SE² + noise²)``, with ``SE`` the standard error
-    of the column's mean over the queries (sample standard deviation of its finite entries over the
-    square root of their number), ``noise`` the standard deviation of the estimator's own randomness
-    (a projection's; 0 for a deterministic estimator) and ``z`` the two-sided normal quantile of
-    ``confidence``. A score whose magnitude does not exceed its threshold is indistinguishable from
-    zero: its sign is not determined by these queries and this estimator. A column with fewer than two
-    finite entries has an infinite threshold.
+    The clean aggregate that the influential set cleared when it was chosen from these scores: the smallest
+    ``|aggregate|`` of the set (``rank_by="abs"``) or its smallest aggregate (``"signed"``).
 
-    :param scores: Influence matrix (n_query, n_train), positive = helpful.
-    :param noise: Standard deviation of the estimator's randomness in one aggregate score (>= 0).
-    :param confidence: Coverage defining ``z``.
-    :return: Thresholds (n_train,).
+    :param before: Clean influence matrix (n_query, n_train).
+    :param top: The set (training indices).
+    :param rank_by: ``"abs"`` or ``"signed"``.
+    :return: The threshold; ``None`` for an empty set.
     """
-    scores = _as_matrix(scores, "scores")
-    if not np.isfinite(noise) or noise < 0:
-        raise ValueError(f"noise must be a finite number >= 0, got {noise!r}")
-    finite = np.isfinite(scores)
-    filled = np.where(finite, scores, 0.0)
-    _, se = _mean_and_error(finite.sum(axis=0), filled.sum(axis=0), (filled**2).sum(axis=0))
-    return z_value(confidence) * np.sqrt(se**2 + float(noise) ** 2)
+    top = np.asarray(top, dtype=int)
+    if top.size == 0:
+        return None
+    values = aggregate_scores(before)[top]
+    return float(np.nanmin(np.abs(values) if rank_by == "abs" else values))
 
 
-def flip_rate_above_floor(
+def noise_aware_flip_rate(
     before: ArrayLike,
     after: ArrayLike,
     top_fraction: float = 0.1,
     rank_by: str = "abs",
     top: ArrayLike | None = None,
-    noise: float = 0.0,
+    selected: bool = True,
+    noise: tuple[float, float] | None = None,
     confidence: float = 0.95,
-) -> float:
+    n_bootstrap: int = 200,
+    seed: int = 0,
+) -> dict[str, Any]:
     """
-    Flip rate counting only sign changes between scores distinguishable from zero: an example of the
-    clean top set counts when its aggregate score changes sign and both the clean and the perturbed
-    score exceed their :func:`noise_thresholds`. The denominator stays the whole top set, so this rate
-    never exceeds :func:`flip_rate`.
+    The share of the influential set whose *population* aggregate (the mean over infinitely many queries) changes
+    sign, estimated by empirical-Bayes deconvolution of the paired clean and perturbed aggregates (see
+    :mod:`art_malleability._flip_posterior` and docs/metrics.md for the model, its assumptions and its measured bias
+    and coverage). Unlike the raw :func:`flip_rate`, sign changes that query noise alone would produce are not
+    counted.
 
     :param before: Clean influence matrix (n_query, n_train), positive = helpful.
-    :param after: Influence matrix after perturbation, same shape.
+    :param after: Influence matrix after perturbation, same queries and weights.
     :param top_fraction: Share of training examples in the influential set.
     :param rank_by: ``"abs"`` or ``"signed"``.
     :param top: Optional fixed influential set; default: chosen from ``before``.
-    :param noise: Standard deviation of the estimator's randomness in one aggregate score.
-    :param confidence: Coverage defining the thresholds' ``z``.
-    :return: Share of the top set; ``NaN`` when the set is empty.
+    :param selected: Whether the set was chosen from these clean scores (then the likelihood is corrected for the
+        selection); ``False`` for a set fixed in advance.
+    :param noise: A projected estimator's noise model ``(α, β)``: ``sd = α + β |score|`` per aggregate
+        (:func:`~art_malleability._flip_posterior.projection_noise`); ``None`` for a deterministic estimator.
+    :param confidence: Coverage of the interval.
+    :param n_bootstrap: Bootstrap resamples of the queries for the interval.
+    :param seed: Seed of the resampling and of the posterior draws.
+    :return: ``{"estimate", "ci", "flip_probabilities" (per member of the set), "null_raw_flip_rate",
+        "no_flip_statistic", "undecided_share"}`` (the last: the share of the set whose perturbed aggregate lies
+        within one standard error of zero, where the estimate's bias grows).
     """
     before, after, top, _ = _pair_and_top(before, after, top_fraction, rank_by, top)
-    if top.size == 0:
-        return float("nan")
-    counted = counted_flips(before, after, top, noise, confidence)
-    return float(len(counted) / top.size)
-
-
-def counted_flips(
-    before: np.ndarray, after: np.ndarray, top: np.ndarray, noise: float = 0.0, confidence: float = 0.95
-) -> np.ndarray:
-    """
-    :param before: Clean influence matrix (n_query, n_train).
-    :param after: Influence matrix after perturbation.
-    :param top: The influential set (training indices).
-    :param noise: Standard deviation of the estimator's randomness in one aggregate score.
-    :param confidence: Coverage defining the thresholds' ``z``.
-    :return: The members of ``top`` whose aggregate score flips sign above the noise floor (see
-             :func:`flip_rate_above_floor`).
-    """
-    top = np.asarray(top, dtype=int)
-    agg_b, agg_a = aggregate_scores(before)[top], aggregate_scores(after)[top]
-    thr_b = noise_thresholds(before[:, top], noise, confidence)
-    thr_a = noise_thresholds(after[:, top], noise, confidence)
-    return top[flip_mask(agg_b, agg_a) & (np.abs(agg_b) > thr_b) & (np.abs(agg_a) > thr_a)]
+    if top.size == 0 or before.shape[0] < 2:
+        nan = float("nan")
+        return {"estimate": nan, "ci": (nan, nan), "flip_probabilities": np.full(top.size, nan),
+                "null_raw_flip_rate": nan, "no_flip_statistic": nan, "undecided_share": nan}
+    threshold = selection_threshold(before, top, rank_by) if selected else None
+    posterior = FlipPosterior(before, after, top, threshold, rank_by, noise)
+    return {
+        "estimate": posterior.estimate(),
+        "ci": posterior.interval(resample_rows(before.shape[0], n_bootstrap, seed), confidence, seed),
+        "flip_probabilities": posterior.flip_probabilities(),
+        "null_raw_flip_rate": posterior.null_raw_flip_rate(),
+        "no_flip_statistic": posterior.no_flip_statistic(),
+        "undecided_share": posterior.undecided_share(),
+    }
 
 
 #: Range of each reported statistic (intervals are clipped to it).
@@ -275,6 +265,12 @@ BOUNDS = {
     "excess_flip_rate": (-1.0, 1.0),
 }
 
+#: Bootstrap refits behind the noise-aware interval (each one refits the deconvolution).
+NOISE_AWARE_RESAMPLES = 100
+
+#: Statistics whose replicates on the shared resamples are kept (controls average them; differences pair them).
+_REPLICATED = ("flip_rate", "top_k_jaccard", "spearman")
+
 
 def malleability_metrics(
     before: ArrayLike,
@@ -285,15 +281,19 @@ def malleability_metrics(
     confidence: float = 0.95,
     seed: int = 0,
     top: ArrayLike | None = None,
-    noise: float = 0.0,
+    noise: tuple[float, float] | None = None,
     control: dict[str, Any] | None = None,
     keep_draws: bool = False,
+    selected: bool = True,
 ) -> dict[str, Any]:
     """
-    All malleability metrics of one clean/perturbed pair of influence matrices, with bootstrap intervals
-    over queries conditional on the influential set. Every statistic is evaluated on the same resamples
-    (:func:`resample_rows` with ``seed``), each interval is a :func:`shifted_percentile_interval` and
-    contains its point estimate.
+    All malleability metrics of one clean/perturbed pair of influence matrices, each with the interval whose
+    coverage the test suite measures (docs/metrics.md): the raw flip rate and the top-k Jaccard with a normal
+    interval from the bootstrap standard error (estimand: their expected value at this number of queries); the
+    per-query flip rate with a Student-t interval over queries; Spearman's correlation with a BCa interval; the
+    noise-aware flip rate (:func:`noise_aware_flip_rate`) with its own interval; the raw flip rate's expectation
+    under query noise alone. The bootstrap is over queries, conditional on the influential set (chosen once, held
+    fixed), on resamples shared by every statistic of the audit.
 
     :param before: Clean influence matrix (n_query, n_train), positive = helpful.
     :param after: Influence matrix after perturbation, same shape.
@@ -303,47 +303,132 @@ def malleability_metrics(
     :param confidence: Interval coverage.
     :param seed: Seed of the resampling.
     :param top: Optional fixed influential set (the perturbed one); default: chosen from all of ``before``.
-    :param noise: Standard deviation of the estimator's randomness in one aggregate score (see
-                  :func:`noise_thresholds`).
-    :param control: The metrics of a control perturbation of the same set, computed by this function with
-                    the same ``before``, ``seed`` and ``n_bootstrap`` and ``keep_draws=True``; adds the
-                    ``excess_flip_rate`` (this flip rate minus the control's) with a paired interval.
-    :param keep_draws: Also return the replicates of every statistic under ``"draws"`` (for pooling runs
-                       with :func:`hierarchical_interval`, or as a ``control``).
-    :return: Dict with ``flip_rate``, ``flip_rate_above_floor``, ``per_query_flip_rate``, ``spearman``,
-             ``top_k_jaccard`` (and ``excess_flip_rate`` with a control), each one's ``*_ci`` interval, and
-             ``counted_flips`` (members of the top set that flip above the noise floor).
+    :param noise: A projected estimator's noise model (see :func:`noise_aware_flip_rate`).
+    :param control: The metrics of the random-sign control of the same set (:func:`combine_controls` of one or
+        several draws, each computed by this function with ``keep_draws=True`` and the same ``seed`` and
+        ``n_bootstrap``); adds the ``excess_flip_rate`` (this flip rate minus the control's mean) with a normal
+        interval whose variance adds the paired bootstrap variance and the spread between the control's draws.
+    :param keep_draws: Also return the replicates of the flip rate, the Jaccard and Spearman under ``"draws"`` and
+        the resampling's identity under ``"resamples"`` (for a control).
+    :param selected: Whether ``top`` was chosen from ``before`` (see :func:`noise_aware_flip_rate`).
+    :return: Dict with ``flip_rate``, ``flip_rate_null``, ``flip_rate_above_floor`` (the noise-aware rate; the key
+        is kept from earlier versions), ``per_query_flip_rate``, ``spearman``, ``top_k_jaccard`` (and
+        ``excess_flip_rate`` with a control), each statistic's ``*_ci``, and ``counted_flips`` (members of the set
+        whose posterior flip probability is at least one half).
     """
     before, after, top, k = _pair_and_top(before, after, top_fraction, rank_by, top)
-    per_query = per_query_flip_rates(before, after, top_fraction, rank_by)
-    aggregates = _ResampledAggregates(before, after, top, k, rank_by, z_value(confidence), noise)
-    statistics: dict[str, Callable[[np.ndarray], float]] = {
-        "flip_rate": aggregates.statistic("flip_rate"),
-        "flip_rate_above_floor": aggregates.statistic("flip_rate_above_floor"),
-        "per_query_flip_rate": _batched(lambda rows: _nanmean_rows(per_query[np.atleast_2d(rows)])),
-        "spearman": _ResampledSpearman(before, after),
-        "top_k_jaccard": aggregates.statistic("top_k_jaccard"),
-    }
     n_query = before.shape[0]
     everything = np.arange(n_query)
     rows = resample_rows(n_query, n_bootstrap, seed) if n_query >= 2 else None
+    aggregates = _ResampledAggregates(before, after, top, k, rank_by)
+    spearman_of = _ResampledSpearman(before, after)
+    statistics: dict[str, Callable[[np.ndarray], float]] = {
+        "flip_rate": aggregates.statistic("flip_rate"),
+        "top_k_jaccard": aggregates.statistic("top_k_jaccard"),
+        "spearman": spearman_of,
+    }
     result: dict[str, Any] = {}
     draws: dict[str, np.ndarray] = {}
     for name, statistic in statistics.items():
         result[name] = float(statistic(everything))
         draws[name] = evaluate_resamples(statistic, rows) if rows is not None else np.full(0, np.nan)
+    for name in ("flip_rate", "top_k_jaccard"):
+        result[name + "_ci"] = normal_interval(result[name], draws[name], confidence, BOUNDS[name])
+    result["spearman_ci"] = bca_interval(spearman_of.batch, n_query, n_bootstrap, confidence, seed, BOUNDS["spearman"])
+    per_query = per_query_flip_rates(before, after, top_fraction, rank_by)
+    result["per_query_flip_rate"] = float(np.nanmean(per_query)) if np.isfinite(per_query).any() else float("nan")
+    result["per_query_flip_rate_ci"] = t_interval(per_query, confidence, BOUNDS["per_query_flip_rate"])
+    aware = noise_aware_flip_rate(
+        before, after, top=top, rank_by=rank_by, selected=selected, noise=noise, confidence=confidence,
+        n_bootstrap=min(n_bootstrap, NOISE_AWARE_RESAMPLES), seed=seed,
+    )
+    result["flip_rate_above_floor"], result["flip_rate_above_floor_ci"] = aware["estimate"], aware["ci"]
+    result["flip_rate_null"] = aware["null_raw_flip_rate"]
+    result["no_flip_statistic"] = aware["no_flip_statistic"]
+    result["undecided_share"] = aware["undecided_share"]
+    result["counted_flips"] = top[np.nan_to_num(aware["flip_probabilities"]) >= 0.5].tolist()
+    identity = _resampling(seed, rows)
     if control is not None:
-        n_control = len(control.get("draws", {}).get("flip_rate", ()))
-        if n_control != len(draws["flip_rate"]):
-            raise ValueError(
-                f"control must hold {len(draws['flip_rate'])} flip-rate replicates, got {n_control}; compute it "
-                "by malleability_metrics with keep_draws=True and the same n_bootstrap"
-            )
+        _check_control(control, identity, draws["flip_rate"])
         result["excess_flip_rate"] = result["flip_rate"] - control["flip_rate"]
-        draws["excess_flip_rate"] = draws["flip_rate"] - control["draws"]["flip_rate"]
-    for name, values in draws.items():
-        result[name + "_ci"] = shifted_percentile_interval(result[name], values, confidence, BOUNDS[name])
-    result["counted_flips"] = aggregates.counted_flips()
+        paired = draws["flip_rate"] - control["draws"]["flip_rate"]
+        result["excess_flip_rate_ci"] = _normal_with_extra(
+            result["excess_flip_rate"], paired, control.get("draw_variance", {}).get("flip_rate", 0.0),
+            control.get("n_draws", 1), confidence, BOUNDS["excess_flip_rate"],
+        )
     if keep_draws:
         result["draws"] = draws
+        result["resamples"] = identity
     return result
+
+
+def combine_controls(draws: list[dict[str, Any]], confidence: float = 0.95) -> dict[str, Any]:
+    """
+    The random-sign control from several independent draws of its signs, each the :func:`malleability_metrics` of
+    one draw (``keep_draws=True``, the same resamples): every statistic is the mean over the draws (the estimand is
+    its expectation over sign draws); the intervals of the raw flip rate, the Jaccard and Spearman are normal, with
+    the bootstrap variance of the draws' mean plus the variance between the draws over their number; the
+    noise-aware rate's interval spans the draws' intervals (lowest low, highest high).
+
+    :param draws: One metrics dict per draw.
+    :param confidence: Coverage.
+    :return: A metrics dict usable as the ``control`` of :func:`malleability_metrics`, with ``n_draws`` and
+        ``draw_variance`` (between-draw variance of each statistic) added.
+    """
+    if not draws:
+        raise ValueError("draws must hold at least one control draw, got none")
+    first = draws[0]
+    for other in draws[1:]:
+        _check_control(other, first["resamples"], first["draws"]["flip_rate"], what="the draws of one control")
+    n = len(draws)
+    combined: dict[str, Any] = {"n_draws": n, "resamples": first["resamples"], "draws": {}, "draw_variance": {}}
+    for name in ("flip_rate", "flip_rate_null", "flip_rate_above_floor", "per_query_flip_rate", *_REPLICATED):
+        values = np.array([d[name] for d in draws], dtype=np.float64)
+        combined[name] = float(np.nanmean(values)) if np.isfinite(values).any() else float("nan")
+        combined["draw_variance"][name] = float(np.nanvar(values, ddof=1)) if np.isfinite(values).sum() > 1 else 0.0
+    for name in _REPLICATED:
+        mean_draws = np.mean(np.stack([d["draws"][name] for d in draws]), axis=0)
+        combined["draws"][name] = mean_draws
+        combined[name + "_ci"] = _normal_with_extra(
+            combined[name], mean_draws, combined["draw_variance"][name], n, confidence, BOUNDS[name]
+        )
+    lows = [d["flip_rate_above_floor_ci"][0] for d in draws]
+    highs = [d["flip_rate_above_floor_ci"][1] for d in draws]
+    finite = np.isfinite(lows) & np.isfinite(highs)
+    combined["flip_rate_above_floor_ci"] = (
+        (float(np.min(np.asarray(lows)[finite])), float(np.max(np.asarray(highs)[finite])))
+        if finite.any() else (float("nan"), float("nan"))
+    )
+    combined["per_query_flip_rate_ci"] = (float("nan"), float("nan"))
+    return combined
+
+
+def _normal_with_extra(
+    point: float, draws: np.ndarray, extra: float, n_draws: int, confidence: float, bounds: tuple[float, float]
+) -> tuple[float, float]:
+    """Normal interval whose variance is the bootstrap variance of ``draws`` plus ``extra / n_draws``."""
+    finite = np.asarray(draws, dtype=np.float64)
+    finite = finite[np.isfinite(finite)]
+    if finite.size < 2 or not np.isfinite(point):
+        return float("nan"), float("nan")
+    half = z_value(confidence) * float(np.sqrt(finite.var(ddof=1) + max(extra, 0.0) / max(n_draws, 1)))
+    return float(max(point - half, bounds[0])), float(min(point + half, bounds[1]))
+
+
+def _resampling(seed: int, rows: np.ndarray | None) -> dict[str, Any]:
+    """What identifies the resamples of a metrics dict: the seed, their number and a digest of the rows."""
+    digest = "" if rows is None else hashlib.sha256(np.ascontiguousarray(rows, dtype=np.int64).tobytes()).hexdigest()
+    return {"seed": int(seed), "n_bootstrap": 0 if rows is None else int(len(rows)), "digest": digest}
+
+
+def _check_control(control: dict[str, Any], identity: dict[str, Any], flip_draws: np.ndarray,
+                   what: str = "control") -> None:
+    """A control must be evaluated on the very resamples of the attack (paired bootstrap)."""
+    given = control.get("resamples")
+    if given is None or given != identity or len(control.get("draws", {}).get("flip_rate", ())) != len(flip_draws):
+        raise ValueError(
+            f"{what} must be computed by malleability_metrics with keep_draws=True on the same resamples (seed "
+            f"{identity['seed']}, n_bootstrap {identity['n_bootstrap']}), got "
+            + ("no record of its resamples" if given is None else f"seed {given.get('seed')}, n_bootstrap "
+               f"{given.get('n_bootstrap')}" + ("" if given.get("digest") == identity["digest"] else ", other rows"))
+        )

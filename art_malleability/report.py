@@ -36,28 +36,37 @@ class AttackResult:
     :param n_perturbed: Number of training examples perturbed.
     :param attack_success: Share of perturbed examples whose prediction changed (ART's ``compute_success``).
     :param max_perturbation: Largest ℓ∞ change of any perturbed example.
-    :param flip_rate: Share of the clean top set whose aggregate influence changed sign.
-    :param flip_rate_ci: Bootstrap interval over queries.
+    :param flip_rate: The raw flip rate (the paper's): share of the clean top set whose measured aggregate influence
+        changed sign. Query noise alone flips signs of aggregates near zero: read it against ``flip_rate_null``.
+    :param flip_rate_ci: Normal interval with the bootstrap standard error over queries; estimand: the raw flip
+        rate's expected value at this number of queries.
     :param per_query_flip_rate: Mean over queries of the flip rate within each query's own top set.
-    :param per_query_flip_rate_ci: Bootstrap interval over queries.
+    :param per_query_flip_rate_ci: Student-t interval over queries (estimand: its population mean).
     :param spearman: Rank correlation of all scores before and after.
-    :param spearman_ci: Bootstrap interval over queries.
+    :param spearman_ci: BCa bootstrap interval over queries.
     :param top_k_jaccard: Jaccard overlap of the clean and perturbed top sets.
-    :param top_k_jaccard_ci: Bootstrap interval over queries.
+    :param top_k_jaccard_ci: Normal interval with the bootstrap standard error (estimand as the flip rate's).
     :param scores_after: Aggregate influence of each training example after the perturbation.
     :param seconds: Time of each step.
-    :param flip_rate_above_floor: Flip rate counting only sign changes between scores distinguishable from zero
-        (both scores above the report's ``noise_floor``); never above ``flip_rate``.
-    :param flip_rate_above_floor_ci: Bootstrap interval over queries.
-    :param counted_flips: Members of the top set whose flip counts above the noise floor.
+    :param flip_rate_above_floor: The noise-aware flip rate (key kept from earlier versions): the estimated share
+        of the top set whose *population* aggregate (mean over infinitely many queries) changes sign, by
+        empirical-Bayes deconvolution of the paired clean and perturbed aggregates
+        (:func:`~art_malleability.metrics.noise_aware_flip_rate`).
+    :param flip_rate_above_floor_ci: Its interval (bootstrap refits and posterior draws; includes 0 when a
+        likelihood-ratio test of no flips does not reject).
+    :param counted_flips: Members of the top set whose posterior probability of a sign change is at least 1/2.
     :param control: The random-perturbation control of the same examples at the same ℓ∞ budget (random signs at
-        ``±eps``, clipped): its ``eps``, ``flip_rate``, ``flip_rate_above_floor``, ``spearman``, ``top_k_jaccard``
-        with intervals; ``None`` without a control.
-    :param excess_flip_rate: ``flip_rate`` minus the control's flip rate.
-    :param excess_flip_rate_ci: Paired bootstrap interval over queries (the same resamples for both).
-    :param replicates: Bootstrap replicates of every statistic, on the same resamples of queries (with a control:
-        also ``control_flip_rate``), kept in memory for pooling runs with
-        :func:`~art_malleability.metrics.hierarchical_interval`; not saved).
+        ``±eps``, clipped; ``draws`` independent sign draws, averaged): its ``eps``, ``draws``, ``flip_rate``,
+        ``flip_rate_null``, ``flip_rate_above_floor``, ``spearman``, ``top_k_jaccard`` with intervals; ``None``
+        without a control.
+    :param excess_flip_rate: ``flip_rate`` minus the control's mean flip rate.
+    :param excess_flip_rate_ci: Normal interval: the paired bootstrap variance over queries (the same resamples for
+        both) plus the spread between the control's draws over their number.
+    :param flip_rate_null: The raw flip rate expected by query noise alone (no population aggregate changing sign,
+        magnitudes as the data show them).
+    :param no_flip_statistic: Likelihood-ratio statistic of "no member of the top set flips" (``χ²₁`` scale).
+    :param undecided_share: Share of the top set whose perturbed aggregate lies within one standard error of zero:
+        their population sign is hard to decide from these queries, and the noise-aware rate's bias grows with it.
     """
 
     attack: str
@@ -81,12 +90,13 @@ class AttackResult:
     control: dict[str, Any] | None = None
     excess_flip_rate: float | None = None
     excess_flip_rate_ci: list[float | None] = field(default_factory=lambda: [None, None])
-    replicates: dict[str, np.ndarray] | None = field(default=None, repr=False, compare=False)
+    flip_rate_null: float | None = None
+    no_flip_statistic: float | None = None
+    undecided_share: float | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            if f.name != "replicates":
-                setattr(self, f.name, json_ready(getattr(self, f.name)))
+            setattr(self, f.name, json_ready(getattr(self, f.name)))
 
 
 @dataclass
@@ -113,8 +123,8 @@ class MalleabilityReport(SavedReport):
     :param execution: What ran: the influence estimator's parameters and mode (``"exact"`` or
                       ``"projected"``, with the projection dimension, seed and per-layer dimensions), and
                       the process group (``world_size``, ``backend``).
-    :param noise_floor: The rule of the ``flip_rate_above_floor`` metrics: ``z`` and the projection's standard
-                        deviation per aggregate score (0 for a deterministic estimator) with the two seeds compared.
+    :param noise_model: How the noise-aware flip rate modelled the noise: the method and, for a projected
+                        influence, the projection's noise ``sd = intercept + slope · |score|`` and the seeds compared.
     :param fidelity: When a validation of this model was given: the estimator's linear datamodeling score
                      against retraining (``lds``, ``lds_ci``), its leave-one-out sign agreement and the validation's
                      settings (see :mod:`art_malleability.validation`); ``None`` otherwise.
@@ -135,7 +145,7 @@ class MalleabilityReport(SavedReport):
     dataset: str | None = None
     warnings: list[str] = field(default_factory=list)
     execution: dict[str, Any] = field(default_factory=dict)
-    noise_floor: dict[str, Any] = field(default_factory=dict)
+    noise_model: dict[str, Any] = field(default_factory=dict)
     fidelity: dict[str, Any] | None = None
 
     json_name: ClassVar[str] = "report.json"
@@ -165,8 +175,6 @@ class MalleabilityReport(SavedReport):
             path of every ``null`` in it (``"results[0].flip_rate_ci[1]"``) to the reason it is ``null``.
         """
         data = asdict(self)
-        for result in data["results"]:
-            result.pop("replicates", None)
         data["null_reasons"] = null_reasons(data)
         return data
 
@@ -180,8 +188,9 @@ class MalleabilityReport(SavedReport):
 
     def summary(self) -> str:
         """
-        :return: A plain-text table: attack, flip rate [CI], flip rate above the noise floor, the random control's
-                 flip rate, the excess flip rate [CI], Spearman, top-k overlap, attack success.
+        :return: A plain-text table: attack, the raw flip rate [CI] and its expectation by query noise alone, the
+                 noise-aware flip rate [CI], the random control's flip rate, the excess flip rate [CI], Spearman,
+                 top-k overlap, attack success.
         """
         lines = [self._title(), *text_table(self._header(), [_row(r) for r in self.results])]
         if self.fidelity is not None:
@@ -200,7 +209,7 @@ class MalleabilityReport(SavedReport):
         )
 
     def to_markdown(self) -> str:
-        """:return: The report as Markdown: settings, the tables, the noise floor, timings and versions."""
+        """:return: The report as Markdown: settings, the tables, the noise model, timings and versions."""
         header = self._header()
         lines = [
             f"# Influence malleability: {self.model}",
@@ -209,11 +218,14 @@ class MalleabilityReport(SavedReport):
             "",
             *[f"> **Warning:** {w}\n" for w in self.warnings],
             "Influence scores have shape (n_query, n_train); positive = helpful (removing the training "
-            "example would raise the query's loss). The flip rate is the share of the clean top set whose "
-            "aggregate influence changes sign after the attack; *above floor* counts only sign changes between "
-            "scores distinguishable from zero; *control* perturbs the same examples by random signs at the same "
-            "budget, and *excess* is the attack's flip rate minus the control's (paired bootstrap over queries). "
-            "Intervals: bootstrap over queries, percentile interval moved onto the estimate (it always contains it).",
+            "example would raise the query's loss). The *flip rate* (the paper's) is the share of the clean top set "
+            "whose measured aggregate influence changes sign after the attack; *by noise* is what query noise alone "
+            "would give (no population aggregate changing sign); the *noise-aware* rate estimates the share whose "
+            "population aggregate changes sign (empirical-Bayes deconvolution of the paired aggregates); *control* "
+            "perturbs the same examples by random signs at the same budget (mean of several sign draws), and "
+            "*excess* is the attack's flip rate minus the control's. Intervals (docs/metrics.md gives each one's "
+            "estimand and measured coverage): flip rate, excess and overlap: normal with the bootstrap standard "
+            "error over queries; Spearman: BCa; noise-aware: bootstrap refits of the deconvolution.",
             "",
             markdown_table(header, [_row(r) for r in self.results]),
         ]
@@ -221,9 +233,10 @@ class MalleabilityReport(SavedReport):
         if controls:
             lines += ["", "## Random-perturbation controls", ""]
             lines.append(markdown_table(
-                ["beside", "eps", "flip rate", "above floor", "Spearman", "top-k Jaccard"],
-                [[r.attack, f"{r.control['eps']:g}",
+                ["beside", "eps", "draws", "flip rate", "by noise", "noise-aware", "Spearman", "top-k Jaccard"],
+                [[r.attack, f"{r.control['eps']:g}", str(r.control.get("draws")),
                   format_percent_ci(r.control["flip_rate"], r.control["flip_rate_ci"]),
+                  format_percent(r.control.get("flip_rate_null")),
                   format_percent_ci(r.control["flip_rate_above_floor"], r.control["flip_rate_above_floor_ci"]),
                   format_number_ci(r.control["spearman"], r.control["spearman_ci"]),
                   format_number_ci(r.control["top_k_jaccard"], r.control["top_k_jaccard_ci"])] for r in controls],
@@ -232,9 +245,12 @@ class MalleabilityReport(SavedReport):
                   + ", ".join(f"{r.attack} {format_percent(r.per_query_flip_rate)}" for r in self.results)]
         if self.fidelity is not None:
             lines += ["", "## Influence fidelity", "", self._fidelity_line() + "."]
-        if self.noise_floor:
-            lines += ["", "## Noise floor", "", f"{self.noise_floor.get('rule')}; z = {self.noise_floor.get('z'):.3f}, "
-                      f"projection sd = {self.noise_floor.get('projection_sd'):.3g}."]
+        if self.noise_model:
+            projection = self.noise_model.get("projection_sd")
+            lines += ["", "## Noise model", "", f"{self.noise_model.get('method')}; projection noise: "
+                      + ("none (deterministic estimator)" if projection is None else
+                         f"sd = {projection['intercept']:.3g} + {projection['slope']:.3g} |score| "
+                         f"(seeds {self.noise_model.get('projection_seeds')})") + "."]
         lines += ["", "## Settings", ""]
         lines += [f"- `{k}`: `{v}`" for k, v in self.config.items()]
         lines += ["", "## Time (seconds)", ""]
@@ -249,8 +265,8 @@ class MalleabilityReport(SavedReport):
 
     def _header(self) -> list[str]:
         conf = int(round(100 * self.config.get("confidence", 0.95)))
-        return ["attack", f"flip rate [{conf}% CI]", "above floor", "control", "excess [CI]", "Spearman",
-                "top-k Jaccard", "success"]
+        return ["attack", f"flip rate [{conf}% CI]", "by noise", "noise-aware [CI]", "control", "excess [CI]",
+                "Spearman", "top-k Jaccard", "success"]
 
     def _figures(self) -> dict[str, Any]:
         figures = {"flip_rates.png": self.plot_flip_rates}
@@ -260,8 +276,8 @@ class MalleabilityReport(SavedReport):
 
     def plot_flip_rates(self, ax: Any = None) -> Any:
         """
-        Bar chart per attack: the flip rate, the flip rate above the noise floor and the random-sign control's
-        flip rate, each with its interval.
+        Bar chart per attack: the raw flip rate (with a tick at its expectation by query noise alone), the
+        noise-aware flip rate and the random-sign control's flip rate, each with its interval.
 
         :param ax: Optional matplotlib axes.
         :return: The matplotlib figure.
@@ -270,8 +286,8 @@ class MalleabilityReport(SavedReport):
         labels = [r.attack for r in self.results]
         series = [
             ("flip rate", "tab:red", [(r.flip_rate, r.flip_rate_ci) for r in self.results]),
-            ("above noise floor", "tab:orange", [(r.flip_rate_above_floor, r.flip_rate_above_floor_ci)
-                                                 for r in self.results]),
+            ("noise-aware", "tab:orange", [(r.flip_rate_above_floor, r.flip_rate_above_floor_ci)
+                                           for r in self.results]),
             ("random-sign control", "0.55", [
                 (None, [None, None]) if r.control is None else (r.control["flip_rate"], r.control["flip_rate_ci"])
                 for r in self.results
@@ -287,6 +303,10 @@ class MalleabilityReport(SavedReport):
             high = np.array([nan_if_none(ci[1]) for _, ci in values]) * 100
             ax.bar(x, np.nan_to_num(point), width, color=color, alpha=0.85, label=name)
             ax.vlines(x, low, high, color="k", lw=1.0)
+            if j == 0:
+                null = np.array([nan_if_none(r.flip_rate_null) for r in self.results]) * 100
+                ax.hlines(null, x - width / 2, x + width / 2, color="k", lw=2.0, linestyles=":",
+                          label="flip rate by noise alone")
             finite = np.append(high[np.isfinite(high)], point[np.isfinite(point)])
             top = max(top, float(finite.max()) * 1.15 if finite.size else top)
         ax.set_xticks(positions, labels)
@@ -299,7 +319,8 @@ class MalleabilityReport(SavedReport):
     def plot_influence_scatter(self, attack: str, ax: Any = None) -> Any:
         """
         Aggregate influence of each training example before vs after one attack; the clean top set is
-        highlighted and sign flips are marked: crosses count above the noise floor, open circles do not.
+        highlighted and sign flips are marked: crosses for the members whose posterior probability of a population
+        sign change is at least 1/2, open circles for measured sign changes that query noise explains better.
 
         :param attack: Attack label.
         :param ax: Optional matplotlib axes.
@@ -311,14 +332,14 @@ class MalleabilityReport(SavedReport):
         after = np.array([nan_if_none(v) for v in r.scores_after])
         top = np.array(self.top_indices, dtype=int)
         flipped = top[np.sign(before[top]) * np.sign(after[top]) < 0]
-        counted = np.intersect1d(flipped, np.array(r.counted_flips, dtype=int))
+        counted = np.array(r.counted_flips, dtype=int)
         within = np.setdiff1d(flipped, counted)
         ax.scatter(before, after, s=6, color="0.65", label="all training examples")
         ax.scatter(before[top], after[top], s=14, color="tab:blue", label=f"top {len(top)}")
         ax.scatter(before[counted], after[counted], s=22, color="tab:red", marker="x",
-                   label=f"flipped above noise floor ({len(counted)})")
+                   label=f"likely population flips ({len(counted)})")
         ax.scatter(before[within], after[within], s=30, facecolors="none", edgecolors="tab:orange",
-                   label=f"flipped within noise floor ({len(within)})")
+                   label=f"measured flips noise explains ({len(within)})")
         ax.axhline(0, color="k", lw=0.6)
         ax.axvline(0, color="k", lw=0.6)
         ax.ticklabel_format(style="sci", scilimits=(-2, 3))
@@ -359,7 +380,8 @@ def _row(r: AttackResult) -> list[str]:
     return [
         r.attack,
         format_percent_ci(r.flip_rate, r.flip_rate_ci),
-        format_percent(r.flip_rate_above_floor),
+        format_percent(r.flip_rate_null),
+        format_percent_ci(r.flip_rate_above_floor, r.flip_rate_above_floor_ci),
         "n/a" if r.control is None else format_percent(r.control["flip_rate"]),
         _points_ci(r.excess_flip_rate, r.excess_flip_rate_ci),
         format_number_ci(r.spearman, r.spearman_ci),

@@ -653,9 +653,24 @@ def case_audit(spec: dict[str, Any]) -> None:
         "mode": report.execution.get("mode"), "k": report.execution.get("projection_dim"),
         "solver": type(ntk.solver_).__name__, "seconds": dict(report.seconds),
         "attacks": [{"attack": r.attack, "seconds": dict(r.seconds), "flip_rate": r.flip_rate,
-                     "attack_success": r.attack_success, "n_perturbed": r.n_perturbed} for r in report.results],
+                     "flip_rate_ci": r.flip_rate_ci, "flip_rate_null": r.flip_rate_null,
+                     "noise_aware": r.flip_rate_above_floor, "noise_aware_ci": r.flip_rate_above_floor_ci,
+                     "control": None if r.control is None else r.control["flip_rate"],
+                     "excess": r.excess_flip_rate, "excess_ci": r.excess_flip_rate_ci,
+                     "undecided_share": r.undecided_share, "attack_success": r.attack_success,
+                     "n_perturbed": r.n_perturbed} for r in report.results],
         "ntk_stages": stages, "clean_accuracy": report.clean_accuracy,
     })
+
+
+def _pct_ci(value: float | None, ci: list[float | None] | None = None) -> str:
+    """A share in percent with its interval, ``n/a`` when undefined."""
+    if value is None:
+        return "n/a"
+    text = f"{100 * value:.1f}"
+    if ci and ci[0] is not None and ci[1] is not None:
+        text += f" [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]"
+    return text
 
 
 # ------------------------------------------------------------------------------------------------ gemm
@@ -949,6 +964,13 @@ class Bench:
                          "metrics s (3)", "influence per attack / clean", "peak RSS MiB",
                          f"target: time < {TARGET_AUDIT_S[model] / 60:.0f} min, RSS < 8 GB", "other load (cores)"],
                         rows))
+            stat_rows = [[n, r["attack"], _pct_ci(r["flip_rate"], r["flip_rate_ci"]), _pct_ci(r["flip_rate_null"]),
+                          _pct_ci(r["noise_aware"], r["noise_aware_ci"]), _pct_ci(r["control"]),
+                          _pct_ci(r["excess"], r["excess_ci"]), _pct_ci(r["undecided_share"])]
+                         for n, res in cases.items() if res.get("ok") for r in res["attacks"]]
+            print(f"\n#### {model}: what the audits found (percent; intervals 95 %)\n")
+            print(table(["n_train", "attack", "flip rate", "by noise", "noise-aware", "control", "excess (pts)",
+                         "undecided"], stat_rows))
             print(f"\n#### {model}: phases per stage (s); NTK columns are the influence's seconds_ of the stage\n")
             print(table(["n_train", "stage", "attack", "influence", "metrics", "NTK features", "NTK solve",
                          "NTK communication", "NTK scores"], phase_rows), flush=True)

@@ -1,5 +1,5 @@
 """
-Read a saved audit back: the headline numbers, the flips that count, and the training examples behind them.
+Read a saved audit back: the headline numbers, the flips that are likely real, and the training examples behind them.
 
     art-malleability audit --model 2l-relu --output audit     # writes audit/2l-relu/report.json
     python examples/read_report.py audit/2l-relu               # or the report.json itself
@@ -30,11 +30,11 @@ def main() -> None:
     for result in report.results:
         after = np.asarray(result.scores_after, dtype=float)
         flipped = top[flip_mask(before[top], after[top])]  # NaN never counts as a flip
-        counted = set(result.counted_flips or [])
-        print(f"\n{result.attack}: {len(flipped)} of {len(top)} influential examples flipped "
-              f"({len(counted)} above the noise floor); the most influential of them:")
+        likely = set(result.counted_flips or [])
+        print(f"\n{result.attack}: {len(flipped)} of {len(top)} influential examples flipped as measured "
+              f"({len(likely)} likely in the population, posterior >= 1/2); the most influential of them:")
         for i in flipped[: args.show]:
-            mark = "counted" if int(i) in counted else "within the floor"
+            mark = "likely a population flip" if int(i) in likely else "query noise explains it better"
             print(f"  training example {int(i):>5}: influence {before[i]:+.3e} -> {after[i]:+.3e} ({mark})")
 
 

@@ -132,3 +132,26 @@ def test_shard_bounds_cover_the_training_set_and_single_process_is_not_sharded()
         current_shard(True)
     with pytest.raises(ValueError, match="distributed must be"):
         current_shard("yes")
+
+
+@pytest.mark.parametrize(
+    ("error", "expected"),
+    [
+        (RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for "
+                      "recv operation to complete"), "Timed out waiting 5000ms for recv operation to complete"),
+        (RuntimeError("[../gloo/transport/tcp/pair.h:311] Connect timeout [none]"), "Connect timeout [none]"),
+        (RuntimeError("Read error [127.0.0.1]:5: Connection reset by peer"), "Read error [127.0.0.1]:5: Connection "
+         "reset by peer"),
+        (RuntimeError("wait timeout after 5000ms, keys: /default_pg/0//cpu//0/1"), "wait timeout after 5000ms, keys: "
+         "/default_pg/0//cpu//0/1"),
+        (RuntimeError("CUDA out of memory"), None),
+        (ValueError("Timed out waiting 5000ms"), None),
+    ],
+)
+def test_what_gloo_and_the_store_say_of_a_lost_peer_is_recognised(error, expected):
+    from art_malleability.distributed import peer_failure
+
+    assert peer_failure(error) == expected
+    wrapped = ValueError("while auditing")
+    wrapped.__cause__ = error
+    assert peer_failure(wrapped) == expected

@@ -14,13 +14,13 @@ from art.exceptions import EstimatorError
 from helpers import digits, trained_classifier
 
 from art_malleability import MalleabilityEstimator, influence_flip_rate
+from art_malleability._flip_posterior import projection_noise
 from art_malleability.attacks import random_sign_perturbation
 from art_malleability.influence import InfluenceEstimator, NTKInfluence
 from art_malleability.metrics import (
     aggregate_scores,
-    counted_flips,
     flip_rate,
-    flip_rate_above_floor,
+    noise_aware_flip_rate,
     spearman,
     top_indices,
 )
@@ -65,25 +65,30 @@ def test_fgsm_flip_rate_equals_explicit_recomputation(name, relu_clf, attn_clf):
     assert result.n_perturbed == 20
     assert result.max_perturbation <= 0.3 + 1e-6
     np.testing.assert_allclose(report.scores_before, aggregate_scores(before), rtol=1e-10)
-    # the noise floor of an exact estimator: the queries' standard errors alone
-    assert report.noise_floor["projection_sd"] == 0.0
-    assert result.flip_rate_above_floor == flip_rate_above_floor(before, after, top=top)
-    assert result.counted_flips == counted_flips(before, after, top).tolist()
+    # the noise-aware rate of an exact estimator: query noise alone, the set selected from the clean scores
+    assert report.noise_model["projection_sd"] is None
+    aware = noise_aware_flip_rate(before, after, top=top, n_bootstrap=FAST["n_bootstrap"], seed=0)
+    assert result.flip_rate_above_floor == pytest.approx(aware["estimate"], abs=1e-12)
+    assert result.flip_rate_above_floor_ci == pytest.approx(list(aware["ci"]), abs=1e-12)
+    assert result.flip_rate_null == pytest.approx(aware["null_raw_flip_rate"], abs=1e-12)
+    assert result.counted_flips == top[aware["flip_probabilities"] >= 0.5].tolist()
 
-    # the control: the same rows moved by seeded random signs at the same budget, influence recomputed
-    x_ctrl = x.copy()
-    x_ctrl[top] = random_sign_perturbation(x[top], top, 0.3, (0.0, 1.0), seed=0)
-    if name == "mlp-attn":
-        model.set_context(x_ctrl)
-    control = NTKInfluence(ridge=1e-3, device="cpu").fit(model, x_ctrl, y).scores(xq, yq)
+    # the control: the same rows moved by seeded random signs at the same budget, influence recomputed; five
+    # draws of the signs (seeds 0, 1000, ...), averaged
+    rates, rhos = [], []
+    for draw in range(5):
+        x_ctrl = x.copy()
+        x_ctrl[top] = random_sign_perturbation(x[top], top, 0.3, (0.0, 1.0), seed=1000 * draw)
+        if name == "mlp-attn":
+            model.set_context(x_ctrl)
+        control = NTKInfluence(ridge=1e-3, device="cpu").fit(model, x_ctrl, y).scores(xq, yq)
+        rates.append(flip_rate(before, control, 0.1))
+        rhos.append(spearman(before, control))
     assert result.control["eps"] == 0.3 and result.control["perturbation"] == "random-sign"
-    assert result.control["flip_rate"] == pytest.approx(flip_rate(before, control, 0.1))
-    assert result.control["spearman"] == pytest.approx(spearman(before, control))
-    assert result.excess_flip_rate == pytest.approx(flip_rate(before, after, 0.1) - flip_rate(before, control, 0.1))
-    for r in (result.__dict__, result.control):  # every interval contains its estimate
-        for key in [k for k in r if k.endswith("_ci")]:
-            if r[key[:-3]] is not None:
-                assert r[key][0] <= r[key[:-3]] <= r[key][1], key
+    assert result.control["draws"] == 5
+    assert result.control["flip_rate"] == pytest.approx(np.mean(rates))
+    assert result.control["spearman"] == pytest.approx(np.mean(rhos))
+    assert result.excess_flip_rate == pytest.approx(flip_rate(before, after, 0.1) - np.mean(rates))
 
 
 def test_random_sign_control_perturbation():
@@ -175,11 +180,13 @@ def test_transductive_context_refreshed_on_a_copy_only(attn_clf):
     report = MalleabilityEstimator(attn_clf, attacks=["fgsm"], influence=recorder, **FAST).evaluate(
         data.x_train, data.y_train
     )
-    clean, control, perturbed = recorder.contexts  # clean, random-sign control, attack
+    clean, *controls, perturbed = recorder.contexts  # clean, five random-sign control draws, attack
+    assert len(controls) == 5
     assert torch.equal(clean, context)  # the model was trained with this training set as context
-    assert recorder.context_dtypes == [torch.float64] * 3  # computed in the influence's dtype
-    assert not torch.allclose(clean, perturbed) and not torch.allclose(clean, control)
-    assert not torch.allclose(control, perturbed)
+    assert recorder.context_dtypes == [torch.float64] * 7  # computed in the influence's dtype
+    assert not torch.allclose(clean, perturbed) and not any(torch.allclose(clean, c) for c in controls)
+    assert not any(torch.allclose(c, perturbed) for c in controls)
+    assert not torch.allclose(controls[0], controls[1])  # each draw its own signs
     assert torch.equal(attn_clf.model.attention.context, context)
     assert report.config["influence"] == "recorder"
 
@@ -349,7 +356,8 @@ def test_model_near_chance_is_flagged(relu_clf):
     report = MalleabilityEstimator(weak, attacks=["fgsm"], **FAST).evaluate(*args)
     assert report.warnings and "close to chance" in report.warnings[0]
     assert "WARNING: clean accuracy" in report.summary() and "**Warning:**" in report.to_markdown()
-    assert MalleabilityEstimator(relu_clf, attacks=["fgsm"], **FAST).evaluate(*args).warnings == []
+    assert not any("close to chance" in w for w in MalleabilityEstimator(relu_clf, attacks=["fgsm"], **FAST).evaluate(
+        *args).warnings)
 
 
 def test_any_pytorch_classifier_with_mixed_flags_is_left_as_it_was():
@@ -394,13 +402,14 @@ def test_projected_mode_equals_a_by_hand_pipeline_and_is_recorded(relu_clf):
     assert run["world_size"] == 1 and run["backend"] is None and run["params"]["ridge"] == 1e-3
     assert {g["kind"] for g in run["projection_groups"]} == {"linear"}
     assert any("random projection" in w for w in report.warnings)
-    # the noise floor: the spread of the clean aggregate scores between projection seeds 3 and 4
-    twin = NTKInfluence(projection_dim=64, projection_seed=4, device="cpu").fit(model, x, y).scores(xq, yq)
-    gap = aggregate_scores(before) - aggregate_scores(twin)
-    assert report.noise_floor["projection_sd"] == pytest.approx(np.sqrt(np.mean(gap**2) / 2), rel=1e-8)
-    assert report.noise_floor["projection_seeds"] == [3, 4]
-    noise = report.noise_floor["projection_sd"]
-    assert result.flip_rate_above_floor == flip_rate_above_floor(before, after, top=top, noise=noise)
+    # the projection's noise model: the spread of the clean aggregate scores between projection seeds 3, 4 and 5
+    twins = [NTKInfluence(projection_dim=64, projection_seed=s, device="cpu").fit(model, x, y).scores(xq, yq)
+             for s in (4, 5)]
+    noise = projection_noise(np.stack([aggregate_scores(s) for s in (before, *twins)]))
+    assert report.noise_model["projection_seeds"] == [3, 4, 5]
+    assert [report.noise_model["projection_sd"][k] for k in ("intercept", "slope")] == pytest.approx(list(noise))
+    aware = noise_aware_flip_rate(before, after, top=top, noise=noise, n_bootstrap=FAST["n_bootstrap"], seed=3)
+    assert result.flip_rate_above_floor == pytest.approx(aware["estimate"], abs=1e-9)
     exact = MalleabilityEstimator(relu_clf, attacks=["fgsm"], **FAST).evaluate(x, y, xq, yq)
     assert exact.execution["mode"] == "exact" and "projection_dim" not in exact.execution
     assert not any("random projection" in w for w in exact.warnings)

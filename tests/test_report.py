@@ -33,12 +33,15 @@ def _report(n_queries: int = 10) -> MalleabilityReport:
                 flip_rate_above_floor=0.1,
                 flip_rate_above_floor_ci=(0.0, 0.4),
                 counted_flips=[int(np.argmax(np.abs(before)))],
-                control={"perturbation": "random-sign", "eps": 0.3, "flip_rate": 0.05, "flip_rate_ci": (0.0, 0.2),
+                control={"perturbation": "random-sign", "eps": 0.3, "draws": 5, "flip_rate_null": 0.04,
+                         "flip_rate": 0.05, "flip_rate_ci": (0.0, 0.2),
                          "flip_rate_above_floor": 0.0, "flip_rate_above_floor_ci": (0.0, 0.1), "spearman": 0.9,
                          "spearman_ci": (0.85, 0.95), "top_k_jaccard": 0.8, "top_k_jaccard_ci": (0.6, 0.9)},
                 excess_flip_rate=0.15,
                 excess_flip_rate_ci=(-0.05, 0.45),
-                replicates={"flip_rate": rng.random(10)},
+                flip_rate_null=0.15,
+                no_flip_statistic=2.5,
+                undecided_share=0.1,
             )
         )
     return MalleabilityReport(
@@ -83,17 +86,11 @@ def test_summary_markdown_and_comparison():
     assert "flip rate [95% CI]" in summary and "20.0% [0.0, 60.0]" in summary
     assert "+15.0 pts [-5.0, +45.0]" in summary and "5.0%" in summary  # excess over the control, control
     markdown = report.to_markdown()
-    assert "| fgsm | 20.0% [0.0, 60.0] | 10.0% | 5.0% | +15.0 pts" in markdown and "positive = helpful" in markdown
-    assert "| fgsm | 0.3 | 5.0% [0.0, 20.0]" in markdown  # the controls' table
+    assert "| fgsm | 20.0% [0.0, 60.0] | 15.0% | 10.0% [0.0, 40.0] | 5.0% | +15.0 pts" in markdown
+    assert "positive = helpful" in markdown and "noise-aware" in markdown
+    assert "| fgsm | 0.3 | 5 | 5.0% [0.0, 20.0] | 4.0% |" in markdown  # the controls' table
     table = comparison_table([report, report])
     assert table.count("| 2l-relu |") == 2 and "pgd flip rate" in table and "excess +15.0 pts" in table
-
-
-def test_replicates_stay_in_memory_only(tmp_path):
-    report = _report()
-    assert "replicates" not in report.to_dict()["results"][0]
-    loaded = MalleabilityReport.load(report.save(tmp_path))
-    assert loaded.results[0].replicates is None and loaded == report
 
 
 def test_lookup_and_missing_file(tmp_path):
@@ -179,7 +176,7 @@ def test_every_null_in_a_real_report_says_why(tmp_path):
                                                           data.y_test[test])
         saved = json.loads((report.save(tmp_path / str(len(kwargs))) / "report.json").read_text())
         nulls = _null_paths(saved)
-        assert {"fidelity", "dataset", "execution.backend", "noise_floor.projection_seeds"} <= set(nulls)
+        assert {"fidelity", "dataset", "execution.backend", "noise_model.projection_seeds"} <= set(nulls)
         reasons = saved["null_reasons"]
         assert set(reasons) == set(nulls)
         assert all(reasons[p] and reasons[p] != "not recorded by this run" for p in nulls), reasons

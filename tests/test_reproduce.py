@@ -34,24 +34,28 @@ def test_every_table_runs_on_tiny_sizes(tmp_path):
     assert all("clean_accuracy" in r and "near_chance" in r for r in data["rows"] if r["table"] == "table2")
     assert (tmp_path / "ablation.png").exists() and (tmp_path / "table1_ntk" / "convergence.json").exists()
     table2 = [r for r in data["rows"] if r["table"] == "table2"]
-    assert all("_replicates" not in r and "excess_flip_rate" in r and "control_flip_rate" in r for r in table2)
+    assert all("excess_flip_rate_ci" in r and "control_flip_rate" in r and "flip_rate_null" in r for r in table2)
     assert "MLP-Attn minus 2L-ReLU, excess flip rates" in result.tables["table2"]
-    assert "two-level bootstrap" in result.tables["table2"] and "| 2l-relu | fgsm |" in result.tables["table2"]
+    assert "Student-t interval over the seeds" in result.tables["table2"]
+    assert "| 2l-relu | fgsm |" in result.tables["table2"]
     for table, loss in (("table2", "cross_entropy"), ("table3", "mse")):  # LDS line, n/a for untrained models
         assert "Fidelity of the influence estimator against retraining (LDS, seed 0, 20 models" in result.tables[
             table] and f"query {loss} loss" in result.tables[table]
 
 
-def test_pooled_interval_covers_seeds_and_queries():
-    from art_malleability.paper.common import REPLICATES, pooled
+def test_pooling_over_seeds_is_a_t_interval_and_one_seed_keeps_its_own():
+    from scipy import stats
 
-    rng = np.random.default_rng(0)
-    rows = [{"flip_rate": p, REPLICATES: {"flip_rate": p + 0.01 * rng.normal(size=200)}} for p in (0.1, 0.3, 0.5)]
-    mean, low, high, draws = pooled(rows, "flip_rate")
-    assert mean == pytest.approx(30.0) and low < 20 < 40 < high and draws.shape == (2000,)
-    assert low <= mean <= high
-    bare = pooled([{"flip_rate": 0.2}, {"flip_rate": 0.4}], "flip_rate")  # no replicates: mean only
-    assert bare[0] == pytest.approx(30.0) and np.isnan(bare[1]) and bare[3] is None
+    from art_malleability.paper.common import paired_gap, pooled
+
+    rows = [{"seed": s, "flip_rate": p, "flip_rate_ci": [p - 0.1, p + 0.1]} for s, p in enumerate((0.1, 0.3, 0.5))]
+    mean, low, high = pooled(rows, "flip_rate")
+    half = 100 * stats.t.ppf(0.975, 2) * np.std([0.1, 0.3, 0.5], ddof=1) / np.sqrt(3)
+    assert mean == pytest.approx(30.0) and (low, high) == pytest.approx((max(30 - half, 0.0), 30 + half))
+    assert pooled(rows[:1], "flip_rate") == pytest.approx((10.0, 0.0, 20.0))  # one seed: its interval over queries
+    other = [{"seed": r["seed"], "flip_rate": r["flip_rate"] - 0.05 + 0.01 * r["seed"]} for r in rows]
+    gap, low, high = paired_gap(rows, other, "flip_rate")
+    assert gap == pytest.approx(4.0) and low < 4.0 < high and high - low < 10  # paired by seed: narrow
 
 
 def test_mean_ci_and_paper_numbers():

@@ -12,13 +12,11 @@ from scipy import stats
 from art_malleability._io import progress_bar
 from art_malleability.datasets import Dataset
 from art_malleability.estimator import MalleabilityEstimator, near_chance_warnings
-from art_malleability.metrics import hierarchical_interval, hierarchical_replicates, shifted_percentile_interval
+from art_malleability.metrics import seed_interval
 from art_malleability.models import build_reference_model
 from art_malleability.training import make_classifier, train_model
 
 ATTACKS = ("fgsm", "pgd", "mim")
-#: Key of a row's in-memory bootstrap replicates (pooled over seeds in the tables, never saved).
-REPLICATES = "_replicates"
 
 
 def train_module(
@@ -69,54 +67,64 @@ def audit(config, clf, data: Dataset, attacks, eps: float, seed: int, **override
     return estimator.evaluate(data.x_train, data.y_train, data.x_test, data.y_test, dataset=data.name)
 
 
+#: Statistics of an attack result that the tables pool over seeds, and where each one's interval is.
+POOLED = {
+    "flip_rate": "flip_rate_ci",
+    "flip_rate_null": None,
+    "flip_rate_above_floor": "flip_rate_above_floor_ci",
+    "excess_flip_rate": "excess_flip_rate_ci",
+    "per_query_flip_rate": "per_query_flip_rate_ci",
+    "spearman": "spearman_ci",
+    "top_k_jaccard": "top_k_jaccard_ci",
+}
+
+
 def flip_rows(table: str, model: str, seed: int, accuracy: float, report, data: Dataset, extra: dict) -> list[dict]:
+    """:return: One table row per attack of a report: every pooled statistic with its own interval."""
     flagged = bool(near_chance_warnings(accuracy, data.y_test, "test"))
     rows = []
     for r in report.results:
-        replicates = dict(r.replicates or {})
-        rows.append(
-            {
-                "table": table,
-                "model": model,
-                "seed": seed,
-                "attack": r.attack,
-                "flip_rate": r.flip_rate,
-                "flip_rate_above_floor": r.flip_rate_above_floor,
-                "control_flip_rate": None if r.control is None else r.control["flip_rate"],
-                "excess_flip_rate": r.excess_flip_rate,
-                "per_query_flip_rate": r.per_query_flip_rate,
-                "spearman": r.spearman,
-                "top_k_jaccard": r.top_k_jaccard,
-                "attack_success": r.attack_success,
-                "clean_accuracy": accuracy,
-                "near_chance": flagged,
-                **extra,
-                REPLICATES: replicates,
-            }
-        )
+        row = {"table": table, "model": model, "seed": seed, "attack": r.attack}
+        for stat, ci in POOLED.items():
+            row[stat] = getattr(r, stat)
+            if ci is not None:
+                row[ci] = getattr(r, ci)
+        control = r.control or {}
+        row["control_flip_rate"], row["control_flip_rate_ci"] = control.get("flip_rate"), control.get("flip_rate_ci")
+        rows.append({**row, "attack_success": r.attack_success, "clean_accuracy": accuracy, "near_chance": flagged,
+                     **extra})
     return rows
 
 
-def pooled(rows: list[dict], stat: str, seed: int = 0) -> tuple[float, float, float, np.ndarray | None]:
+def pooled(rows: list[dict], stat: str) -> tuple[float, float, float]:
     """
-    Mean over the rows' seeds of a statistic with its two-level bootstrap interval (in percent), and the pooled
-    replicates (for differences between models); rows without replicates give a mean without interval.
+    Mean over the rows' seeds of a statistic, in percent, with a Student-t interval over the seeds
+    (:func:`~art_malleability.metrics.seed_interval`: each seed's estimate carries its own query noise, counted
+    once); a single seed keeps its own interval over queries.
     """
     rows = [r for r in rows if r.get(stat) is not None]
     if not rows:
-        return float("nan"), float("nan"), float("nan"), None
-    points = np.array([r[stat] for r in rows], dtype=np.float64)
-    draws = [r.get(REPLICATES, {}).get(stat) for r in rows]
-    if any(d is None or len(d) == 0 for d in draws) or len({len(d) for d in draws}) != 1:
-        return 100 * float(points.mean()), float("nan"), float("nan"), None
-    stacked, bounds = np.stack(draws), (-1.0 if stat == "excess_flip_rate" else 0.0, 1.0)
-    replicates = hierarchical_replicates(stacked, 2000, seed)
-    if np.isfinite(points).all():  # the replicates hierarchical_interval would draw again
-        mean = float(points.mean())
-        low, high = shifted_percentile_interval(mean, replicates, 0.95, bounds)
-    else:
-        mean, (low, high) = hierarchical_interval(points, stacked, 2000, 0.95, seed, bounds)
-    return 100 * mean, 100 * low, 100 * high, 100 * replicates
+        return float("nan"), float("nan"), float("nan")
+    if len(rows) == 1:
+        low, high = rows[0].get(stat + "_ci") or (None, None)
+        as_float = [float("nan") if v is None else 100 * float(v) for v in (low, high)]
+        return 100 * float(rows[0][stat]), as_float[0], as_float[1]
+    bounds = (-1.0, 1.0) if stat in ("excess_flip_rate", "spearman") else (0.0, 1.0)
+    mean, (low, high) = seed_interval(np.array([r[stat] for r in rows], dtype=np.float64), 0.95, bounds)
+    return 100 * mean, 100 * low, 100 * high
+
+
+def paired_gap(first: list[dict], second: list[dict], stat: str) -> tuple[float, float, float]:
+    """
+    Difference of a statistic between two models trained with the same seeds, in points, with a Student-t
+    interval over the seeds' paired differences.
+    """
+    by_seed = {r["seed"]: r[stat] for r in second if r.get(stat) is not None}
+    gaps = [r[stat] - by_seed[r["seed"]] for r in first if r.get(stat) is not None and r["seed"] in by_seed]
+    if not gaps:
+        return float("nan"), float("nan"), float("nan")
+    mean, (low, high) = seed_interval(np.array(gaps, dtype=np.float64), 0.95, (-2.0, 2.0))
+    return 100 * mean, 100 * low, 100 * high
 
 
 def mean_ci(values: list[float]) -> tuple[float, float, float]:
@@ -146,7 +154,8 @@ def progress(config, items, desc: str):
 
 __all__ = [
     "ATTACKS",
-    "REPLICATES",
+    "POOLED",
+    "paired_gap",
     "audit",
     "flip_rows",
     "fmt_ci",

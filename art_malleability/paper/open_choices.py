@@ -45,7 +45,7 @@ from art_malleability._state import preserved_rng
 from art_malleability.datasets import Dataset, load_dataset
 from art_malleability.influence import NTKInfluence
 from art_malleability.models import is_transductive
-from art_malleability.paper.common import ATTACKS, REPLICATES, audit, flip_rows, fmt_ci, pooled, progress, train
+from art_malleability.paper.common import ATTACKS, audit, flip_rows, fmt_ci, pooled, progress, train
 from art_malleability.paper.reproduce import PAPER, Reproduction, ReproductionConfig
 
 logger = logging.getLogger(__name__)
@@ -169,8 +169,7 @@ def _study(config: ReproductionConfig) -> Reproduction:
                     metric = settings.get("metric", "flip_rate")
                     for row in flip_rows("open_choices", model, seed, acc, report, data, {}):
                         row.update(choice=choice, alternative=alternative, default=is_default,
-                                   flip_rate=row[metric], metric=metric)
-                        row[REPLICATES] = {"flip_rate": row[REPLICATES].get(metric)}
+                                   flip_rate=row[metric], flip_rate_ci=row.get(metric + "_ci"), metric=metric)
                         rows.append(row)
     result.rows = rows
     result.seconds["open_choices"] = time.perf_counter() - start
@@ -183,7 +182,7 @@ def _table(rows: list[dict], paper: dict, family: str, data: Dataset, config: Re
     paper_ratio = {a: paper["mlp-attn"][a] / paper["2l-relu"][a] for a in ATTACKS}
     lines = [
         f"## Open choices: flip rates (%) on {data.name}, ε = {config.eps}, seeds {list(config.seeds)}", "",
-        "Mean over seeds [95% two-level bootstrap interval: seeds, then queries]. **default** = the reading "
+        "Mean over seeds [95% Student-t interval over the seeds]. **default** = the reading "
         "most faithful to the paper's text; "
         "*closest* = the alternative whose mean MLP-Attn / 2L-ReLU ratio is nearest the paper's "
         f"({family}: " + ", ".join(f"{a} {paper_ratio[a]:.1f}" for a in ATTACKS) + ") on a log scale.", "",
@@ -200,7 +199,7 @@ def _table(rows: list[dict], paper: dict, family: str, data: Dataset, config: Re
             for model in MODELS:
                 parts = []
                 for attack in ATTACKS:
-                    mean, low, high, _ = pooled([r for r in sel if r["model"] == model and r["attack"] == attack],
+                    mean, low, high = pooled([r for r in sel if r["model"] == model and r["attack"] == attack],
                                                  "flip_rate")
                     means[(model, attack)] = mean
                     parts.append(fmt_ci(mean, low, high, 1))

@@ -16,12 +16,12 @@ Reproduction of the paper's comparisons (Miñoza, Medina & Ibañez, 2026), side 
   counterpart), against standard training.
 * **ε ablation** (0.1, 0.2, 0.3, 0.5) on the Table 2 models, and the **spectral numbers**.
 
-Every flip rate is the mean over training seeds with a two-level bootstrap interval (seeds drawn
-with replacement, then each drawn seed's own bootstrap replicate over queries:
-:func:`~art_malleability.metrics.hierarchical_interval`), so it includes the seed-to-seed spread; Tables
-2–3 add the random-sign control, the excess flip rate (attack minus control) and the difference between
-MLP-Attn's and 2L-ReLU's excess flip rates with the same kind of interval, next to the paper's value and the
-ratio MLP-Attn / 2L-ReLU. Table 1's NTK distances keep a Student-t interval over seeds. The clean test
+Every flip rate is the mean over training seeds with a Student-t interval over the seeds
+(:func:`~art_malleability.metrics.seed_interval`: each seed's estimate carries its query noise, counted once);
+Tables 2–3 add the raw rate's expectation by query noise alone, the noise-aware flip rate, the random-sign control,
+the excess flip rate (attack minus control) and the difference between MLP-Attn's and 2L-ReLU's excess flip rates
+(paired over seeds), next to the paper's value and the ratio MLP-Attn / 2L-ReLU. Table 1's NTK distances keep a
+Student-t interval over seeds. The clean test
 accuracy of every trained model is reported, and a model that closes less than a quarter of the gap
 between chance and perfect accuracy is flagged (its flip rates are kept, marked, and left out of no
 table).
@@ -50,7 +50,6 @@ from art_malleability.datasets import Dataset, load_dataset, subsample
 from art_malleability.models import build_reference_model, is_transductive
 from art_malleability.paper.common import (
     ATTACKS,
-    REPLICATES,
     audit,
     flip_rows,
     fmt_ci,
@@ -181,9 +180,8 @@ class Reproduction(SavedReport):
     json_indent: ClassVar[int] = 1
 
     def to_dict(self) -> dict[str, Any]:
-        """:return: A JSON-ready dict: the settings, rows (without their bootstrap replicates), tables and times."""
-        rows = [{k: v for k, v in row.items() if k != REPLICATES} for row in self.rows]
-        return json_ready({"config": self.config, "family": self.family, "rows": rows, "tables": self.tables,
+        """:return: A JSON-ready dict: the settings, rows, tables and times."""
+        return json_ready({"config": self.config, "family": self.family, "rows": self.rows, "tables": self.tables,
                            "seconds": self.seconds})
 
     def to_markdown(self) -> str:
@@ -407,7 +405,7 @@ def _table4(config, data: Dataset, family: str, result: Reproduction, trained: d
         cells = []
         for training in ("standard", "pgd-adversarial"):
             sel = [r for r in rows if r["model"] == model and r["training"] == training]
-            cells += [fmt_ci(*pooled(sel, "flip_rate")[:3], 1), accuracy_cell(sel)]
+            cells += [fmt_ci(*pooled(sel, "flip_rate"), 1), accuracy_cell(sel)]
         paper = PAPER["table4"][family].get(model)
         table.append([model, *cells, f"{paper[0]} → {paper[1]}"])
     lines.append(markdown_table(["model", "standard", "clean acc.", "adversarial", "clean acc.",
@@ -426,7 +424,7 @@ def _ablation(config, data: Dataset, result: Reproduction, trained: dict) -> Non
                 rows += flip_rows("ablation", model, seed, acc, report, data, extra={"eps": eps})
     result.rows += rows
     table = [[model, attack, *[fmt_ci(*pooled([r for r in rows if r["model"] == model and r["attack"] == attack
-                                                 and r["eps"] == e], "flip_rate")[:3], 1) for e in config.eps_grid]]
+                                                 and r["eps"] == e], "flip_rate"), 1) for e in config.eps_grid]]
              for model in models for attack in ATTACKS]
     lines = ["## ε ablation: flip rates (%) by attack budget", "",
              markdown_table(["model", "attack", *[f"ε={e}" for e in config.eps_grid]], table),

@@ -13,7 +13,7 @@ import numpy as np
 from scipy.stats import binomtest, rankdata
 from torch import nn
 
-from art_malleability.metrics import bootstrap_interval
+from art_malleability.metrics import percentile_interval
 
 #: Measured outcome of the retrained models: the query's loss or its margin.
 OUTCOMES = ("loss", "margin")
@@ -29,7 +29,8 @@ class LDSResult:
 
     :param per_query: LDS of each query (``NaN`` where undefined: constant predictions or outcomes).
     :param mean: Mean over the queries where it is defined (``NaN`` when none is).
-    :param ci: Percentile bootstrap interval of the mean over queries.
+    :param ci: Percentile interval of a two-way bootstrap over the subset models and the queries
+        (:func:`lds_interval`).
     :param n_defined: Number of queries with a defined LDS.
     """
 
@@ -104,14 +105,43 @@ def linear_datamodeling_score(
             f"outcomes must have shape (n_models, n_query) = {(masks.shape[0], scores.shape[0])}, got {outcomes.shape}"
         )
     utility = -outcomes if outcome == "loss" else outcomes
-    per_query = _column_spearman(subset_sums(scores, masks), utility)
+    predicted = subset_sums(scores, masks)
+    per_query = _column_spearman(predicted, utility)
     defined = per_query[np.isfinite(per_query)]
     mean = float(defined.mean()) if defined.size else float("nan")
-    ci = bootstrap_interval(
-        lambda rows: float(defined[rows].mean()), defined.size, n_bootstrap=n_bootstrap, confidence=confidence,
-        seed=seed,
-    )
-    return LDSResult(per_query=per_query, mean=mean, ci=(float(ci[0]), float(ci[1])), n_defined=int(defined.size))
+    ci = lds_interval(predicted, utility, n_bootstrap, confidence, seed)
+    return LDSResult(per_query=per_query, mean=mean, ci=ci, n_defined=int(defined.size))
+
+
+def lds_interval(
+    predicted: np.ndarray, utility: np.ndarray, n_bootstrap: int = 1000, confidence: float = 0.95, seed: int = 0
+) -> tuple[float, float]:
+    """
+    Interval of the LDS by a two-way bootstrap: every resample draws the subset models and the queries with
+    replacement, independently, and recomputes each drawn query's Spearman correlation over the drawn models. The
+    LDS has two sources of sampling noise, the queries and the subset models that every query shares; resampling
+    queries alone (as before) left the second out. The estimand is the expected LDS of ``M`` models over the query
+    population; the two-way (pigeonhole) bootstrap counts the query-model interaction twice, so it leans wide
+    (coverage measured in the test suite).
+
+    :param predicted: ``(n_models, n_query)`` predicted utilities (influence summed over each subset).
+    :param utility: ``(n_models, n_query)`` measured utilities.
+    :param n_bootstrap: Resamples.
+    :param confidence: Coverage.
+    :param seed: Seed of the resampling.
+    :return: ``(low, high)``; ``(NaN, NaN)`` with fewer than two models or queries.
+    """
+    n_models, n_query = predicted.shape
+    if n_models < 2 or n_query < 2:
+        return float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
+    draws = np.empty(int(n_bootstrap))
+    for b in range(int(n_bootstrap)):
+        models, queries = rng.integers(0, n_models, n_models), rng.integers(0, n_query, n_query)
+        per_query = _column_spearman(predicted[models][:, queries], utility[models][:, queries])
+        draws[b] = np.nanmean(per_query) if np.isfinite(per_query).any() else np.nan
+    low, high = percentile_interval(draws, confidence)
+    return float(low), float(high)
 
 
 def sign_agreement(predicted: np.ndarray, measured: np.ndarray, confidence: float = 0.95) -> dict[str, Any]:

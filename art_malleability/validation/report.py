@@ -11,7 +11,7 @@ import numpy as np
 
 from art_malleability._io import json_ready
 from art_malleability._report_base import SavedReport, markdown_table
-from art_malleability.metrics import bootstrap_interval
+from art_malleability.metrics import t_interval
 from art_malleability.report import format_number_ci, format_percent, format_percent_ci, nan_if_none
 
 logger = logging.getLogger(__name__)
@@ -145,18 +145,17 @@ class ValidationReport(SavedReport):
         }
 
     def lds_difference(
-        self, first: str, second: str, n_bootstrap: int = 1000, confidence: float = 0.95, seed: int = 0
+        self, first: str, second: str, confidence: float = 0.95
     ) -> tuple[float | None, list[float | None]]:
         """
-        Paired difference of the mean LDS of two estimators over the same queries, with a bootstrap
-        interval over queries (the estimators share subsets and outcomes, so the paired interval is
-        narrower than comparing the two intervals).
+        Paired difference of the mean LDS of two estimators over the same queries, with a Student-t interval over
+        the queries' paired differences. It is conditional on the subset models, which both estimators share: it
+        says whether one estimator predicts these retrainings better than the other, not how much either LDS would
+        move with other subsets (the LDS's own interval resamples the models too).
 
         :param first: Estimator name.
         :param second: Estimator name.
-        :param n_bootstrap: Bootstrap resamples.
         :param confidence: Coverage of the interval.
-        :param seed: Seed of the bootstrap.
         :return: ``(mean LDS of first − mean LDS of second, [low, high])`` over queries where both are defined.
         """
         a = np.array([np.nan if v is None else v for v in self.results[first].lds_per_query], dtype=np.float64)
@@ -164,10 +163,7 @@ class ValidationReport(SavedReport):
         diff = (a - b)[np.isfinite(a) & np.isfinite(b)]
         if diff.size == 0:
             return None, [None, None]
-        ci = bootstrap_interval(
-            lambda rows: float(diff[rows].mean()), diff.size, n_bootstrap=n_bootstrap, confidence=confidence, seed=seed
-        )
-        return float(diff.mean()), json_ready(list(ci))
+        return float(diff.mean()), json_ready(list(t_interval(diff, confidence)))
 
     # ------------------------------------------------------------------ text
     def to_dict(self) -> dict[str, Any]:
@@ -185,7 +181,7 @@ class ValidationReport(SavedReport):
 
     def differences_table(self) -> str:
         """:return: Markdown table of the paired LDS differences between every two estimators."""
-        differences = [(a, b, *self.lds_difference(a, b, seed=self.config.get("seed", 0)))
+        differences = [(a, b, *self.lds_difference(a, b))
                        for a, b in combinations(self.results, 2)]
         return markdown_table(["estimators", "LDS difference [95% CI]"],
                               [[f"{a} − {b}", format_number_ci(mean, ci)] for a, b, mean, ci in differences])

@@ -1,0 +1,202 @@
+"""
+Simulations with known truth for every statistic the audit reports: each function plants a population, draws
+repeated samples from it, and returns what the statistic and its interval did (estimates, truths, coverage). The
+tests (``test_statistics.py``) run them at CI sizes and check the targets; ``benchmarks/statistics_coverage.py``
+runs them larger for the numbers in docs/metrics.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from planted import Planted, true_flip_share
+
+from art_malleability import metrics as M
+from art_malleability._flip_posterior import FlipPosterior
+from art_malleability.validation.lds import linear_datamodeling_score
+
+
+@dataclass
+class Coverage:
+    """What one simulated statistic did over the repetitions."""
+
+    name: str
+    truth: list[float] = field(default_factory=list)
+    estimate: list[float] = field(default_factory=list)
+    low: list[float] = field(default_factory=list)
+    high: list[float] = field(default_factory=list)
+
+    def add(self, truth: float, estimate: float, interval: tuple[float, float]) -> None:
+        self.truth.append(float(truth))
+        self.estimate.append(float(estimate))
+        self.low.append(float(interval[0]))
+        self.high.append(float(interval[1]))
+
+    @property
+    def coverage(self) -> float:
+        t, lo, hi = (np.asarray(v) for v in (self.truth, self.low, self.high))
+        return float(np.mean((lo <= t) & (t <= hi)))
+
+    @property
+    def bias(self) -> float:
+        return float(np.mean(np.asarray(self.estimate) - np.asarray(self.truth)))
+
+    @property
+    def max_error(self) -> float:
+        return float(np.max(np.abs(np.asarray(self.estimate) - np.asarray(self.truth))))
+
+    @property
+    def width(self) -> float:
+        return float(np.mean(np.asarray(self.high) - np.asarray(self.low)))
+
+    def line(self) -> str:
+        return (f"{self.name}: truth {np.mean(self.truth):.3f}, estimate {np.mean(self.estimate):.3f} (bias "
+                f"{self.bias:+.3f}, max error {self.max_error:.3f}), coverage {self.coverage:.2f}, width "
+                f"{self.width:.3f} ({len(self.truth)} repetitions)")
+
+
+def noise_aware(design: Planted, reps: int, selected: bool, seed: int = 0, refits: int = 60) -> dict:
+    """
+    The noise-aware flip rate on planted populations: its estimate and interval against the true share of the set
+    whose population aggregates change sign, the raw flip rate against its null expectation, and the no-flip test.
+
+    :param selected: The set chosen from the noisy clean aggregates (as the audit does) or the planted influential
+        examples themselves.
+    """
+    rng = np.random.default_rng(seed)
+    out = {"aware": Coverage("noise-aware flip rate"), "raw": [], "null": [], "lr": []}
+    for rep in range(reps):
+        mu_b, mu_a = design.population(rng)
+        before, after = design.sample(rng, mu_b, mu_a)
+        if selected:
+            top = M.top_indices(M.aggregate_scores(before), design.n_influential)
+            threshold = M.selection_threshold(before, top)
+        else:
+            top, threshold = np.flatnonzero(mu_b), None
+        posterior = FlipPosterior(before, after, top, threshold)
+        interval = posterior.interval(M.resample_rows(design.n_query, refits, rep), 0.95, rep)
+        out["aware"].add(true_flip_share(mu_b, mu_a, top), posterior.estimate(), interval)
+        out["raw"].append(M.flip_rate(before, after, top=top))
+        out["null"].append(posterior.null_raw_flip_rate())
+        out["lr"].append(posterior.no_flip_statistic())
+    return out
+
+
+def resampled_statistics(design: Planted, reps: int, seed: int = 0, n_bootstrap: int = 300, truth_draws: int = 300,
+                         control_draws: int = 5, control_spread: float = 0.5) -> dict[str, Coverage]:
+    """
+    The raw flip rate and the top-k Jaccard (normal intervals; estimand: their expected value at this number of
+    queries, the influential set fixed), and the excess over a random-sign control of ``control_draws`` draws (each
+    draw moves every population aggregate by its own ``N(0, control_spread²)`` standard errors; estimand: the
+    attack's expected flip rate minus the control's, over queries and draws).
+    """
+    rng = np.random.default_rng(seed)
+    mu_b, mu_a = design.population(rng)
+    pilot, _ = design.sample(rng, mu_b, mu_a)
+    top = M.top_indices(M.aggregate_scores(pilot), design.n_influential)
+    k = top.size
+    se = 1.0 / np.sqrt(design.n_query)
+    control_mu = 0.25 * mu_b
+
+    def control_draw() -> np.ndarray:
+        return control_mu + control_spread * se * rng.standard_normal(design.n_train)
+
+    def raw_and_jaccard(before: np.ndarray, after: np.ndarray) -> tuple[float, float]:
+        return M.flip_rate(before, after, top=top), M.top_k_jaccard(before, after, top=top)
+
+    truths = np.array([raw_and_jaccard(*design.sample(rng, mu_b, mu_a)) for _ in range(truth_draws)])
+    control_truth = np.mean([M.flip_rate(*design.sample(rng, mu_b, control_draw()), top=top)
+                             for _ in range(truth_draws)])
+    out = {name: Coverage(name) for name in ("flip rate", "top-k Jaccard", "excess flip rate")}
+    for rep in range(reps):
+        e_b = design.noise(rng)
+        before = mu_b + e_b
+
+        def paired(mu: np.ndarray, e_b: np.ndarray = e_b) -> np.ndarray:
+            return mu + design.rho * e_b + np.sqrt(1 - design.rho**2) * design.noise(rng)
+
+        after = paired(mu_a)
+        rows = M.resample_rows(design.n_query, n_bootstrap, rep)
+        aggregates = M._ResampledAggregates(before, after, top, k, "abs")
+        flip, jac = (aggregates.statistic(n) for n in ("flip_rate", "top_k_jaccard"))
+        flip_draws = M.evaluate_resamples(flip, rows)
+        for name, stat, draws, truth in (("flip rate", flip, flip_draws, truths[:, 0].mean()),
+                                         ("top-k Jaccard", jac, M.evaluate_resamples(jac, rows), truths[:, 1].mean())):
+            point = stat(np.arange(design.n_query))
+            out[name].add(truth, point, M.normal_interval(point, draws, 0.95, (0.0, 1.0)))
+        controls = []
+        for _ in range(control_draws):
+            control_after = paired(control_draw())
+            statistic = M._ResampledAggregates(before, control_after, top, k, "abs").statistic("flip_rate")
+            controls.append((statistic(np.arange(design.n_query)), M.evaluate_resamples(statistic, rows)))
+        points = np.array([c[0] for c in controls])
+        mean_draws = np.mean([c[1] for c in controls], axis=0)
+        excess = flip(np.arange(design.n_query)) - points.mean()
+        interval = M._normal_with_extra(excess, flip_draws - mean_draws, float(np.var(points, ddof=1)),
+                                        control_draws, 0.95, (-1.0, 1.0))
+        out["excess flip rate"].add(truths[:, 0].mean() - control_truth, excess, interval)
+    return out
+
+
+def spearman_and_per_query(design: Planted, reps: int, seed: int = 0, n_bootstrap: int = 500,
+                           pool: int = 20000) -> dict[str, Coverage]:
+    """
+    Spearman's correlation (BCa) and the per-query flip rate (Student-t): estimands are their population values,
+    computed on a pool of ``pool`` queries.
+    """
+    rng = np.random.default_rng(seed)
+    mu_b, mu_a = design.population(rng)
+    big_b, big_a = design.sample(rng, mu_b, mu_a, n_query=pool)
+    truth_rho = M.spearman(big_b, big_a)
+    truth_per_query = float(np.nanmean(M.per_query_flip_rates(big_b, big_a)))
+    out = {name: Coverage(name) for name in ("Spearman", "per-query flip rate")}
+    for rep in range(reps):
+        before, after = design.sample(rng, mu_b, mu_a)
+        fast = M._ResampledSpearman(before, after)
+        out["Spearman"].add(truth_rho, fast(np.arange(design.n_query)),
+                            M.bca_interval(fast.batch, design.n_query, n_bootstrap, 0.95, rep))
+        per_query = M.per_query_flip_rates(before, after)
+        out["per-query flip rate"].add(truth_per_query, np.nanmean(per_query), M.t_interval(per_query))
+    return out
+
+
+def seed_pooling(reps: int, n_seeds: int = 5, seed_sd: float = 0.04, query_sd: float = 0.03,
+                 seed: int = 0) -> Coverage:
+    """
+    Pooling over training seeds: each seed's statistic is its own expected value (spread ``seed_sd`` around the
+    overall one) plus query noise (``query_sd``); estimand: the overall expected value.
+    """
+    rng = np.random.default_rng(seed)
+    out = Coverage("pooled over seeds")
+    for _ in range(reps):
+        points = 0.3 + seed_sd * rng.standard_normal(n_seeds) + query_sd * rng.standard_normal(n_seeds)
+        mean, interval = M.seed_interval(points)
+        out.add(0.3, mean, interval)
+    return out
+
+
+def lds(reps: int, n_models: int = 30, n_query: int = 40, n_train: int = 200, seed: int = 0,
+        n_bootstrap: int = 300, truth_reps: int = 400) -> Coverage:
+    """
+    The LDS interval (two-way bootstrap over models and queries) on a linear datamodel: each query's outcome of a
+    subset model is ``-(Σ_{i∈S} τ_q,i) + noise``, the estimator's scores are ``τ`` plus estimation error;
+    estimand: the expected LDS of ``n_models`` models over the query population.
+    """
+    rng = np.random.default_rng(seed)
+    base = rng.standard_normal(n_train)
+
+    def one(resamples: int = n_bootstrap) -> tuple[float, tuple[float, float]]:
+        true = base + 0.8 * rng.standard_normal((n_query, n_train))  # each query's own influence
+        scores = true + 1.5 * rng.standard_normal(true.shape)
+        masks = rng.random((n_models, n_train)) < 0.5
+        outcomes = -(masks @ true.T) + 6.0 * rng.standard_normal((n_models, n_query))
+        result = linear_datamodeling_score(scores, masks, outcomes, n_bootstrap=resamples, seed=int(rng.integers(1e9)))
+        return result.mean, result.ci
+
+    truth = float(np.mean([one(1)[0] for _ in range(truth_reps)]))
+    out = Coverage("LDS")
+    for _ in range(reps):
+        mean, interval = one()
+        out.add(truth, mean, interval)
+    return out
