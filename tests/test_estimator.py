@@ -129,7 +129,6 @@ def test_three_attacks_report_is_sane(attn_clf):
     assert 0.5 < report.clean_accuracy <= 1.0
     for r in report.results:
         assert 0.0 <= r.flip_rate <= 1.0
-        assert r.flip_rate_ci[0] <= r.flip_rate <= r.flip_rate_ci[1]
         assert -1.0 <= r.spearman <= 1.0
         assert 0.0 <= r.attack_success <= 1.0
         assert r.max_perturbation <= 0.3 + 1e-6

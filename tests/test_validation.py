@@ -62,8 +62,28 @@ def test_lds_matches_a_per_query_spearman_loop(outcome):
     np.testing.assert_allclose(result.per_query, expected, atol=1e-12)
     assert result.mean == pytest.approx(np.mean(expected))
     assert result.n_defined == len(scores)
-    assert result.ci[0] <= result.mean <= result.ci[1]
 
+
+def test_the_lds_interval_resamples_subset_models_and_queries_together():
+    """The two-way bootstrap by hand: draw models and queries, Spearman of each drawn query over the drawn models."""
+    from art_malleability.validation.lds import lds_interval, subset_sums
+
+    scores, masks, _, outcomes = random_problem(seed=5)
+    predicted, utility = subset_sums(scores, masks), -outcomes
+    rng = np.random.default_rng(11)
+    draws = []
+    for _ in range(200):
+        models, queries = rng.integers(0, len(masks), len(masks)), rng.integers(0, len(scores), len(scores))
+        rhos = [spearmanr(predicted[models, q], utility[models, q]).statistic for q in queries]
+        draws.append(np.nanmean(rhos))
+    expected = np.percentile(draws, [2.5, 97.5])
+    assert lds_interval(predicted, utility, 200, 0.95, seed=11) == pytest.approx(tuple(expected), abs=1e-12)
+    queries_only = linear_datamodeling_score(scores, masks, outcomes, n_bootstrap=200).per_query
+    rng = np.random.default_rng(0)
+    narrow = np.percentile([np.mean(queries_only[rng.integers(0, len(scores), len(scores))]) for _ in range(400)],
+                           [2.5, 97.5])
+    wide = lds_interval(predicted, utility, 400, 0.95, seed=0)
+    assert wide[1] - wide[0] > narrow[1] - narrow[0]  # the models' own noise is in it
 
 def test_lds_equals_dattri_on_the_same_subsets_and_outcomes():
     scores, masks, indices, losses = random_problem(seed=3)
