@@ -1,5 +1,9 @@
 """Kernel ridge leave-one-out in the dual and the primal, and their row updates, against explicit re-solves."""
 
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 import torch
@@ -196,3 +200,32 @@ def test_kernel_ridge_predict_matches_a_plain_solve(n, k):
         kernel_ridge_predict(-k_train, k_test, targets, ridge)
     with pytest.raises(ValueError, match="must be finite"):
         kernel_ridge_predict(k_train * float("nan"), k_test, targets, ridge)
+
+
+@pytest.mark.slow
+def test_the_in_place_factorisation_survives_matrices_above_16000(tmp_path):
+    """
+    n = 16,500 (2.2 GB in float64) after PyTorch's thread pool has run: scipy's threaded OpenBLAS potrf crashed here
+    with a segmentation fault. Run in a subprocess, so that a crash is a failure and not the end of the test run;
+    ``L⁻¹ A L⁻ᵀ = I`` is checked on sampled rows.
+    """
+    script = textwrap.dedent("""
+        import numpy as np, torch
+        from art_malleability.influence.ridge import inverse_cholesky_
+        torch.manual_seed(0)
+        (torch.randn(4_000_000) * 2).sum()  # any parallel operation starts PyTorch's OpenMP threads
+        n = 16_500
+        x = torch.randn(n, 32, dtype=torch.float64)
+        a = x @ x.T
+        a.diagonal().add_(1.0)
+        inverse = inverse_cholesky_(a, 1.0)
+        worst = 0.0
+        for i in np.random.default_rng(0).choice(n, 5, replace=False):
+            v = inverse[i].clone()
+            worst = max(worst, abs(float(v @ (x @ (x.T @ v)) + v @ v) - 1.0))
+        print("identity error", worst)
+        assert worst < 1e-8
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
+    assert "identity error" in done.stdout

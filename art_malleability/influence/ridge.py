@@ -48,6 +48,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 from scipy.linalg import lapack
+from threadpoolctl import threadpool_limits
 
 from art_malleability.influence.base import per_example_loss
 
@@ -115,6 +116,13 @@ def inverse_cholesky_(a: torch.Tensor, ridge: float, what: str = "K + ridge*I") 
     On the CPU in float64 this runs LAPACK ``potrf`` and ``trtri`` in ``a``'s own memory (no
     second ``n × n`` buffer); elsewhere it uses :mod:`torch.linalg` (two temporary buffers).
 
+    The in-place LAPACK calls run on one OpenBLAS thread. SciPy's bundled OpenBLAS (0.3.30, and numpy's 0.3.31
+    alike) crashes with a segmentation fault in its multi-threaded ``potrf`` on matrices of about 2 GB and more
+    (``n ≳ 16,000`` in float64) once another thread pool of the process (PyTorch's OpenMP, started by any
+    parallel tensor operation) has run: the crash depends on the address layout (it disappears without address
+    randomisation) and on OpenBLAS's threads (it disappears with one), not on the data. One thread costs little
+    here (measured 40 s for ``n = 16,000`` on 2 cores, against 37 s with two threads).
+
     :param a: Symmetric positive definite matrix, C-contiguous; its content is destroyed.
     :param ridge: The ridge that was added (for the error message).
     :param what: Name of the matrix (for the error message).
@@ -128,10 +136,11 @@ def inverse_cholesky_(a: torch.Tensor, ridge: float, what: str = "K + ridge*I") 
     if a.device.type == "cpu" and a.dtype == torch.float64 and a.is_contiguous():
         arr = a.numpy()
         # arr.T is Fortran-ordered and equal to arr (symmetric): LAPACK works on it in place
-        factor, info = lapack.dpotrf(arr.T, lower=1, overwrite_a=1, clean=1)
-        if info != 0:
-            raise _not_positive_definite(what, ridge, scale)
-        inverse, info = lapack.dtrtri(factor, lower=1, overwrite_c=1)
+        with threadpool_limits(limits=1, user_api="blas"):
+            factor, info = lapack.dpotrf(arr.T, lower=1, overwrite_a=1, clean=1)
+            if info != 0:
+                raise _not_positive_definite(what, ridge, scale)
+            inverse, info = lapack.dtrtri(factor, lower=1, overwrite_c=1)
         if info != 0 or not np.shares_memory(inverse, arr):  # pragma: no cover - LAPACK contract
             raise RuntimeError(f"the triangular inverse must be computed in place, got LAPACK info {info}")
         return a.T
