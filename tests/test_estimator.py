@@ -401,11 +401,11 @@ def test_projected_mode_equals_a_by_hand_pipeline_and_is_recorded(relu_clf):
     assert run["world_size"] == 1 and run["backend"] is None and run["params"]["ridge"] == 1e-3
     assert {g["kind"] for g in run["projection_groups"]} == {"linear"}
     assert any("random projection" in w for w in report.warnings)
-    # the projection's noise model: the spread of the clean aggregate scores between projection seeds 3, 4 and 5
+    # the projection's noise model: the spread of the clean aggregate scores between projection seeds 3 and 4
     twins = [NTKInfluence(projection_dim=64, projection_seed=s, device="cpu").fit(model, x, y).scores(xq, yq)
-             for s in (4, 5)]
+             for s in (4,)]
     noise = projection_noise(np.stack([aggregate_scores(s) for s in (before, *twins)]))
-    assert report.noise_model["projection_seeds"] == [3, 4, 5]
+    assert report.noise_model["projection_seeds"] == [3, 4]
     assert [report.noise_model["projection_sd"][k] for k in ("intercept", "slope")] == pytest.approx(list(noise))
     aware = noise_aware_flip_rate(before, after, top=top, noise=noise, n_bootstrap=FAST["n_bootstrap"], seed=3)
     assert result.flip_rate_above_floor == pytest.approx(aware["estimate"], abs=1e-9)
