@@ -43,6 +43,7 @@ Either result equals a fit from scratch up to rounding.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 
 import numpy as np
@@ -50,6 +51,7 @@ import torch
 from scipy.linalg import lapack
 from threadpoolctl import threadpool_limits
 
+from art_malleability.influence._tiles import TiledInverseFactor, check_finite, not_positive_definite
 from art_malleability.influence.base import per_example_loss
 
 logger = logging.getLogger(__name__)
@@ -73,20 +75,6 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _check_finite(a: torch.Tensor, what: str) -> None:
-    """Refuse a matrix with NaN or infinite entries, checked in row blocks (no temporary of ``a``'s size)."""
-    step = _row_block(a.shape[1])
-    for s in range(0, a.shape[0], step):
-        if not bool(torch.isfinite(a[s : s + step]).all()):
-            raise ValueError(
-                f"{what} must be finite, got NaN or infinite values; check the inputs and the model's outputs"
-            )
-
-
-def _not_positive_definite(what: str, ridge: float, scale: float) -> ValueError:
-    return ValueError(f"{what} must be positive definite, got ridge={ridge!r} at scale {scale:.3g}; increase ridge")
-
-
 def kernel_ridge_predict(
     k_train: torch.Tensor, k_test: torch.Tensor, targets: torch.Tensor, ridge: float
 ) -> torch.Tensor:
@@ -101,11 +89,11 @@ def kernel_ridge_predict(
     :raises ValueError: If ``K_train + λI`` has non-finite entries or is not positive definite.
     """
     a = k_train + ridge * torch.eye(k_train.shape[0], dtype=k_train.dtype, device=k_train.device)
-    _check_finite(a, "k_train + ridge*I")
+    check_finite(a, "k_train + ridge*I")
     chol, info = torch.linalg.cholesky_ex(a)
     if int(info) != 0:
         scale = float(a.diagonal().abs().max()) if a.numel() else 0.0
-        raise _not_positive_definite("k_train + ridge*I", ridge, scale)
+        raise not_positive_definite("k_train + ridge*I", ridge, scale)
     return k_test.to(a.dtype) @ torch.cholesky_solve(targets.to(a.dtype), chol)
 
 
@@ -129,7 +117,7 @@ def inverse_cholesky_(a: torch.Tensor, ridge: float, what: str = "K + ridge*I") 
     :return: ``L⁻¹``, lower triangular (on the CPU a transposed view of ``a``'s memory).
     :raises ValueError: If ``a`` has non-finite entries or is not positive definite.
     """
-    _check_finite(a, what)
+    check_finite(a, what)
     scale = float(a.diagonal().abs().max()) if a.numel() else 0.0
     if a.shape[0] == 0:
         return a
@@ -139,14 +127,14 @@ def inverse_cholesky_(a: torch.Tensor, ridge: float, what: str = "K + ridge*I") 
         with threadpool_limits(limits=1, user_api="blas"):
             factor, info = lapack.dpotrf(arr.T, lower=1, overwrite_a=1, clean=1)
             if info != 0:
-                raise _not_positive_definite(what, ridge, scale)
+                raise not_positive_definite(what, ridge, scale)
             inverse, info = lapack.dtrtri(factor, lower=1, overwrite_c=1)
         if info != 0 or not np.shares_memory(inverse, arr):  # pragma: no cover - LAPACK contract
             raise RuntimeError(f"the triangular inverse must be computed in place, got LAPACK info {info}")
         return a.T
     chol, info = torch.linalg.cholesky_ex(a)
     if int(info) != 0:
-        raise _not_positive_definite(what, ridge, scale)
+        raise not_positive_definite(what, ridge, scale)
     eye = torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
     a.copy_(torch.linalg.solve_triangular(chol, eye, upper=False))
     return a
@@ -187,36 +175,79 @@ def _sq_column_norms(m: torch.Tensor) -> torch.Tensor:
     return out
 
 
+class _DenseFactor:
+    """An inverse Cholesky factor held as one lower-triangular matrix (computed in the kernel's memory layout)."""
+
+    def __init__(self, a: torch.Tensor, ridge: float) -> None:
+        self.m = inverse_cholesky_(a, ridge)
+
+    def matmul(self, v: torch.Tensor) -> torch.Tensor:
+        return self.m @ v
+
+    def t_matmul(self, u: torch.Tensor) -> torch.Tensor:
+        return self.m.T @ u
+
+    def column_sq_norms(self) -> torch.Tensor:
+        return _sq_column_norms(self.m)
+
+    def close(self) -> None:
+        self.m = None
+
+
 class DualRidge:
     """
     Kernel ridge regression on an ``n × n`` kernel, with exact leave-one-out and row updates.
 
-    :param ridge: Ridge ``λ > 0``.
+    The inverse Cholesky factor ``M`` of ``A_QQ`` is held either as one matrix computed in place (``block=None``:
+    at most two ``n × n`` matrices in memory, the kernel and ``M``), or as tiles of ``block`` rows
+    (:mod:`~art_malleability.influence._tiles`), in memory or, with ``folder``, in files of a temporary folder that
+    the solver creates and removes: then the kernel is never held whole either (it is given as a function of tiles)
+    and the memory is a few tiles plus the ``m × n`` blocks of the changed rows. Both give the same results up to
+    rounding.
 
-    Fitted attributes: ``kernel_`` (the base kernel, owned by the solver), ``alpha_``
-    (``A⁻¹Y`` of the current training set), ``cinv_diag_`` (``diag A⁻¹``), ``changed_`` (rows
+    :param ridge: Ridge ``λ > 0``.
+    :param block: ``None`` (one matrix) or the tile size.
+    :param folder: With ``block``: ``None`` (tiles in memory) or a folder for the tiles' temporary files.
+
+    Fitted attributes: ``kernel_`` (the base kernel, owned by the solver; the tile function with ``block``),
+    ``alpha_`` (``A⁻¹Y`` of the current training set), ``cinv_diag_`` (``diag A⁻¹``), ``changed_`` (rows
     that differ from the base fit).
     """
 
-    def __init__(self, ridge: float) -> None:
+    def __init__(self, ridge: float, block: int | None = None, folder: str | os.PathLike | None = None) -> None:
         self.ridge = float(ridge)
+        self.block = block
+        self.folder = folder
 
-    def fit(self, kernel: torch.Tensor, targets: torch.Tensor) -> DualRidge:
+    def fit(self, kernel: torch.Tensor | Callable, targets: torch.Tensor) -> DualRidge:
         """
-        :param kernel: ``n × n`` symmetric kernel, float64; the solver keeps it (not copied).
+        :param kernel: ``n × n`` symmetric kernel, float64 (the solver keeps it, not copied), or, with ``block``, a
+            function ``kernel(rows, cols)`` of two index arrays returning that block of the kernel.
         :param targets: ``n × C`` regression targets.
         :return: ``self``.
         """
+        if callable(kernel) and not isinstance(kernel, torch.Tensor) and self.block is None:
+            raise ValueError("block must be a tile size when the kernel is given as a function of tiles, got None")
         self.kernel_ = kernel
-        self.targets_ = targets.to(kernel.dtype)
-        self._m: torch.Tensor | None = None  # inverse Cholesky factor of A_QQ
+        self._n = int(targets.shape[0])
+        self._dtype = targets.dtype if not isinstance(kernel, torch.Tensor) else kernel.dtype
+        self._device = targets.device if not isinstance(kernel, torch.Tensor) else kernel.device
+        self._dtype = torch.float64 if not self._dtype.is_floating_point else self._dtype
+        self.targets_ = targets.to(self._dtype)
+        self._m = None  # inverse Cholesky factor of A_QQ
         self._q_key: bytes | None = None
-        self.update(np.zeros(0, dtype=np.int64), kernel[:0])
+        self.update(np.zeros(0, dtype=np.int64), torch.zeros((0, self._n), dtype=self._dtype, device=self._device))
         return self
 
     @property
     def n(self) -> int:
-        return int(self.kernel_.shape[0])
+        return self._n
+
+    def close(self) -> None:
+        """Release the factor (and, for tiles on disk, remove their folder)."""
+        if self._m is not None:
+            self._m.close()
+        self._m, self._q_key = None, None
 
     def update(self, changed: np.ndarray, rows: torch.Tensor) -> DualRidge:
         """
@@ -232,9 +263,27 @@ class DualRidge:
             return self._update(changed, rows)
         except BaseException:
             if previous is not None and self._q_key != previous.tobytes():
-                self._q_key, self._m = None, None  # the restored state recomputes its factor
+                self.close()  # the restored state recomputes its factor
                 self._update(previous, self._rows)
             raise
+
+    def _factor(self, qt: torch.Tensor) -> _DenseFactor | TiledInverseFactor:
+        if self.block is None:
+            a_qq = self._submatrix(qt)
+            a_qq.diagonal().add_(self.ridge)
+            return _DenseFactor(a_qq, self.ridge)
+        q = qt.cpu().numpy()
+        if isinstance(self.kernel_, torch.Tensor):
+            kernel = self.kernel_
+
+            def tile(rows: np.ndarray, cols: np.ndarray) -> torch.Tensor:
+                return kernel[torch.as_tensor(q[rows], device=kernel.device)][:, torch.as_tensor(q[cols])]
+        else:
+
+            def tile(rows: np.ndarray, cols: np.ndarray) -> torch.Tensor:
+                return self.kernel_(q[rows], q[cols])
+
+        return TiledInverseFactor(tile, len(q), self.ridge, self.block, self.folder, self._dtype, self._device)
 
     def _update(self, changed: np.ndarray, rows: torch.Tensor) -> DualRidge:
         n = self.n
@@ -243,33 +292,31 @@ class DualRidge:
         mask[p] = False
         q = np.flatnonzero(mask)
         key = p.tobytes()
-        dev = self.kernel_.device
+        dev = self._device
         pt, qt = torch.as_tensor(p, device=dev), torch.as_tensor(q, device=dev)
         if self._q_key != key:
-            self._m = None  # release before the next (n − m)² buffer
-            a_qq = self._submatrix(qt)
-            a_qq.diagonal().add_(self.ridge)
-            self._m = inverse_cholesky_(a_qq, self.ridge)
+            self.close()  # release before the next factor
+            self._m = self._factor(qt)
             self._q_key = key
         m = self._m
         if len(p):
-            rows = rows.to(self.kernel_.dtype)
+            rows = rows.to(self._dtype)
             a_pq = rows[:, qt]
             a_pp = rows[:, pt]
             a_pp = 0.5 * (a_pp + a_pp.T)
             a_pp.diagonal().add_(self.ridge)
-            l_pq = a_pq @ m.T
+            l_pq = m.matmul(a_pq.T.contiguous()).T
             schur = a_pp - l_pq @ l_pq.T
             y_p = inverse_cholesky_(schur.contiguous(), self.ridge, "the Schur complement of the changed rows")
-            x = -(y_p @ (l_pq @ m))
+            x = -(y_p @ m.t_matmul(l_pq.T.contiguous()).T)
         else:
-            x = m.new_zeros((0, n))
-            y_p = m.new_zeros((0, 0))
+            x = torch.zeros((0, len(q)), dtype=self._dtype, device=dev)
+            y_p = torch.zeros((0, 0), dtype=self._dtype, device=dev)
         self._p, self._q, self._pt, self._qt = p, q, pt, qt
         self._x, self._yp, self._rows = x, y_p, rows
         self.changed_ = p
-        diag = torch.empty(n, dtype=m.dtype, device=dev)
-        diag[qt] = _sq_column_norms(m) + _sq_column_norms(x)
+        diag = torch.empty(n, dtype=self._dtype, device=dev)
+        diag[qt] = m.column_sq_norms() + _sq_column_norms(x)
         diag[pt] = _sq_column_norms(y_p)
         self.cinv_diag_ = diag
         self.alpha_ = self.solve(self.targets_)
@@ -290,12 +337,12 @@ class DualRidge:
         :param v: ``(n, r)`` right-hand sides.
         :return: ``A⁻¹ v`` for the current training set.
         """
-        v = v.to(self._m.dtype)
+        v = v.to(self._dtype)
         vq, vp = v[self._qt], v[self._pt]
-        uq = self._m @ vq
+        uq = self._m.matmul(vq)
         up = self._x @ vq + self._yp @ vp
         out = torch.empty_like(v)
-        out[self._qt] = self._m.T @ uq + self._x.T @ up
+        out[self._qt] = self._m.t_matmul(uq) + self._x.T @ up
         out[self._pt] = self._yp.T @ up
         return out
 
@@ -304,7 +351,7 @@ class DualRidge:
         :param k_q: Query kernel rows against the current training set, ``(n_q, n)``.
         :return: ``(f, b, β)``: predictions ``(n_q, C)``, ``b = K_q A⁻¹`` and ``β = α / diag A⁻¹``.
         """
-        k_q = k_q.to(self._m.dtype)
+        k_q = k_q.to(self._dtype)
         f = k_q @ self.alpha_
         b = self.solve(k_q.T.contiguous()).T
         beta = self.alpha_ / self.cinv_diag_[:, None]

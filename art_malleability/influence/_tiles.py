@@ -1,0 +1,269 @@
+"""
+Blocked linear algebra on the lower triangle of an ``n × n`` matrix held as square tiles, in memory or in a
+folder on disk: the exact dual solve of the NTK influence beyond one matrix in memory.
+
+A :class:`TileStore` holds the tiles ``(i, j)``, ``i ≥ j``, of a lower-triangular (or symmetric, lower half)
+matrix in blocks of ``block`` rows; on disk every tile is its own file, read and written whole (plain file I/O,
+not a memory map, so the operating system's cache never counts as the process's memory). The algorithms work
+tile by tile, so the memory they need is a few tiles plus their inputs and outputs:
+
+- :func:`cholesky_` — left-looking blocked Cholesky, ``A = LLᵀ`` in place (``A``'s lower tiles become ``L``'s);
+- :func:`triangular_inverse_` — ``L⁻¹`` in place, block column by block column;
+- :func:`lower_matmul`, :func:`lower_t_matmul` — ``M V`` and ``Mᵀ U`` for the stored lower-triangular ``M``;
+- :func:`column_sq_norms` — squared column norms of ``M`` (the diagonal of ``MᵀM``).
+
+Each is checked against the dense computation in the tests (``tests/test_tiles.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+#: ``tile(rows, cols) -> tensor``: one block of a matrix, rows and columns given as index arrays.
+TileFn = Callable[[np.ndarray, np.ndarray], torch.Tensor]
+
+#: Elements of a row block in the finiteness check (8 MiB in float64).
+_CHECK_ELEMENTS = 2**20
+
+
+def check_finite(a: torch.Tensor, what: str) -> None:
+    """Refuse a matrix with NaN or infinite entries, checked in row blocks (no temporary of ``a``'s size)."""
+    step = max(1, _CHECK_ELEMENTS // max(a.shape[1] if a.ndim > 1 else 1, 1))
+    for s in range(0, a.shape[0], step):
+        if not bool(torch.isfinite(a[s : s + step]).all()):
+            raise ValueError(
+                f"{what} must be finite, got NaN or infinite values; check the inputs and the model's outputs"
+            )
+
+
+def not_positive_definite(what: str, ridge: float, scale: float) -> ValueError:
+    """:return: The error of a matrix that is not positive definite, with what to change."""
+    return ValueError(f"{what} must be positive definite, got ridge={ridge!r} at scale {scale:.3g}; increase ridge")
+
+
+class TileStore:
+    """
+    The lower tiles of an ``n × n`` matrix, in memory or in files of a temporary folder that the store creates and
+    removes (:meth:`close`, also on garbage collection).
+
+    :param n: Matrix size.
+    :param block: Tile size (the last tile row and column may be smaller).
+    :param dtype: Dtype of the tiles.
+    :param device: Device the tiles are handed out on.
+    :param folder: ``None``: tiles in memory; a folder: tiles in a new temporary subfolder of it (removed on close).
+    """
+
+    def __init__(
+        self, n: int, block: int, dtype: torch.dtype = torch.float64, device: torch.device | str = "cpu",
+        folder: str | os.PathLike | None = None,
+    ) -> None:
+        if block < 1:
+            raise ValueError(f"block must be a positive integer, got {block!r}")
+        self.n, self.block, self.dtype, self.device = int(n), int(block), dtype, torch.device(device)
+        self.count = -(-self.n // self.block)
+        self._memory: dict[tuple[int, int], torch.Tensor] | None = None
+        self.path: Path | None = None
+        if folder is None:
+            self._memory = {}
+        else:
+            self.path = Path(tempfile.mkdtemp(prefix="art-malleability-tiles-", dir=folder))
+
+    def rows(self, i: int) -> slice:
+        """:return: The matrix rows of tile row ``i``."""
+        return slice(i * self.block, min((i + 1) * self.block, self.n))
+
+    def size(self, i: int) -> int:
+        return self.rows(i).stop - self.rows(i).start
+
+    def get(self, i: int, j: int) -> torch.Tensor:
+        """:return: Tile ``(i, j)`` (``i ≥ j``); from disk a new tensor, from memory the stored one."""
+        if j > i:
+            raise IndexError(f"tile ({i}, {j}) is above the diagonal; the store holds the lower tiles")
+        if self._memory is not None:
+            return self._memory[(i, j)]
+        array = np.fromfile(self._file(i, j), dtype=_numpy_dtype(self.dtype))
+        return torch.from_numpy(array.reshape(self.size(i), self.size(j))).to(self.device)
+
+    def put(self, i: int, j: int, tile: torch.Tensor) -> None:
+        """Store tile ``(i, j)`` (``i ≥ j``)."""
+        if j > i:
+            raise IndexError(f"tile ({i}, {j}) is above the diagonal; the store holds the lower tiles")
+        if tuple(tile.shape) != (self.size(i), self.size(j)):
+            raise ValueError(f"tile ({i}, {j}) must have shape {(self.size(i), self.size(j))}, got {tuple(tile.shape)}")
+        tile = tile.to(dtype=self.dtype)
+        if self._memory is not None:
+            self._memory[(i, j)] = tile.to(self.device).contiguous()
+            return
+        tile.detach().cpu().contiguous().numpy().tofile(self._file(i, j))
+
+    def fill(self, tile_fn: TileFn, diagonal: float = 0.0) -> None:
+        """Store every lower tile of a symmetric matrix from ``tile_fn``, adding ``diagonal`` to its diagonal."""
+        for i, j in self.lower():
+            tile = tile_fn(np.arange(self.n)[self.rows(i)], np.arange(self.n)[self.rows(j)]).to(self.dtype)
+            if i == j:
+                tile = 0.5 * (tile + tile.T)
+                tile.diagonal().add_(diagonal)
+            self.put(i, j, tile)
+
+    def lower(self) -> Iterator[tuple[int, int]]:
+        """The tile indices ``(i, j)``, ``i ≥ j``, column by column."""
+        for j in range(self.count):
+            for i in range(j, self.count):
+                yield i, j
+
+    def dense(self) -> torch.Tensor:
+        """:return: The whole lower-triangular matrix (for tests and small problems)."""
+        out = torch.zeros((self.n, self.n), dtype=self.dtype, device=self.device)
+        for i, j in self.lower():
+            out[self.rows(i), self.rows(j)] = self.get(i, j)
+        return out
+
+    def close(self) -> None:
+        """Release the tiles; on disk, remove the folder the store created."""
+        if self.path is not None and self.path.exists():
+            shutil.rmtree(self.path)
+        self.path = None
+        self._memory = {}
+
+    def __del__(self) -> None:  # pragma: no cover - a safety net; close() is the contract
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - never raise from a finaliser
+            pass
+
+    def _file(self, i: int, j: int) -> Path:
+        if self.path is None:
+            raise RuntimeError("the tile store is closed")
+        return self.path / f"{i}_{j}.bin"
+
+
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    return torch.empty((), dtype=dtype).numpy().dtype
+
+
+def cholesky_(store: TileStore, ridge: float, what: str = "K + ridge*I") -> None:
+    """
+    Left-looking blocked Cholesky in place: the lower tiles of the symmetric positive definite ``A`` become those
+    of ``L`` with ``A = LLᵀ``. For each block column ``j``: ``A_ij -= Σ_{k<j} L_ik L_jkᵀ`` for ``i ≥ j``, then the
+    diagonal tile is factorised and the tiles below it solved (``L_ij = A_ij L_jj⁻ᵀ``).
+
+    :param store: The lower tiles of ``A``; overwritten with ``L``.
+    :param ridge: The ridge that was added (for the error message).
+    :param what: Name of the matrix (for the error message).
+    :raises ValueError: If ``A`` is not positive definite (or holds non-finite values).
+    """
+    for j in range(store.count):
+        row_j = [store.get(j, k) for k in range(j)]
+        diag = store.get(j, j).clone()
+        for l_jk in row_j:
+            diag.addmm_(l_jk, l_jk.T, alpha=-1.0)
+        check_finite(diag, what)
+        l_jj, info = torch.linalg.cholesky_ex(diag)
+        if int(info) != 0:
+            raise not_positive_definite(what, ridge, float(diag.diagonal().abs().max()))
+        store.put(j, j, l_jj)
+        for i in range(j + 1, store.count):
+            tile = store.get(i, j).clone()
+            for k, l_jk in enumerate(row_j):
+                tile.addmm_(store.get(i, k), l_jk.T, alpha=-1.0)
+            # L_ij = A_ij L_jj⁻ᵀ, i.e. L_jj L_ijᵀ = A_ijᵀ
+            store.put(i, j, torch.linalg.solve_triangular(l_jj, tile.T, upper=False).T)
+
+
+def triangular_inverse_(store: TileStore) -> None:
+    """
+    ``L⁻¹`` in place, block column by block column from the left: with ``M = L⁻¹``, ``M_jj = L_jj⁻¹`` and, for
+    ``i > j``, ``M_ij = −L_ii⁻¹ Σ_{j≤k<i} L_ik M_kj`` (rows of a block column computed top-down, each from the
+    finished ones). Column ``j`` reads ``L`` tiles of columns ``≥ j`` only, which are still ``L``; the inverses of
+    the diagonal tiles are computed once and kept beside the tiles.
+
+    :param store: The lower tiles of ``L``; overwritten with ``L⁻¹``.
+    """
+    count = store.count
+    inverses = TileStore(store.n, store.block, store.dtype, store.device, store.path)
+    try:
+        for i in range(count):
+            l_ii = store.get(i, i)
+            eye = torch.eye(store.size(i), dtype=l_ii.dtype, device=l_ii.device)
+            inverses.put(i, i, torch.linalg.solve_triangular(l_ii, eye, upper=False))
+        for j in range(count):
+            column = {j: inverses.get(j, j)}
+            for i in range(j + 1, count):
+                acc = torch.zeros((store.size(i), store.size(j)), dtype=store.dtype, device=store.device)
+                for k in range(j, i):
+                    acc.addmm_(store.get(i, k), column[k])
+                column[i] = -(inverses.get(i, i) @ acc)
+            for i, tile in column.items():
+                store.put(i, j, tile)
+    finally:
+        inverses.close()
+
+
+def lower_matmul(store: TileStore, v: torch.Tensor) -> torch.Tensor:
+    """:return: ``M v`` for the stored lower-triangular ``M`` and ``v`` of shape ``(n, r)``."""
+    out = torch.zeros((store.n, v.shape[1]), dtype=store.dtype, device=v.device)
+    for i, j in store.lower():
+        out[store.rows(i)] += store.get(i, j).to(v.device) @ v[store.rows(j)]
+    return out
+
+
+def lower_t_matmul(store: TileStore, u: torch.Tensor) -> torch.Tensor:
+    """:return: ``Mᵀ u`` for the stored lower-triangular ``M`` and ``u`` of shape ``(n, r)``."""
+    out = torch.zeros((store.n, u.shape[1]), dtype=store.dtype, device=u.device)
+    for i, j in store.lower():
+        out[store.rows(j)] += store.get(i, j).to(u.device).T @ u[store.rows(i)]
+    return out
+
+
+def column_sq_norms(store: TileStore) -> torch.Tensor:
+    """:return: The squared column norms of the stored lower-triangular ``M``."""
+    out = torch.zeros(store.n, dtype=store.dtype, device=store.device)
+    for i, j in store.lower():
+        tile = store.get(i, j)
+        out[store.rows(j)] += (tile * tile).sum(dim=0)
+    return out
+
+
+class TiledInverseFactor:
+    """
+    The inverse Cholesky factor ``M = L⁻¹`` of ``A = K + λI`` held as lower tiles, in memory or on disk: filled from a
+    tile function, factorised (:func:`cholesky_`) and inverted (:func:`triangular_inverse_`) in place.
+
+    :param tile_fn: ``K``'s blocks by row and column index arrays.
+    :param n: Matrix size.
+    :param ridge: ``λ``, added to the diagonal.
+    :param block: Tile size.
+    :param folder: ``None`` (in memory) or a folder for the tiles' temporary files.
+    :param dtype: Dtype of the tiles.
+    :param device: Their device.
+    """
+
+    def __init__(self, tile_fn: TileFn, n: int, ridge: float, block: int, folder: str | os.PathLike | None,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        self.store = TileStore(n, block, dtype, device, folder)
+        try:
+            self.store.fill(tile_fn, diagonal=ridge)
+            cholesky_(self.store, ridge)
+            triangular_inverse_(self.store)
+        except BaseException:
+            self.store.close()
+            raise
+
+    def matmul(self, v: torch.Tensor) -> torch.Tensor:
+        return lower_matmul(self.store, v)
+
+    def t_matmul(self, u: torch.Tensor) -> torch.Tensor:
+        return lower_t_matmul(self.store, u)
+
+    def column_sq_norms(self) -> torch.Tensor:
+        return column_sq_norms(self.store)
+
+    def close(self) -> None:
+        self.store.close()

@@ -1,0 +1,61 @@
+"""Blocked linear algebra on tiles, in memory and on disk, against the dense computations."""
+
+import numpy as np
+import pytest
+import torch
+
+from art_malleability.influence import _tiles as T
+
+
+def _spd(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, n // 2 + 3, generator=g, dtype=torch.float64)
+    a = x @ x.T
+    a.diagonal().add_(1e-3)
+    return a
+
+
+@pytest.mark.parametrize("on_disk", [False, True])
+@pytest.mark.parametrize(("n", "block"), [(37, 10), (40, 40), (50, 7), (1, 3)])
+def test_cholesky_and_inverse_equal_the_dense_ones(tmp_path, on_disk, n, block):
+    a = _spd(n)
+    store = T.TileStore(n, block, folder=tmp_path if on_disk else None)
+    store.fill(lambda r, c: a[r][:, c])
+    T.cholesky_(store, 1e-3)
+    chol = torch.linalg.cholesky(a)
+    torch.testing.assert_close(store.dense(), chol, rtol=0, atol=1e-10 * float(chol.abs().max()))
+    T.triangular_inverse_(store)
+    inverse = torch.linalg.inv(chol)
+    torch.testing.assert_close(store.dense(), inverse, rtol=0, atol=1e-9 * float(inverse.abs().max()))
+    v = torch.randn(n, 3, dtype=torch.float64)
+    for got, want in ((T.lower_matmul(store, v), inverse @ v), (T.lower_t_matmul(store, v), inverse.T @ v)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-9 * float(want.abs().max()))
+    torch.testing.assert_close(T.column_sq_norms(store), (inverse**2).sum(dim=0), rtol=1e-10, atol=0)
+    folder = store.path
+    store.close()
+    assert folder is None or not folder.exists()
+    if on_disk:
+        assert list(tmp_path.iterdir()) == []  # the store removes what it created, nothing else
+
+
+def test_a_matrix_that_is_not_positive_definite_is_named(tmp_path):
+    a = _spd(20)
+    a[5, 5] = -1.0
+    store = T.TileStore(20, 6)
+    store.fill(lambda r, c: a[r][:, c])
+    with pytest.raises(ValueError, match="positive definite"):
+        T.cholesky_(store, 1e-3)
+    a[5, 5] = float("nan")
+    store.fill(lambda r, c: a[r][:, c])
+    with pytest.raises(ValueError, match="finite"):
+        T.cholesky_(store, 1e-3)
+
+
+def test_tiles_are_checked_and_the_upper_triangle_refused():
+    store = T.TileStore(10, 4)
+    with pytest.raises(IndexError, match="above the diagonal"):
+        store.get(0, 1)
+    with pytest.raises(ValueError, match=r"tile \(1, 0\) must have shape \(4, 4\)"):
+        store.put(1, 0, torch.zeros(3, 4, dtype=torch.float64))
+    assert [store.size(i) for i in range(store.count)] == [4, 4, 2]
+    assert np.array_equal(np.arange(10)[store.rows(2)], [8, 9])
