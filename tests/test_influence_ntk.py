@@ -218,3 +218,37 @@ def test_custom_estimators() -> None:
 
     with pytest.raises(TypeError, match="abstract"):
         Missing(device="cpu")
+
+
+def test_the_out_of_core_exact_solve_equals_the_in_memory_one(tmp_path, monkeypatch):
+    """A memory budget too small for two n x n matrices: tiles on disk, the same scores and refits (1e-8)."""
+    from helpers import digits, trained_classifier
+
+    import art_malleability.influence._ntk_memory as memory
+    import art_malleability.influence.ntk as ntk_module
+    from art_malleability.influence import NTKInfluence
+
+    data = digits(120, 20)
+    model = trained_classifier("2l-relu", epochs=30).model
+    x, y, xq, yq = data.x_train, data.y_train, data.x_test[:8], data.y_test[:8]
+    dense = NTKInfluence(projection_dim=None, device="cpu").fit(model, x, y)
+    # a budget that holds the out-of-core solve with tiles of 32 rows, but not the dense one
+    monkeypatch.setattr(ntk_module, "exact_bytes", lambda n, device=None: 2**40)
+    budget_gb = (3 * 8 * 13 * 120 + 3 * memory.DEFAULT_CHUNK_MB * 2**20 + 2 * 8 * 120 * 32) / 2**30
+    tiled = NTKInfluence(projection_dim=None, device="cpu", memory_limit_gb=budget_gb, tile_folder=tmp_path)
+    tiled.fit(model, x, y)
+    assert tiled.solver_.block == 32
+    assert len(list(tmp_path.iterdir())) == 1  # its tiles' folder
+    before = dense.scores(xq, yq)
+    np.testing.assert_allclose(tiled.scores(xq, yq), before, rtol=1e-8, atol=1e-8 * np.abs(before).max())
+    changed = np.array([1, 7, 50])
+    x_new = np.clip(x[changed] + 0.2, 0.0, 1.0)
+    after = dense.refit(changed, x_new).scores(xq, yq)
+    np.testing.assert_allclose(tiled.refit(changed, x_new).scores(xq, yq), after, rtol=1e-8,
+                               atol=1e-8 * np.abs(after).max())
+    with pytest.raises(AttributeError, match="in-memory exact mode only"):
+        tiled.kernel_  # noqa: B018
+    tiled.fit(model, x, y)  # a new fit releases the previous tiles
+    assert len(list(tmp_path.iterdir())) == 1
+    tiled.solver_.close()
+    assert list(tmp_path.iterdir()) == []

@@ -24,6 +24,26 @@ def exact_bytes(n: int, device: torch.device | None = None) -> int:
     return 8 * matrices * n * n + 3 * int(DEFAULT_CHUNK_MB * 2**20)
 
 
+def tiled_block(n: int, budget: int, changed_share: float = 0.1) -> int | None:
+    """
+    The tile size of the out-of-core exact mode (tiles on disk) within a memory budget, or ``None`` when even that
+    does not fit. In memory at once: the tiles of one block row or column (``n × b``) twice over (a factor's panel and
+    its inverse's column), and the ``m × n`` blocks of an update of ``m = changed_share · n`` rows (the new kernel
+    rows, ``A_PQ M^T`` and ``X``: three of them) with the kernel engine's chunks.
+
+    :param n: Training examples.
+    :param budget: Bytes.
+    :param changed_share: Share of rows an update changes (the audit's top set).
+    :return: The tile size (rows), between 32 and 4,096.
+    """
+    fixed = 3 * 8 * int(changed_share * n + 1) * n + 3 * int(DEFAULT_CHUNK_MB * 2**20)
+    spare = budget - fixed
+    if spare <= 0:
+        return None
+    block = min(4096, n, spare // (2 * 8 * max(n, 1)))
+    return int(block) if block >= min(32, n) else None
+
+
 def projected_bytes(n_local: int, n_total: int, k: int) -> int:
     """Bytes of the projected mode's large buffers (primal: ``Φ``, four ``k × k``; dual: two ``Φ``, two ``n × n``)."""
     if n_total <= k:

@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -54,6 +56,7 @@ from art_malleability.influence._ntk_memory import (  # noqa: F401 - MEMORY_SHAR
     exact_bytes,
     memory_budget,
     projected_bytes,
+    tiled_block,
 )
 from art_malleability.influence.base import InfluenceEstimator, regression_targets
 from art_malleability.influence.ridge import DualRidge, PrimalRidge, loo_scores
@@ -95,6 +98,9 @@ class NTKInfluence(InfluenceEstimator):
         the processes of a machine, the smallest budget of all processes applies).
     :param distributed: ``"auto"`` (shard the projected mode over an initialised
         ``torch.distributed`` group of several processes), ``True`` (require one) or ``False``.
+    :param tile_folder: Folder for the tiles of the out-of-core exact solve (``projection_dim=None`` when the dense
+        ``n × n`` solve does not fit the memory budget): a temporary subfolder is created there and removed when the
+        estimator is refitted or closed. ``None``: the system's temporary folder.
     :param verbose: Show a progress bar over the feature computation.
 
     Fitted attributes: ``mode_`` (``"exact"`` or ``"projected"``), ``projection_dim_`` (realised
@@ -121,6 +127,7 @@ class NTKInfluence(InfluenceEstimator):
         "max_exact_n",
         "memory_limit_gb",
         "distributed",
+        "tile_folder",
     )
 
     def __init__(
@@ -137,6 +144,7 @@ class NTKInfluence(InfluenceEstimator):
         memory_limit_gb: float | None = None,
         distributed: bool | str = "auto",
         verbose: bool = False,
+        tile_folder: str | os.PathLike | None = None,
     ) -> None:
         self._init_params(locals())
 
@@ -166,6 +174,8 @@ class NTKInfluence(InfluenceEstimator):
                 )
         if self.distributed not in ("auto", True, False):
             raise ValueError(f"distributed must be 'auto', True or False, got {self.distributed!r}")
+        if self.tile_folder is not None and not os.path.isdir(self.tile_folder):
+            raise ValueError(f"tile_folder must be an existing folder or None, got {str(self.tile_folder)!r}")
 
     # ------------------------------------------------------------------ mode and memory
     def _choose_mode(self, n: int, shard: Shard | None, model: nn.Module, probe: np.ndarray) -> str:
@@ -177,12 +187,18 @@ class NTKInfluence(InfluenceEstimator):
                     "exact NTK influence runs in one process)"
                 )
             need = exact_bytes(n, self.device_)
+            self._block = None
             if need > budget:
-                raise ValueError(
-                    f"projection_dim must be 'auto' or an integer on {n} training examples within the "
-                    f"{budget / _GIB:.1f} GiB budget, got None: the exact NTK influence needs about "
-                    f"{need / _GIB:.1f} GiB ({n} x {n} float64 matrices and the kernel engine's buffers)"
-                )
+                self._block = tiled_block(n, budget)
+                if self._block is None:
+                    raise ValueError(
+                        f"projection_dim must be 'auto' or an integer on {n} training examples within the "
+                        f"{budget / _GIB:.1f} GiB budget, got None: the exact NTK influence needs about "
+                        f"{need / _GIB:.1f} GiB in memory ({n} x {n} float64 matrices and the kernel engine's "
+                        "buffers), and even its out-of-core solve (tiles on disk) needs more"
+                    )
+                logger.info("NTK influence: exact solve out of core, tiles of %d rows in %s", self._block,
+                            self.tile_folder or tempfile.gettempdir())
             return "exact"
         fits = exact_bytes(n, self.device_) <= budget
         if self.projection_dim == "auto" and shard is None and n <= self.max_exact_n and fits:
@@ -231,6 +247,10 @@ class NTKInfluence(InfluenceEstimator):
         self._kept = None
         self._query_features = None
         self._budget = memory_budget(self.memory_limit_gb, self.device_, shard)
+        self._block = None
+        previous = getattr(self, "solver_", None)
+        if isinstance(previous, DualRidge):
+            previous.close()  # a previous fit's tiles on disk go now
         probe, _ = source.take(np.arange(min(n, 64)), self.batch_size)
         self.mode_ = self._choose_mode(n, shard, model, probe)
         self._prev_local = np.zeros(0, dtype=np.int64)
@@ -246,6 +266,18 @@ class NTKInfluence(InfluenceEstimator):
         self._check_labels(y, "y_train")
         self.x_train_, self.y_train_ = np.array(x, copy=True), y
         self._x_base = self.x_train_
+        if self._block is not None:  # out of core: the kernel is computed tile by tile into files
+            engine = self._engine(model, len(x), self._budget)
+
+            def tile(rows: np.ndarray, cols: np.ndarray) -> torch.Tensor:
+                with self._clock("features"):
+                    return engine.gram(x[rows], x[cols]).to(torch.float64)
+
+            with self._clock("solve"):
+                folder = self.tile_folder or tempfile.gettempdir()
+                solver = DualRidge(float(self.ridge), block=self._block, folder=folder)
+                self.solver_ = solver.fit(tile, self._targets(y))
+            return
         with self._clock("features"):
             kernel = self._exact_fit_kernel(model, x)
         with self._clock("solve"):
@@ -344,8 +376,10 @@ class NTKInfluence(InfluenceEstimator):
     def kernel_(self) -> torch.Tensor:
         """The exact mode's ``n × n`` eNTK of the fitted training set (its base fit)."""
         self._check_fitted("kernel_")
-        if self.mode_ != "exact":
-            raise AttributeError("kernel_ exists in the exact mode only (projection_dim=None)")
+        if self.mode_ != "exact" or not isinstance(self.solver_.kernel_, torch.Tensor):
+            raise AttributeError(
+                "kernel_ exists in the in-memory exact mode only (projection_dim=None, the n x n kernel in memory)"
+            )
         return self.solver_.kernel_
 
     @property
@@ -372,7 +406,8 @@ class NTKInfluence(InfluenceEstimator):
                     rows = self._kernel(self.model_, x_changed, x).to(torch.float64) if len(changed) else None
             try:
                 with self._clock("solve"):
-                    self.solver_.update(changed, rows if rows is not None else self.solver_.kernel_[:0])
+                    empty = torch.zeros((0, self.n_train_), dtype=torch.float64, device=self.device_)
+                    self.solver_.update(changed, rows if rows is not None else empty)
             except BaseException:
                 if self._kept is not None:
                     self._kept.set_changed(*previous)
