@@ -82,13 +82,10 @@ class AuditRun:
         self.x_q, self.y_q, self.self_pairs = x_q, y_q, self_pairs
         self.influence: InfluenceEstimator = est._influence
         self.work, self.transductive = _working_model(est.classifier, self.influence)
-        if shard is not None and not (
-            isinstance(self.influence, NTKInfluence) and self.influence.projection_dim is not None
-        ):
+        if shard is not None and not isinstance(self.influence, NTKInfluence):
             raise ValueError(
-                "influence must be the projected NTK influence (influence='ntk' with projection_dim 'auto' or an "
-                f"integer) in a sharded audit, got {type(self.influence).__name__} with this configuration, "
-                "which runs in one process"
+                "influence must be the NTK influence (influence='ntk') in a sharded audit, got "
+                f"{type(self.influence).__name__}, which runs in one process"
             )
         self.controls = {}
         if est.controls:
@@ -163,7 +160,7 @@ class AuditRun:
         those of this process).
         """
         influence, twins = self.influence, []
-        twin_first = _projection_likely(influence, self.source.n, self.shard)
+        twin_first = _projection_likely(influence, self.source.n)
         if twin_first:  # large runs: before the clean fit, so that two fitted estimators never share the memory
             self.steps.set_postfix_str("influence (other projection seeds)", refresh=False)
             with timed(self.seconds, "influence_other_seeds"):
@@ -387,11 +384,11 @@ def _combine_attack_stats(changed: int, linf: float, total: int, shard: Shard | 
     return changed / total, linf
 
 
-def _projection_likely(influence: InfluenceEstimator, n: int, shard: Shard | None) -> bool:
+def _projection_likely(influence: InfluenceEstimator, n: int) -> bool:
     """Whether an NTK influence will surely run projected (then its second seed is fitted before the clean fit)."""
     if not isinstance(influence, NTKInfluence) or influence.projection_dim is None:
         return False
-    return influence.projection_dim != "auto" or shard is not None or n > influence.max_exact_n
+    return influence.projection_dim != "auto" or n > influence.max_exact_n
 
 
 def _control_summary(control: dict | None, eps: float | None) -> dict[str, Any] | None:

@@ -7,10 +7,12 @@ Launch every process with ``torchrun`` (which sets ``RANK``, ``WORLD_SIZE``, ``M
 :func:`torch.distributed.init_process_group` needs nothing more: with ``distributed="auto"`` the
 audit shards itself over the initialised group.
 
-Each process owns a contiguous block of the training examples (:meth:`Shard.bounds`): it computes
-their projected NTK features and runs the attack on them. ``ΦᵀΦ`` and ``ΦᵀY`` are summed with
-``all_reduce``, influence columns and attack results are gathered with ``all_gather``, and every
-process ends with the same report (rank 0 alone writes it). Collectives carry the process group's
+Each process owns a contiguous block of the training examples (:meth:`Shard.bounds`) and runs the attack on
+them. The projected NTK influence computes the block's features, sums ``ΦᵀΦ`` and ``ΦᵀY`` with ``all_reduce``
+and gathers influence columns with ``all_gather``; the exact one deals the tile rows of its kernel and factor out
+over the processes (:mod:`art_malleability.influence._tiles`). Every process ends with the same report (rank 0
+alone writes it). :meth:`Shard.solo` is the group of one process, whose collectives are identities.
+Collectives carry the process group's
 timeout, so a process that dies makes the others fail with an error instead of hanging (and
 ``torchrun`` stops the remaining workers when one exits with an error).
 """
@@ -47,6 +49,11 @@ class Shard:
     world_size: int
     backend: str
 
+    @classmethod
+    def solo(cls) -> Shard:
+        """:return: The group of one process (rank 0 of 1): every collective is the identity, no group needed."""
+        return cls(rank=0, world_size=1, backend="none")
+
     def bounds(self, n: int) -> tuple[int, int]:
         """
         :param n: Number of training examples.
@@ -65,6 +72,8 @@ class Shard:
         :param op: ``"sum"`` or ``"max"``.
         :return: The reduction over ranks, on ``t``'s device (``t`` itself is not modified).
         """
+        if self.world_size == 1:
+            return t.detach().clone()
         work = t.detach().to(self._device(t), copy=True).contiguous()
         dist.all_reduce(work, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
         return work.to(t.device)
@@ -74,6 +83,8 @@ class Shard:
         :param t: ``(n_rank, ...)`` rows of this rank (row counts may differ between ranks).
         :return: The rows of all ranks stacked in rank order.
         """
+        if self.world_size == 1:
+            return t.detach().clone()
         device = self._device(t)
         count = torch.tensor([t.shape[0]], dtype=torch.int64, device=device)
         counts = [torch.zeros_like(count) for _ in range(self.world_size)]
@@ -93,8 +104,31 @@ class Shard:
         """
         return self.all_gather_rows(t.T.contiguous()).T.contiguous()
 
+    def broadcast(self, t: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, src: int,
+                  device: torch.device | str = "cpu") -> torch.Tensor:
+        """
+        :param t: The tensor on rank ``src`` (ignored elsewhere).
+        :param shape: Its shape, known to every rank.
+        :param dtype: Its dtype.
+        :param src: The sending rank.
+        :param device: Where the result lives.
+        :return: Rank ``src``'s tensor on every rank (on ``src`` itself, ``t``).
+        """
+        if self.world_size == 1 or self.rank == src:
+            if t is None:
+                raise ValueError(f"t must be a tensor on the sending rank {src}, got None")
+            if self.world_size == 1:
+                return t
+        comm = torch.device(self._device(torch.empty(0)))
+        work = (t.detach().to(comm, dtype).contiguous() if self.rank == src
+                else torch.empty(shape, dtype=dtype, device=comm))
+        dist.broadcast(work, src=src)
+        return t if self.rank == src else work.to(device)
+
     def broadcast_object(self, obj: object, src: int = 0) -> object:
         """:return: ``obj`` of rank ``src`` on every rank (pickled)."""
+        if self.world_size == 1:
+            return obj
         payload = [obj]
         dist.broadcast_object_list(payload, src=src, device=self._device(torch.empty(0)))
         return payload[0]
@@ -106,6 +140,10 @@ class Shard:
 
         :param error: This process's error, or ``None``.
         """
+        if self.world_size == 1:
+            if error is not None:
+                raise error
+            return
         failed = int(self.all_reduce(torch.tensor([0 if error is None else 1], dtype=torch.int64), "max")[0])
         if error is not None:
             raise error
@@ -118,6 +156,8 @@ class Shard:
 
         :raises ValueError: If it differs (``what`` names it in the message).
         """
+        if self.world_size == 1:
+            return
         code = int.from_bytes(hashlib.sha256(pickle.dumps(value)).digest()[:7], "little")
         digest = torch.tensor([code], dtype=torch.int64)
         low, high = self.all_reduce(digest, "max"), -self.all_reduce(-digest, "max")

@@ -7,7 +7,10 @@ Fault modes: ``die`` — rank 1 exits abruptly in the middle of the audit (after
 in the first attack's update), as a crashed worker would; ``hang`` — rank 1 stops answering there
 (the others must give up after the collective timeout, 10 s here); ``tiny`` — a training set of one
 example for two processes; ``userinf`` — an influence estimator built with ``distributed=False``.
-``dual`` runs the audit with the dual solve (``n <= k``) instead of the primal one.
+``dual`` runs the audit with the dual solve (``n <= k``) instead of the primal one. ``exact`` and ``exact-ce``
+run the exact NTK influence (``projection_dim=None``: the tiles of the kernel and its factor dealt out over the
+processes) with the MSE and the cross-entropy loss, the audit with the default ``projection_dim="auto"`` (exact
+here), and the tiled dual solve on a random kernel with its tiles in memory and on disk (``tiles.npz``).
 """
 
 from __future__ import annotations
@@ -61,14 +64,17 @@ def run(out: str, mode: str = "ok") -> None:
         influence = NTKInfluence(projection_dim=48, device="cpu", distributed=False)
         MalleabilityEstimator(clf, influence=influence, verbose=False, device="cpu").evaluate(x, y, xq, yq)
     k = 256 if mode == "dual" else 48  # n = 70: the dual solve on ΦΦᵀ (n <= k) or the primal one
-    est = NTKInfluence(projection_dim=k, device="cpu").fit(clf.model, x, y)
+    exact = mode.startswith("exact")
+    loss = "cross_entropy" if mode == "exact-ce" else "mse"
+    est = NTKInfluence(projection_dim=None if exact else k, device="cpu", loss=loss).fit(clf.model, x, y)
     scores = est.scores(xq, yq)
     # refit contract: every process passes the whole change
     changed = np.array([2, 40, 41, 69])
     est.refit(changed, np.clip(x[changed] + 0.1, 0.0, 1.0))
     refitted = est.scores(xq, yq)
     report = MalleabilityEstimator(
-        clf, projection_dim=k, n_queries=12, n_bootstrap=40, verbose=False, device="cpu", attack_max_iter=5
+        clf, projection_dim="auto" if exact else k, n_queries=12, n_bootstrap=40, verbose=False, device="cpu",
+        attack_max_iter=5,
     ).evaluate(x, y, xq, yq)
     if shard is None or shard.rank == 0:
         os.makedirs(out, exist_ok=True)
@@ -76,6 +82,41 @@ def run(out: str, mode: str = "ok") -> None:
         np.save(os.path.join(out, "refitted.npy"), refitted)
         with open(os.path.join(out, "report.json"), "w") as handle:
             json.dump(report.to_dict(), handle)
+    if exact:
+        tiles = tiled_solves(shard, out)
+        if shard is None or shard.rank == 0:
+            np.savez(os.path.join(out, "tiles.npz"), **tiles)
+
+
+def tiled_solves(shard, out: str) -> dict:
+    """The tiled dual solve of a random kernel, tiles in memory and on disk, before and after a row update."""
+    from art_malleability.influence.ridge import DualRidge
+
+    rng = np.random.default_rng(1)
+    phi = rng.normal(size=(45, 30))
+    kernel = torch.tensor(phi @ phi.T)
+    targets = torch.tensor(rng.normal(size=(45, 3)))
+    changed = np.array([3, 20, 44])
+    new_phi = phi.copy()
+    new_phi[changed] += rng.normal(size=(3, 30))
+    rows = torch.tensor(new_phi[changed] @ new_phi.T)
+    queries = torch.tensor(rng.normal(size=(5, 30)) @ phi.T)
+    found = {}
+    for where in ("memory", "disk"):
+        folder = None
+        if where == "disk":
+            folder = os.path.join(out + "-tiles", str(0 if shard is None else shard.rank))
+            os.makedirs(folder, exist_ok=True)
+        solver = DualRidge(1e-2, block=7, folder=folder, group=shard).fit(lambda r, c: kernel[r][:, c], targets)
+        found[f"{where}_alpha"] = solver.alpha_.numpy()
+        found[f"{where}_b"] = solver.loo_parts(queries)[1].numpy()
+        solver.update(changed, rows)
+        found[f"{where}_alpha_updated"] = solver.alpha_.numpy()
+        found[f"{where}_diag_updated"] = solver.cinv_diag_.numpy()
+        solver.close()
+        if folder is not None:
+            found[f"{where}_left"] = np.array(len(os.listdir(folder)))
+    return found
 
 
 if __name__ == "__main__":

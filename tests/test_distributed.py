@@ -33,7 +33,8 @@ def _close(a, b, tol=1e-8) -> bool:
     return float(np.abs(a - b).max() / np.abs(b).max()) < tol
 
 
-@pytest.mark.parametrize("mode", ["ok", "dual"])  # primal solve (n > k) and dual solve (n <= k)
+# projected: primal solve (n > k) and dual solve (n <= k); exact: tiles dealt out over the processes, both losses
+@pytest.mark.parametrize("mode", ["ok", "dual", "exact", "exact-ce"])
 def test_two_gloo_processes_give_the_single_process_report(tmp_path, mode):
     sys.path.insert(0, str(WORKER.parent))
     try:
@@ -55,7 +56,16 @@ def test_two_gloo_processes_give_the_single_process_report(tmp_path, mode):
         assert _close(a["scores_after"], b["scores_after"])
         assert a["max_perturbation"] == pytest.approx(b["max_perturbation"], abs=1e-7)
     assert two["execution"]["world_size"] == 2 and two["execution"]["backend"] == "gloo"
-    assert one["execution"]["world_size"] == 1 and one["execution"]["mode"] == "projected"
+    expected = "exact" if mode.startswith("exact") else "projected"
+    assert one["execution"]["world_size"] == 1 and one["execution"]["mode"] == expected
+    assert two["execution"]["mode"] == expected  # "auto" picks the same estimator in one process and in two
+    if mode.startswith("exact"):
+        tiles_one, tiles_two = np.load(tmp_path / "one" / "tiles.npz"), np.load(tmp_path / "two" / "tiles.npz")
+        for name in tiles_one.files:
+            if name.endswith("_left"):
+                assert int(tiles_two[name]) == 0 and int(tiles_one[name]) == 0  # the tiles' folders are removed
+            else:
+                assert _close(tiles_two[name], tiles_one[name], 1e-10), name
 
 
 def test_a_dying_process_ends_the_job_with_its_error(tmp_path):

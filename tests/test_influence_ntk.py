@@ -220,25 +220,29 @@ def test_custom_estimators() -> None:
         Missing(device="cpu")
 
 
-def test_the_out_of_core_exact_solve_equals_the_in_memory_one(tmp_path, monkeypatch):
-    """A memory budget too small for two n x n matrices: tiles on disk, the same scores and refits (1e-8)."""
+@pytest.mark.parametrize("where", ["memory", "disk"])
+def test_the_tiled_exact_solve_equals_the_dense_one(tmp_path, where):
+    """A memory budget too small for two n x n matrices: tiles in memory, or (smaller) on disk; the same scores and
+    refits (1e-8)."""
     from helpers import digits, trained_classifier
 
     import art_malleability.influence._ntk_memory as memory
-    import art_malleability.influence.ntk as ntk_module
     from art_malleability.influence import NTKInfluence
 
     data = digits(120, 20)
     model = trained_classifier("2l-relu", epochs=30).model
     x, y, xq, yq = data.x_train, data.y_train, data.x_test[:8], data.y_test[:8]
     dense = NTKInfluence(projection_dim=None, device="cpu").fit(model, x, y)
-    # a budget that holds the out-of-core solve with tiles of 32 rows, but not the dense one
-    monkeypatch.setattr(ntk_module, "exact_bytes", lambda n, device=None: 2**40)
-    budget_gb = (3 * 8 * 13 * 120 + 3 * memory.DEFAULT_CHUNK_MB * 2**20 + 2 * 8 * 120 * 32) / 2**30
-    tiled = NTKInfluence(projection_dim=None, device="cpu", memory_limit_gb=budget_gb, tile_folder=tmp_path)
+    fixed = 3 * 8 * 13 * 120 + 3 * memory.DEFAULT_CHUNK_MB * 2**20
+    # disk: room for the changed rows' blocks and two block columns of 32 rows, not for the tiles in memory;
+    # memory: room for half the matrix in tiles of 30 rows (n / 4), not for two n x n matrices
+    extra = 2 * 8 * 120 * 32 if where == "disk" else 8 * (120 * 120 // 2 + 3 * 120 * 30) + 1000
+    assert fixed + extra < memory.exact_bytes(120)
+    tiled = NTKInfluence(projection_dim=None, device="cpu", memory_limit_gb=(fixed + extra) / 2**30,
+                         tile_folder=tmp_path)
     tiled.fit(model, x, y)
-    assert tiled.solver_.block == 32
-    assert len(list(tmp_path.iterdir())) == 1  # its tiles' folder
+    assert tiled.solver_.block == (32 if where == "disk" else 30)
+    assert len(list(tmp_path.iterdir())) == (1 if where == "disk" else 0)  # its tiles' folder
     before = dense.scores(xq, yq)
     np.testing.assert_allclose(tiled.scores(xq, yq), before, rtol=1e-8, atol=1e-8 * np.abs(before).max())
     changed = np.array([1, 7, 50])
@@ -249,6 +253,19 @@ def test_the_out_of_core_exact_solve_equals_the_in_memory_one(tmp_path, monkeypa
     with pytest.raises(AttributeError, match="in-memory exact mode only"):
         tiled.kernel_  # noqa: B018
     tiled.fit(model, x, y)  # a new fit releases the previous tiles
-    assert len(list(tmp_path.iterdir())) == 1
+    assert len(list(tmp_path.iterdir())) == (1 if where == "disk" else 0)
     tiled.solver_.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_exact_plan_takes_the_cheapest_form_that_fits():
+    """Dense in one process when two n x n matrices fit; else tiles in memory, dealt out over the processes; else on
+    disk; else nothing."""
+    from art_malleability.influence._ntk_memory import exact_bytes, exact_plan
+
+    n, gib = 40_000, 2**30
+    assert exact_plan(n, exact_bytes(n)) == (None, False)
+    assert exact_plan(n, exact_bytes(n), world=2)[0] is not None  # a group always works in tiles
+    assert exact_plan(n, 12 * gib) == (4096, True)  # 6.4 GB of tiles and the update's blocks exceed 12 GiB
+    assert exact_plan(n, 12 * gib, world=2) == (2048, False)  # each of two processes holds half the tiles
+    assert exact_plan(n, 3 * gib) is None  # not even the update's m x n blocks fit

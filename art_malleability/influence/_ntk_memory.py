@@ -44,6 +44,34 @@ def tiled_block(n: int, budget: int, changed_share: float = 0.1) -> int | None:
     return int(block) if block >= min(32, n) else None
 
 
+def exact_plan(
+    n: int, budget: int, device: torch.device | None = None, world: int = 1
+) -> tuple[int | None, bool] | None:
+    """
+    How the exact mode's dual solve runs within a memory budget per process, the cheapest way that fits:
+
+    - ``(None, False)``: one ``n × n`` matrix pair in memory (:func:`exact_bytes`; one process only);
+    - ``(block, False)``: lower tiles in memory, dealt out over the ``world`` processes (each holds about
+      ``8 n² / (2 world)`` bytes, plus a block column of tiles and the update's ``m × n`` blocks);
+    - ``(block, True)``: the same tiles in files of a temporary folder (:func:`tiled_block`);
+    - ``None``: nothing fits.
+
+    :param n: Training examples.
+    :param budget: Bytes per process.
+    :param device: The compute device.
+    :param world: Processes of the group.
+    :return: ``(block, on_disk)`` or ``None``.
+    """
+    if world == 1 and exact_bytes(n, device) <= budget:
+        return None, False
+    block = int(min(2048, max(1, -(-n // (4 * world)))))
+    fixed = 3 * 8 * int(0.1 * n + 1) * n + 3 * int(DEFAULT_CHUNK_MB * 2**20)
+    if 8 * (n * n // (2 * world) + 3 * n * block) + fixed <= budget:
+        return block, False
+    block = tiled_block(n, budget)
+    return None if block is None else (block, True)
+
+
 def projected_bytes(n_local: int, n_total: int, k: int) -> int:
     """Bytes of the projected mode's large buffers (primal: ``Φ``, four ``k × k``; dual: two ``Φ``, two ``n × n``)."""
     if n_total <= k:

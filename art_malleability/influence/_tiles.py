@@ -26,6 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from art_malleability.distributed import Shard
+
 #: ``tile(rows, cols) -> tensor``: one block of a matrix, rows and columns given as index arrays.
 TileFn = Callable[[np.ndarray, np.ndarray], torch.Tensor]
 
@@ -53,20 +55,27 @@ class TileStore:
     The lower tiles of an ``n × n`` matrix, in memory or in files of a temporary folder that the store creates and
     removes (:meth:`close`, also on garbage collection).
 
+    Over a process group the tile rows are dealt out cyclically: rank ``r`` of ``w`` holds the tiles of the tile rows
+    ``i`` with ``i mod w = r`` (:meth:`owns`), so each process holds about ``1/w`` of the matrix, and the algorithms
+    below exchange the tiles a step needs with broadcasts and sum their parts with an all-reduce. Every process of the
+    group calls them together. In one process (``group=None``) every collective is the identity.
+
     :param n: Matrix size.
     :param block: Tile size (the last tile row and column may be smaller).
     :param dtype: Dtype of the tiles.
     :param device: Device the tiles are handed out on.
     :param folder: ``None``: tiles in memory; a folder: tiles in a new temporary subfolder of it (removed on close).
+    :param group: The process group (a :class:`~art_malleability.distributed.Shard`), or ``None`` for one process.
     """
 
     def __init__(
         self, n: int, block: int, dtype: torch.dtype = torch.float64, device: torch.device | str = "cpu",
-        folder: str | os.PathLike | None = None,
+        folder: str | os.PathLike | None = None, group: Shard | None = None,
     ) -> None:
         if block < 1:
             raise ValueError(f"block must be a positive integer, got {block!r}")
         self.n, self.block, self.dtype, self.device = int(n), int(block), dtype, torch.device(device)
+        self.group = group if group is not None else Shard.solo()
         self.count = -(-self.n // self.block)
         self._memory: dict[tuple[int, int], torch.Tensor] | None = None
         self.path: Path | None = None
@@ -82,8 +91,17 @@ class TileStore:
     def size(self, i: int) -> int:
         return self.rows(i).stop - self.rows(i).start
 
+    def owner(self, i: int) -> int:
+        """:return: The rank that holds tile row ``i``."""
+        return i % self.group.world_size
+
+    def owns(self, i: int) -> bool:
+        """:return: Whether this process holds tile row ``i``."""
+        return self.owner(i) == self.group.rank
+
     def get(self, i: int, j: int) -> torch.Tensor:
-        """:return: Tile ``(i, j)`` (``i ≥ j``); from disk a new tensor, from memory the stored one."""
+        """:return: Tile ``(i, j)`` (``i ≥ j``, a row this process holds); from disk a new tensor, from memory the
+        stored one."""
         if j > i:
             raise IndexError(f"tile ({i}, {j}) is above the diagonal; the store holds the lower tiles")
         if self._memory is not None:
@@ -104,7 +122,8 @@ class TileStore:
         tile.detach().cpu().contiguous().numpy().tofile(self._file(i, j))
 
     def fill(self, tile_fn: TileFn, diagonal: float = 0.0) -> None:
-        """Store every lower tile of a symmetric matrix from ``tile_fn``, adding ``diagonal`` to its diagonal."""
+        """Store this process's lower tiles of a symmetric matrix from ``tile_fn``, adding ``diagonal`` to its
+        diagonal."""
         for i, j in self.lower():
             tile = tile_fn(np.arange(self.n)[self.rows(i)], np.arange(self.n)[self.rows(j)]).to(self.dtype)
             if i == j:
@@ -113,17 +132,22 @@ class TileStore:
             self.put(i, j, tile)
 
     def lower(self) -> Iterator[tuple[int, int]]:
-        """The tile indices ``(i, j)``, ``i ≥ j``, column by column."""
+        """The indices ``(i, j)``, ``i ≥ j``, of the tiles this process holds, column by column."""
         for j in range(self.count):
             for i in range(j, self.count):
-                yield i, j
+                if self.owns(i):
+                    yield i, j
+
+    def broadcast(self, tile: torch.Tensor | None, i: int, j: int, src: int) -> torch.Tensor:
+        """:return: Rank ``src``'s tensor of tile ``(i, j)``'s shape on every process."""
+        return self.group.broadcast(tile, (self.size(i), self.size(j)), self.dtype, src, self.device)
 
     def dense(self) -> torch.Tensor:
-        """:return: The whole lower-triangular matrix (for tests and small problems)."""
+        """:return: The whole lower-triangular matrix on every process (for tests and small problems)."""
         out = torch.zeros((self.n, self.n), dtype=self.dtype, device=self.device)
         for i, j in self.lower():
             out[self.rows(i), self.rows(j)] = self.get(i, j)
-        return out
+        return self.group.all_reduce(out)
 
     def close(self) -> None:
         """Release the tiles; on disk, remove the folder the store created."""
@@ -152,24 +176,41 @@ def cholesky_(store: TileStore, ridge: float, what: str = "K + ridge*I") -> None
     """
     Left-looking blocked Cholesky in place: the lower tiles of the symmetric positive definite ``A`` become those
     of ``L`` with ``A = LLᵀ``. For each block column ``j``: ``A_ij -= Σ_{k<j} L_ik L_jkᵀ`` for ``i ≥ j``, then the
-    diagonal tile is factorised and the tiles below it solved (``L_ij = A_ij L_jj⁻ᵀ``).
+    diagonal tile is factorised and the tiles below it solved (``L_ij = A_ij L_jj⁻ᵀ``). Over a process group, the
+    owner of tile row ``j`` broadcasts that row's finished tiles ``L_jk`` (``k < j``) and then ``L_jj``; every
+    process updates and solves the tiles of its own rows.
 
     :param store: The lower tiles of ``A``; overwritten with ``L``.
     :param ridge: The ridge that was added (for the error message).
     :param what: Name of the matrix (for the error message).
-    :raises ValueError: If ``A`` is not positive definite (or holds non-finite values).
+    :raises ValueError: If ``A`` is not positive definite (or holds non-finite values), on every process.
     """
+    group = store.group
     for j in range(store.count):
-        row_j = [store.get(j, k) for k in range(j)]
-        diag = store.get(j, j).clone()
-        for l_jk in row_j:
-            diag.addmm_(l_jk, l_jk.T, alpha=-1.0)
-        check_finite(diag, what)
-        l_jj, info = torch.linalg.cholesky_ex(diag)
-        if int(info) != 0:
-            raise not_positive_definite(what, ridge, float(diag.diagonal().abs().max()))
-        store.put(j, j, l_jj)
+        owner, mine = store.owner(j), store.owns(j)
+        row_j = [store.broadcast(store.get(j, k) if mine else None, j, k, owner) for k in range(j)]
+        l_jj, status = None, torch.zeros(3, dtype=torch.float64)  # (failed, not finite, scale)
+        if mine:
+            diag = store.get(j, j).clone()
+            for l_jk in row_j:
+                diag.addmm_(l_jk, l_jk.T, alpha=-1.0)
+            if not bool(torch.isfinite(diag).all()):
+                status[:2] = 1.0
+            else:
+                l_jj, info = torch.linalg.cholesky_ex(diag)
+                status[0], status[2] = float(int(info) != 0), float(diag.diagonal().abs().max())
+        status = group.broadcast(status if mine else None, (3,), torch.float64, owner)
+        if status[1]:
+            raise ValueError(f"{what} must be finite, got NaN or infinite values; check the inputs and the model's "
+                             "outputs")
+        if status[0]:
+            raise not_positive_definite(what, ridge, float(status[2]))
+        l_jj = store.broadcast(l_jj, j, j, owner)
+        if mine:
+            store.put(j, j, l_jj)
         for i in range(j + 1, store.count):
+            if not store.owns(i):
+                continue
             tile = store.get(i, j).clone()
             for k, l_jk in enumerate(row_j):
                 tile.addmm_(store.get(i, k), l_jk.T, alpha=-1.0)
@@ -179,56 +220,63 @@ def cholesky_(store: TileStore, ridge: float, what: str = "K + ridge*I") -> None
 
 def triangular_inverse_(store: TileStore) -> None:
     """
-    ``L⁻¹`` in place, block column by block column from the left: with ``M = L⁻¹``, ``M_jj = L_jj⁻¹`` and, for
-    ``i > j``, ``M_ij = −L_ii⁻¹ Σ_{j≤k<i} L_ik M_kj`` (rows of a block column computed top-down, each from the
-    finished ones). Column ``j`` reads ``L`` tiles of columns ``≥ j`` only, which are still ``L``; the inverses of
-    the diagonal tiles are computed once and kept beside the tiles.
+    ``L⁻¹`` in place, block column by block column: with ``M = L⁻¹``, ``M_jj = L_jj⁻¹`` and, for ``i > j``,
+    ``M_ij = −L_ii⁻¹ Σ_{j≤k<i} L_ik M_kj``. Within column ``j`` the tiles are finished top-down; as soon as
+    ``M_kj`` is finished (and, over a process group, broadcast by its owner), every process adds ``L_ik M_kj`` to
+    the running sums of its own rows ``i > k``. Column ``j`` reads ``L`` tiles of columns ``≥ j`` only, which are still
+    ``L``; the inverses of the diagonal tiles are computed once and kept beside the tiles.
 
     :param store: The lower tiles of ``L``; overwritten with ``L⁻¹``.
     """
     count = store.count
-    inverses = TileStore(store.n, store.block, store.dtype, store.device, store.path)
+    inverses = TileStore(store.n, store.block, store.dtype, store.device, store.path, store.group)
     try:
         for i in range(count):
-            l_ii = store.get(i, i)
-            eye = torch.eye(store.size(i), dtype=l_ii.dtype, device=l_ii.device)
-            inverses.put(i, i, torch.linalg.solve_triangular(l_ii, eye, upper=False))
+            if store.owns(i):
+                l_ii = store.get(i, i)
+                eye = torch.eye(store.size(i), dtype=l_ii.dtype, device=l_ii.device)
+                inverses.put(i, i, torch.linalg.solve_triangular(l_ii, eye, upper=False))
         for j in range(count):
-            column = {j: inverses.get(j, j)}
-            for i in range(j + 1, count):
-                acc = torch.zeros((store.size(i), store.size(j)), dtype=store.dtype, device=store.device)
-                for k in range(j, i):
-                    acc.addmm_(store.get(i, k), column[k])
-                column[i] = -(inverses.get(i, i) @ acc)
-            for i, tile in column.items():
-                store.put(i, j, tile)
+            sums = {i: torch.zeros((store.size(i), store.size(j)), dtype=store.dtype, device=store.device)
+                    for i in range(j + 1, count) if store.owns(i)}
+            for k in range(j, count):
+                m_kj = None
+                if store.owns(k):
+                    m_kj = inverses.get(j, j) if k == j else -(inverses.get(k, k) @ sums.pop(k))
+                    store.put(k, j, m_kj)  # L_kj was last read at step k = j of this column
+                if k + 1 == count:
+                    break
+                m_kj = store.broadcast(m_kj, k, j, store.owner(k))
+                for i, acc in sums.items():
+                    if i > k:
+                        acc.addmm_(store.get(i, k), m_kj)
     finally:
         inverses.close()
 
 
 def lower_matmul(store: TileStore, v: torch.Tensor) -> torch.Tensor:
-    """:return: ``M v`` for the stored lower-triangular ``M`` and ``v`` of shape ``(n, r)``."""
+    """:return: ``M v`` for the stored lower-triangular ``M`` and ``v`` of shape ``(n, r)`` (on every process)."""
     out = torch.zeros((store.n, v.shape[1]), dtype=store.dtype, device=v.device)
     for i, j in store.lower():
         out[store.rows(i)] += store.get(i, j).to(v.device) @ v[store.rows(j)]
-    return out
+    return store.group.all_reduce(out)
 
 
 def lower_t_matmul(store: TileStore, u: torch.Tensor) -> torch.Tensor:
-    """:return: ``Mᵀ u`` for the stored lower-triangular ``M`` and ``u`` of shape ``(n, r)``."""
+    """:return: ``Mᵀ u`` for the stored lower-triangular ``M`` and ``u`` of shape ``(n, r)`` (on every process)."""
     out = torch.zeros((store.n, u.shape[1]), dtype=store.dtype, device=u.device)
     for i, j in store.lower():
         out[store.rows(j)] += store.get(i, j).to(u.device).T @ u[store.rows(i)]
-    return out
+    return store.group.all_reduce(out)
 
 
 def column_sq_norms(store: TileStore) -> torch.Tensor:
-    """:return: The squared column norms of the stored lower-triangular ``M``."""
+    """:return: The squared column norms of the stored lower-triangular ``M`` (on every process)."""
     out = torch.zeros(store.n, dtype=store.dtype, device=store.device)
     for i, j in store.lower():
         tile = store.get(i, j)
         out[store.rows(j)] += (tile * tile).sum(dim=0)
-    return out
+    return store.group.all_reduce(out)
 
 
 class TiledInverseFactor:
@@ -243,13 +291,20 @@ class TiledInverseFactor:
     :param folder: ``None`` (in memory) or a folder for the tiles' temporary files.
     :param dtype: Dtype of the tiles.
     :param device: Their device.
+    :param group: The process group over which the tile rows are dealt out (each process computes its own tiles of
+        ``K``), or ``None`` for one process.
     """
 
     def __init__(self, tile_fn: TileFn, n: int, ridge: float, block: int, folder: str | os.PathLike | None,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
-        self.store = TileStore(n, block, dtype, device, folder)
+                 dtype: torch.dtype, device: torch.device | str, group: Shard | None = None) -> None:
+        self.store = TileStore(n, block, dtype, device, folder, group)
         try:
-            self.store.fill(tile_fn, diagonal=ridge)
+            error = None
+            try:  # every process computes its tiles before the first collective
+                self.store.fill(tile_fn, diagonal=ridge)
+            except Exception as failure:  # noqa: BLE001 - handed to every process below
+                error = failure
+            self.store.group.raise_if_any(error)
             cholesky_(self.store, ridge)
             triangular_inverse_(self.store)
         except BaseException:

@@ -22,11 +22,16 @@ Two modes compute it (see :mod:`art_malleability.influence.ridge` for the solves
   ``n ≤ k``). Memory ``O(n k + k²)``, never ``n × n``; time ``O(n k²)``. With a projection that
   keeps every dimension the scores equal the exact ones.
 
-``projection_dim="auto"`` (the default) runs the exact mode in a single process when
-``n ≤ max_exact_n`` (10,000), its two ``n × n`` matrices fit in the memory budget and its estimated
-cost ``2 n² D + n³`` (``D`` the size of an example's Jacobian factors: a few thousand for the
-reference models, about 50,000 for a small CNN, millions for a ResNet) stays below
-``EXACT_MAX_FLOPS``; otherwise the projected mode with ``k = DEFAULT_PROJECTION_DIM``. The exact
+``projection_dim="auto"`` (the default) runs the exact mode when ``n ≤ max_exact_n`` (10,000), its
+solve fits the memory budget in one of its three forms and its estimated cost ``2 n² D + n³`` (``D``
+the size of an example's Jacobian factors: a few thousand for the reference models, about 50,000 for a
+small CNN, millions for a ResNet) stays below ``EXACT_MAX_FLOPS``; otherwise the projected mode with
+``k = DEFAULT_PROJECTION_DIM``. The rule is the same in one process and over a ``torch.distributed``
+group, so both run the same estimator. The exact solve's forms, the cheapest that fits first
+(:func:`~art_malleability.influence._ntk_memory.exact_plan`): two ``n × n`` matrices in memory (one
+process); the lower tiles of the kernel and its factor in memory, dealt out over the processes of a
+group (each holds about ``1/w`` of them); the same tiles in files of a temporary folder (out of core).
+The exact
 mode is preferred because the projected scores are a different estimator: at the paper's ridge they
 agree only loosely with the exact ones (see the scale page of the documentation). Both modes check
 their memory before they allocate and stop with an error that names the way out.
@@ -54,9 +59,9 @@ from art_malleability.influence._ntk_memory import (  # noqa: F401 - MEMORY_SHAR
     _GIB,
     MEMORY_SHARE,
     exact_bytes,
+    exact_plan,
     memory_budget,
     projected_bytes,
-    tiled_block,
 )
 from art_malleability.influence.base import InfluenceEstimator, regression_targets
 from art_malleability.influence.ridge import DualRidge, PrimalRidge, loo_scores
@@ -96,10 +101,11 @@ class NTKInfluence(InfluenceEstimator):
     :param memory_limit_gb: Memory (GiB) the large matrices may take; ``None``: 80 % of the memory
         available on the device when :meth:`fit` starts (read once per fit; in a sharded run shared by
         the processes of a machine, the smallest budget of all processes applies).
-    :param distributed: ``"auto"`` (shard the projected mode over an initialised
-        ``torch.distributed`` group of several processes), ``True`` (require one) or ``False``.
-    :param tile_folder: Folder for the tiles of the out-of-core exact solve (``projection_dim=None`` when the dense
-        ``n × n`` solve does not fit the memory budget): a temporary subfolder is created there and removed when the
+    :param distributed: ``"auto"`` (shard over an initialised ``torch.distributed`` group of several processes:
+        the exact mode deals the tiles of its kernel and factor out over the processes, the projected mode the
+        rows of ``Φ``), ``True`` (require one) or ``False``.
+    :param tile_folder: Folder for the tiles of the out-of-core exact solve (when neither the dense ``n × n`` solve
+        nor its tiles fit the memory budget): a temporary subfolder is created there and removed when the
         estimator is refitted or closed. ``None``: the system's temporary folder.
     :param verbose: Show a progress bar over the feature computation.
 
@@ -179,38 +185,40 @@ class NTKInfluence(InfluenceEstimator):
 
     # ------------------------------------------------------------------ mode and memory
     def _choose_mode(self, n: int, shard: Shard | None, model: nn.Module, probe: np.ndarray) -> str:
-        budget = self._budget
+        budget, world = self._budget, 1 if shard is None else shard.world_size
+        plan = exact_plan(n, budget, self.device_, world)
+        self._plan = plan
         if self.projection_dim is None:
-            if shard is not None:
+            if plan is None:
                 raise ValueError(
-                    "projection_dim must be 'auto' or an integer to shard over torch.distributed, got None (the "
-                    "exact NTK influence runs in one process)"
+                    f"projection_dim must be 'auto' or an integer on {n} training examples within the "
+                    f"{budget / _GIB:.1f} GiB budget per process, got None: even the exact NTK influence's "
+                    "out-of-core solve (tiles on disk) needs more for its blocks of the changed rows; raise "
+                    "memory_limit_gb or shard over more processes"
                 )
-            need = exact_bytes(n, self.device_)
-            self._block = None
-            if need > budget:
-                self._block = tiled_block(n, budget)
-                if self._block is None:
-                    raise ValueError(
-                        f"projection_dim must be 'auto' or an integer on {n} training examples within the "
-                        f"{budget / _GIB:.1f} GiB budget, got None: the exact NTK influence needs about "
-                        f"{need / _GIB:.1f} GiB in memory ({n} x {n} float64 matrices and the kernel engine's "
-                        "buffers), and even its out-of-core solve (tiles on disk) needs more"
-                    )
-                logger.info("NTK influence: exact solve out of core, tiles of %d rows in %s", self._block,
-                            self.tile_folder or tempfile.gettempdir())
+            self._log_plan(n, world)
             return "exact"
-        fits = exact_bytes(n, self.device_) <= budget
-        if self.projection_dim == "auto" and shard is None and n <= self.max_exact_n and fits:
+        if self.projection_dim == "auto" and n <= self.max_exact_n and plan is not None:
+            # the same rule in one process and in a group, so that both run the same estimator
             factor = self._engine(model, n, budget).factor_elements(probe)
             flops = 2.0 * n * n * factor + n**3  # kernel entries, then the factorisation and inverse
             if flops <= EXACT_MAX_FLOPS:
+                self._log_plan(n, world)
                 return "exact"
             logger.info(
                 "NTK influence: exact mode would take about %.1e flops (%d examples, %d factor elements each); "
                 "projected instead", flops, n, factor,
             )
         return "projected"
+
+    def _log_plan(self, n: int, world: int) -> None:
+        block, on_disk = self._plan
+        if block is None:
+            logger.info("NTK influence: exact solve, %d x %d matrices in memory", n, n)
+            return
+        where = f"files in {self.tile_folder or tempfile.gettempdir()}" if on_disk else "memory"
+        logger.info("NTK influence: exact solve in tiles of %d rows over %d process(es), held in %s", block, world,
+                    where)
 
     def _engine(self, model: nn.Module, n: int, budget: int) -> JacobianGram:
         """
@@ -247,7 +255,7 @@ class NTKInfluence(InfluenceEstimator):
         self._kept = None
         self._query_features = None
         self._budget = memory_budget(self.memory_limit_gb, self.device_, shard)
-        self._block = None
+        self._plan = None
         previous = getattr(self, "solver_", None)
         if isinstance(previous, DualRidge):
             previous.close()  # a previous fit's tiles on disk go now
@@ -260,13 +268,14 @@ class NTKInfluence(InfluenceEstimator):
             self._fit_projected(model, source, probe)
 
     def _fit_exact(self, model: nn.Module, source: ExampleSource) -> None:
-        """The exact mode: the ``n × n`` eNTK of the training set and its dual solve."""
+        """The exact mode: the ``n × n`` eNTK of the training set and its dual solve (dense, or in tiles)."""
         self.projector_, self.projection_dim_ = None, None
         x, y = source.arrays(self.batch_size)
         self._check_labels(y, "y_train")
         self.x_train_, self.y_train_ = np.array(x, copy=True), y
         self._x_base = self.x_train_
-        if self._block is not None:  # out of core: the kernel is computed tile by tile into files
+        block, on_disk = self._plan
+        if block is not None:  # tiles, computed from the model tile by tile (over the group: each its own)
             engine = self._engine(model, len(x), self._budget)
 
             def tile(rows: np.ndarray, cols: np.ndarray) -> torch.Tensor:
@@ -274,8 +283,8 @@ class NTKInfluence(InfluenceEstimator):
                     return engine.gram(x[rows], x[cols]).to(torch.float64)
 
             with self._clock("solve"):
-                folder = self.tile_folder or tempfile.gettempdir()
-                solver = DualRidge(float(self.ridge), block=self._block, folder=folder)
+                folder = (self.tile_folder or tempfile.gettempdir()) if on_disk else None
+                solver = DualRidge(float(self.ridge), block=block, folder=folder, group=self.shard_)
                 self.solver_ = solver.fit(tile, self._targets(y))
             return
         with self._clock("features"):
@@ -283,6 +292,22 @@ class NTKInfluence(InfluenceEstimator):
         with self._clock("solve"):
             self.solver_ = DualRidge(float(self.ridge)).fit(kernel, self._targets(y))
         logger.debug("NTK influence (exact): kernel %s, ridge %g", tuple(kernel.shape), self.ridge)
+
+    def _train_columns(self, x_rows: np.ndarray, x_train: np.ndarray) -> torch.Tensor:
+        """
+        The kernel between ``x_rows`` and the whole training set ``x_train``, ``(len(x_rows), n)``; over a group each
+        process computes the columns of its block and the blocks are gathered.
+        """
+        if self.shard_ is None:
+            return self._kernel(self.model_, x_rows, x_train).to(torch.float64)
+        start, stop = self.shard_.bounds(self.n_train_)
+        local, error = None, None
+        try:
+            local = self._kernel(self.model_, x_rows, x_train[start:stop]).to(torch.float64)
+        except Exception as failure:  # noqa: BLE001 - handed to every process below
+            error = failure
+        raise_if_any(self.shard_, error)
+        return self._comm(self.shard_.all_gather_columns, local)
 
     def _fit_projected(self, model: nn.Module, source: ExampleSource, probe: np.ndarray) -> None:
         """The projected mode: this process's block of the features ``Φ``, then the primal or dual solve."""
@@ -395,6 +420,11 @@ class NTKInfluence(InfluenceEstimator):
         order = np.argsort(changed, kind="stable")
         changed, x_changed = changed[order], x_changed[order]
         if self.mode_ == "exact":
+            if self.shard_ is not None:  # every process passed its own rows, or all: gather each block's once
+                start, stop = self.shard_.bounds(self.n_train_)
+                here = (changed >= start) & (changed < stop)
+                changed = self._comm(self.shard_.all_gather_rows, torch.as_tensor(changed[here])).numpy()
+                x_changed = self._comm(self.shard_.all_gather_rows, torch.as_tensor(x_changed[here])).numpy()
             x = np.array(self._x_base, copy=True)
             x[changed] = x_changed
             with self._clock("features"):
@@ -403,7 +433,7 @@ class NTKInfluence(InfluenceEstimator):
                     self._kept.set_changed(changed, x_changed)
                     rows = self._kept.changed_rows().to(torch.float64) if len(changed) else None
                 else:
-                    rows = self._kernel(self.model_, x_changed, x).to(torch.float64) if len(changed) else None
+                    rows = self._train_columns(x_changed, x) if len(changed) else None
             try:
                 with self._clock("solve"):
                     empty = torch.zeros((0, self.n_train_), dtype=torch.float64, device=self.device_)
@@ -481,7 +511,7 @@ class NTKInfluence(InfluenceEstimator):
             if self._kept is not None:
                 k_q = self._kept.rows(x_query).to(torch.float64)
             else:
-                k_q = self._kernel(self.model_, x_query, self.x_train_).to(torch.float64)
+                k_q = self._train_columns(x_query, self.x_train_)
             return self.solver_.loo_parts(k_q)
         key = tensor_digest(torch.as_tensor(np.ascontiguousarray(x_query)))
         if self._query_features is None or self._query_features[0] != key:

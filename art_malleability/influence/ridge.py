@@ -51,6 +51,7 @@ import torch
 from scipy.linalg import lapack
 from threadpoolctl import threadpool_limits
 
+from art_malleability.distributed import Shard
 from art_malleability.influence._tiles import TiledInverseFactor, check_finite, not_positive_definite
 from art_malleability.influence.base import per_example_loss
 
@@ -208,16 +209,21 @@ class DualRidge:
     :param ridge: Ridge ``λ > 0``.
     :param block: ``None`` (one matrix) or the tile size.
     :param folder: With ``block``: ``None`` (tiles in memory) or a folder for the tiles' temporary files.
+    :param group: With ``block``: the process group (:class:`~art_malleability.distributed.Shard`) over which the
+        tile rows are dealt out, or ``None`` (one process). Every process calls every method together with the same
+        arguments and gets the same results; each computes and holds only its own tiles of the kernel and the factor.
 
     Fitted attributes: ``kernel_`` (the base kernel, owned by the solver; the tile function with ``block``),
     ``alpha_`` (``A⁻¹Y`` of the current training set), ``cinv_diag_`` (``diag A⁻¹``), ``changed_`` (rows
     that differ from the base fit).
     """
 
-    def __init__(self, ridge: float, block: int | None = None, folder: str | os.PathLike | None = None) -> None:
+    def __init__(self, ridge: float, block: int | None = None, folder: str | os.PathLike | None = None,
+                 group: Shard | None = None) -> None:
         self.ridge = float(ridge)
         self.block = block
         self.folder = folder
+        self.group = group
 
     def fit(self, kernel: torch.Tensor | Callable, targets: torch.Tensor) -> DualRidge:
         """
@@ -283,7 +289,9 @@ class DualRidge:
             def tile(rows: np.ndarray, cols: np.ndarray) -> torch.Tensor:
                 return self.kernel_(q[rows], q[cols])
 
-        return TiledInverseFactor(tile, len(q), self.ridge, self.block, self.folder, self._dtype, self._device)
+        return TiledInverseFactor(
+            tile, len(q), self.ridge, self.block, self.folder, self._dtype, self._device, self.group
+        )
 
     def _update(self, changed: np.ndarray, rows: torch.Tensor) -> DualRidge:
         n = self.n
