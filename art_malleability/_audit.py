@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from art.attacks import EvasionAttack
 from art.utils import compute_success_array
+from scipy.stats import spearmanr
 
 from art_malleability._flip_posterior import projection_noise
 from art_malleability._io import progress_bar
@@ -179,6 +180,14 @@ class AuditRun:
             if twins:
                 self.noise = projection_noise(np.stack([self.agg_before, *twins]))
         self.top = top_indices(self.agg_before, k, self.est.rank_by)
+        self.seed_agreement = None
+        if self.projected and twins:  # how much of the ranking is the projection's own draw
+            keep = np.isfinite(self.agg_before) & np.isfinite(twins[0])
+            other = top_indices(twins[0], k, self.est.rank_by)
+            self.seed_agreement = {
+                "spearman": float(spearmanr(self.agg_before[keep], twins[0][keep])[0]),
+                "top_k_jaccard": len(np.intersect1d(self.top, other)) / len(np.union1d(self.top, other)),
+            }
         self.perturbed = self.top if self.est.strategy == "top" else np.arange(self.source.n)
         lo, hi = self.shard.bounds(self.source.n) if self.shard is not None else (0, self.source.n)
         self.local = np.sort(self.perturbed[(self.perturbed >= lo) & (self.perturbed < hi)])
@@ -340,6 +349,7 @@ class AuditRun:
             "clean aggregates corrected), posterior share of sign changes",
             "projection_sd": None if noise is None else {"intercept": noise[0], "slope": noise[1]},
             "projection_seeds": None if noise is None else [int(seed) + i for i in range(PROJECTION_SEEDS)],
+            "seed_agreement": getattr(self, "seed_agreement", None),
         }
 
     def execution(self) -> dict[str, Any]:

@@ -23,6 +23,8 @@ _FIELDS = {
     "temporary folder",
     "noise_model.projection_seeds": "the influence estimator is deterministic in this run (not a random "
     "projection): no other projection seed was compared",
+    "noise_model.seed_agreement": "the influence estimator is deterministic in this run (not a random projection): "
+    "there is no projection seed to agree with",
     "noise_model.projection_sd": "the influence estimator is deterministic in this run (not a random projection): "
     "its scores carry query noise only",
 }

@@ -124,7 +124,10 @@ class MalleabilityReport(SavedReport):
                       ``"projected"``, with the projection dimension, seed and per-layer dimensions), and
                       the process group (``world_size``, ``backend``).
     :param noise_model: How the noise-aware flip rate modelled the noise: the method and, for a projected
-                        influence, the projection's noise ``sd = intercept + slope · |score|`` and the seeds compared.
+                        influence, the projection's noise ``sd = intercept + slope · |score|``, the seeds compared
+                        and their agreement (``seed_agreement``: Spearman of the two seeds' clean aggregate scores
+                        over all training examples and the Jaccard overlap of their top sets, shown in the title
+                        line above every table).
     :param fidelity: When a validation of this model was given: the estimator's linear datamodeling score
                      against retraining (``lds``, ``lds_ci``), its leave-one-out sign agreement and the validation's
                      settings (see :mod:`art_malleability.validation`); ``None`` otherwise.
@@ -357,6 +360,17 @@ class MalleabilityReport(SavedReport):
             + f"; influence {self.config.get('influence')}, {self.n_train} training examples, "
             f"{self.n_queries} queries ({self.query_source}), top {self.top_k}, eps {self.config.get('eps')}, "
             f"strategy {self.config.get('strategy')}; clean accuracy {acc}"
+            + self._seed_agreement()
+        )
+
+    def _seed_agreement(self) -> str:
+        """How far a projected estimator's clean ranking is its own random draw (empty when deterministic)."""
+        agreement = (self.noise_model or {}).get("seed_agreement")
+        if not agreement:
+            return ""
+        return (
+            f"; PROJECTED influence: two projection seeds agree with Spearman {agreement['spearman']:.2f} and top-set "
+            f"Jaccard {agreement['top_k_jaccard']:.2f} (1 = the ranking is the model's, 0 = it is the projection's)"
         )
 
 

@@ -12,6 +12,7 @@ from art.attacks.evasion import FastGradientMethod
 from art.estimators.classification import PyTorchClassifier
 from art.exceptions import EstimatorError
 from helpers import digits, trained_classifier
+from scipy.stats import spearmanr
 
 from art_malleability import MalleabilityEstimator, influence_flip_rate
 from art_malleability._flip_posterior import projection_noise
@@ -407,10 +408,19 @@ def test_projected_mode_equals_a_by_hand_pipeline_and_is_recorded(relu_clf):
     noise = projection_noise(np.stack([aggregate_scores(s) for s in (before, *twins)]))
     assert report.noise_model["projection_seeds"] == [3, 4]
     assert [report.noise_model["projection_sd"][k] for k in ("intercept", "slope")] == pytest.approx(list(noise))
+    # the two seeds' agreement, beside every table
+    agg_twin = aggregate_scores(twins[0])
+    top_twin = top_indices(agg_twin, 20)
+    agreement = report.noise_model["seed_agreement"]
+    assert agreement["spearman"] == pytest.approx(spearmanr(aggregate_scores(before), agg_twin)[0], abs=1e-12)
+    assert agreement["top_k_jaccard"] == pytest.approx(
+        len(set(top) & set(top_twin)) / len(set(top) | set(top_twin)))
+    assert f"agree with Spearman {agreement['spearman']:.2f}" in report.summary()
     aware = noise_aware_flip_rate(before, after, top=top, noise=noise, n_bootstrap=FAST["n_bootstrap"], seed=3)
     assert result.flip_rate_above_floor == pytest.approx(aware["estimate"], abs=1e-9)
     exact = MalleabilityEstimator(relu_clf, attacks=["fgsm"], **FAST).evaluate(x, y, xq, yq)
     assert exact.execution["mode"] == "exact" and "projection_dim" not in exact.execution
+    assert exact.noise_model["seed_agreement"] is None and "PROJECTED" not in exact.summary()
     assert not any("random projection" in w for w in exact.warnings)
 
 
