@@ -331,6 +331,8 @@ class AuditRun:
             found.append(
                 f"no random-perturbation control for {missing}: a control needs an l-inf attack with one scalar eps"
             )
+        if self.projected and getattr(self.influence, "auto_note_", None):
+            found.append(self.influence.auto_note_)
         if self.projected:
             found.append(
                 f"influence from a {self.influence.projection_dim_}-dimensional random projection of the NTK "

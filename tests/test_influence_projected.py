@@ -280,15 +280,30 @@ def test_exact_engine_takes_convolutions_and_batch_norm_from_their_factors():
     assert _rel(full.numpy(), empirical_ntk(model, x, method="jacobian", trace=False).numpy()) < 1e-12
 
 
-def test_auto_mode_weighs_the_exact_cost(monkeypatch):
-    import art_malleability.influence.ntk as ntk_module
-
+def test_auto_mode_weighs_the_exact_cost_and_says_why_it_projects(caplog):
     model = _cnn()
     x, y = _images(30)
-    assert NTKInfluence(device="cpu").fit(model, x, y).mode_ == "exact"
-    monkeypatch.setattr(ntk_module, "EXACT_MAX_FLOPS", 1.0)
-    assert NTKInfluence(device="cpu").fit(model, x, y).mode_ == "projected"
-    assert NTKInfluence(projection_dim=None, device="cpu").fit(model, x, y).mode_ == "exact"  # asked for
+    exact = NTKInfluence(device="cpu").fit(model, x, y)
+    assert exact.mode_ == "exact" and exact.auto_note_ is None
+    with caplog.at_level("WARNING", logger="art_malleability.influence.ntk"):
+        projected = NTKInfluence(device="cpu", exact_budget_s=0).fit(model, x, y)
+    assert projected.mode_ == "projected"
+    assert "over exact_budget_s=0 s" in projected.auto_note_ and "projection_dim=None: about" in projected.auto_note_
+    assert "influence='gradient'" in projected.auto_note_ and projected.auto_note_ in caplog.text
+    assert NTKInfluence(projection_dim=None, device="cpu", exact_budget_s=0).fit(model, x, y).mode_ == "exact"
+    assert "max_exact_n=20" in NTKInfluence(device="cpu", max_exact_n=20).fit(model, x, y).auto_note_
+    with pytest.raises(ValueError, match="exact_budget_s must be a non-negative number"):
+        NTKInfluence(exact_budget_s=-1.0)
+
+
+def test_the_time_estimates_grow_as_their_operation_counts():
+    from art_malleability.influence._ntk_memory import exact_seconds, gemm_rate, projected_seconds
+
+    rate = gemm_rate(torch.device("cpu"))
+    assert rate > 1e8  # at least 0.1 GFLOP/s on any machine
+    assert exact_seconds(2000, 100, rate) == pytest.approx(8 * exact_seconds(1000, 100, rate), rel=0.5)
+    assert exact_seconds(1000, 100, rate, world=4) == pytest.approx(exact_seconds(1000, 100, rate) / 4)
+    assert projected_seconds(10_000, 100, 512, rate) < exact_seconds(10_000, 100, rate)
 
 
 def test_projection_matrices_that_cannot_fit_are_refused_before_they_are_drawn():

@@ -1,8 +1,13 @@
-"""The memory of the NTK influence: what its large buffers take in each mode, and the budget they may take."""
+"""
+The memory and time of the NTK influence: what its large buffers take in each mode, the budget they may take, and
+what its modes are estimated to cost on this machine.
+"""
 
 from __future__ import annotations
 
+import math
 import os
+import time
 
 import torch
 
@@ -98,3 +103,70 @@ def memory_budget(memory_limit_gb: float | None, device: torch.device, shard: Sh
         budget //= max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         budget = -int(shard.all_reduce(torch.tensor([-budget], dtype=torch.int64), "max")[0])
     return budget
+
+
+#: Share of the fp64 GEMM rate the exact kernel reaches (measured: 15-50 % for the CNN and the 2L-ReLU; the lower
+#: end is assumed, so that an estimate errs long).
+KERNEL_EFFICIENCY = 0.15
+#: Share of the fp64 GEMM rate the blocked factorisation and inverse reach (benchmarks/bench_exact_solve.py).
+SOLVE_EFFICIENCY = 0.5
+
+_RATES: dict[str, float] = {}
+
+
+def gemm_rate(device: torch.device, shard: Shard | None = None) -> float:
+    """
+    Floating-point operations per second of one float64 matrix product (``torch.mm``, 1024², best of three) on
+    ``device`` with this process's threads, measured once per process and device; in a group the slowest process's
+    rate, so that every process takes the same decisions.
+
+    :param device: The compute device.
+    :param shard: The process group, or ``None``.
+    :return: Operations per second.
+    """
+    key = str(device)
+    if key not in _RATES:
+        a = torch.ones((1024, 1024), dtype=torch.float64, device=device)
+        out = a @ a
+        best = math.inf
+        for _ in range(3):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            torch.mm(a, a, out=out)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - start)
+        _RATES[key] = 2.0 * 1024**3 / max(best, 1e-9)
+    rate = _RATES[key]
+    if shard is not None:
+        rate = -float(shard.all_reduce(torch.tensor([-rate], dtype=torch.float64), "max")[0])
+    return rate
+
+
+def exact_seconds(n: int, factor: int, rate: float, world: int = 1) -> float:
+    """
+    Estimated seconds of the exact mode's fit and one refit: the kernel (``2 n² D`` at ``KERNEL_EFFICIENCY`` of the
+    GEMM rate) and two factorisations with their inverses (``4 n³ / 3`` at ``SOLVE_EFFICIENCY``), shared by
+    ``world`` processes.
+
+    :param n: Training examples.
+    :param factor: ``D``, elements of one example's Jacobian factors.
+    :param rate: fp64 GEMM rate of one process (operations per second).
+    :param world: Processes.
+    :return: Seconds.
+    """
+    kernel = 2.0 * n * n * factor / KERNEL_EFFICIENCY
+    solve = 4.0 * n**3 / 3.0 / SOLVE_EFFICIENCY
+    return (kernel + solve) / rate / max(world, 1)
+
+
+def projected_seconds(n: int, factor: int, k: int, rate: float, world: int = 1) -> float:
+    """
+    Estimated seconds of the projected mode's fit and one refit: projecting every example's Jacobian factors
+    (``2 n D k``) at ``KERNEL_EFFICIENCY`` and two primal solves (``2 · 2 n k²`` and ``2 k³ / 3``) at
+    ``SOLVE_EFFICIENCY``.
+    """
+    features = 2.0 * n * factor * k / KERNEL_EFFICIENCY / max(world, 1)
+    solve = (4.0 * n * k * k / max(world, 1) + 2.0 * k**3 / 3.0) / SOLVE_EFFICIENCY
+    return (features + solve) / rate

@@ -23,15 +23,18 @@ Two modes compute it (see :mod:`art_malleability.influence.ridge` for the solves
   keeps every dimension the scores equal the exact ones.
 
 ``projection_dim="auto"`` (the default) runs the exact mode when ``n ≤ max_exact_n`` (10,000), its
-solve fits the memory budget in one of its three forms and its estimated cost ``2 n² D + n³`` (``D``
-the size of an example's Jacobian factors: a few thousand for the reference models, about 50,000 for a
-small CNN, millions for a ResNet) stays below ``EXACT_MAX_FLOPS``; otherwise the projected mode with
-``k = DEFAULT_PROJECTION_DIM``. The rule is the same in one process and over a ``torch.distributed``
-group, so both run the same estimator. The exact solve's forms, the cheapest that fits first
-(:func:`~art_malleability.influence._ntk_memory.exact_plan`): two ``n × n`` matrices in memory (one
-process); the lower tiles of the kernel and its factor in memory, dealt out over the processes of a
-group (each holds about ``1/w`` of them); the same tiles in files of a temporary folder (out of core).
-The exact
+solve fits the memory budget in one of its three forms and its estimated time (the kernel, ``2 n² D``
+operations with ``D`` the size of an example's Jacobian factors: a few thousand for the reference
+models, about 50,000 for a small CNN, millions for a ResNet; and two factorisations, ``4 n³ / 3``, at
+this machine's measured GEMM rate, shared by the processes) stays below ``exact_budget_s`` (30
+minutes); otherwise the projected mode with ``k = DEFAULT_PROJECTION_DIM``, after a warning that
+says why and what the other options would cost. The rule is the same in one process and over a
+``torch.distributed`` group, except that the time is shared by the processes: a group never runs the
+projected mode where one process would run the exact one. The exact solve's forms, the cheapest that
+fits first (:func:`~art_malleability.influence._ntk_memory.exact_plan`): two ``n × n`` matrices in
+memory (one process); the lower tiles of the kernel and its factor in memory, dealt out over the
+processes of a group (each holds about ``1/w`` of them); the same tiles in files of a temporary folder
+(out of core). The exact
 mode is preferred because the projected scores are a different estimator: at the paper's ridge they
 agree only loosely with the exact ones (see the scale page of the documentation). Both modes check
 their memory before they allocate and stop with an error that names the way out.
@@ -60,8 +63,11 @@ from art_malleability.influence._ntk_memory import (  # noqa: F401 - MEMORY_SHAR
     MEMORY_SHARE,
     exact_bytes,
     exact_plan,
+    exact_seconds,
+    gemm_rate,
     memory_budget,
     projected_bytes,
+    projected_seconds,
 )
 from art_malleability.influence.base import InfluenceEstimator, regression_targets
 from art_malleability.influence.ridge import DualRidge, PrimalRidge, loo_scores
@@ -75,10 +81,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_PROJECTION_DIM = 4096
 #: Largest training set of the exact mode under ``projection_dim="auto"``.
 DEFAULT_MAX_EXACT_N = 10_000
-#: Largest estimated cost (floating-point operations) of the exact mode under ``projection_dim="auto"``:
-#: ``2 n² D`` for the kernel (``D`` elements of Jacobian factors per example) plus ``n³`` for the solve;
-#: about five minutes on two CPU cores.
-EXACT_MAX_FLOPS = 1e13
+#: Longest estimated time (seconds) of the exact mode's fit and one refit under ``projection_dim="auto"``
+#: (:func:`~art_malleability.influence._ntk_memory.exact_seconds`, from this machine's measured GEMM rate).
+DEFAULT_EXACT_BUDGET_S = 1800.0
 class NTKInfluence(InfluenceEstimator):
     """
     Leave-one-out influence of kernel ridge regression on the empirical NTK of the model.
@@ -108,6 +113,10 @@ class NTKInfluence(InfluenceEstimator):
         nor its tiles fit the memory budget): a temporary subfolder is created there and removed when the
         estimator is refitted or closed. ``None``: the system's temporary folder.
     :param verbose: Show a progress bar over the feature computation.
+    :param exact_budget_s: Longest estimated time (seconds) of the exact mode's fit and one refit for
+        ``projection_dim="auto"`` to run it; the estimate comes from this machine's measured GEMM rate and the number
+        of processes. When ``"auto"`` runs the projected mode instead, it says why and what the other options would
+        cost in a warning (``auto_note_``) before the long work starts.
 
     Fitted attributes: ``mode_`` (``"exact"`` or ``"projected"``), ``projection_dim_`` (realised
     ``k``, ``None`` when exact), ``solver_`` (:class:`~art_malleability.influence.ridge.DualRidge`
@@ -134,6 +143,7 @@ class NTKInfluence(InfluenceEstimator):
         "memory_limit_gb",
         "distributed",
         "tile_folder",
+        "exact_budget_s",
     )
 
     def __init__(
@@ -151,6 +161,7 @@ class NTKInfluence(InfluenceEstimator):
         distributed: bool | str = "auto",
         verbose: bool = False,
         tile_folder: str | os.PathLike | None = None,
+        exact_budget_s: float = DEFAULT_EXACT_BUDGET_S,
     ) -> None:
         self._init_params(locals())
 
@@ -178,6 +189,11 @@ class NTKInfluence(InfluenceEstimator):
                 raise ValueError(
                     f"memory_limit_gb must be a positive number of GiB or None, got {self.memory_limit_gb!r}"
                 )
+        budget_s = self.exact_budget_s
+        if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float, np.integer, np.floating)) or not (
+            math.isfinite(float(budget_s)) and budget_s >= 0
+        ):
+            raise ValueError(f"exact_budget_s must be a non-negative number of seconds, got {budget_s!r}")
         if self.distributed not in ("auto", True, False):
             raise ValueError(f"distributed must be 'auto', True or False, got {self.distributed!r}")
         if self.tile_folder is not None and not os.path.isdir(self.tile_folder):
@@ -187,7 +203,7 @@ class NTKInfluence(InfluenceEstimator):
     def _choose_mode(self, n: int, shard: Shard | None, model: nn.Module, probe: np.ndarray) -> str:
         budget, world = self._budget, 1 if shard is None else shard.world_size
         plan = exact_plan(n, budget, self.device_, world)
-        self._plan = plan
+        self._plan, self.auto_note_ = plan, None
         if self.projection_dim is None:
             if plan is None:
                 raise ValueError(
@@ -198,17 +214,34 @@ class NTKInfluence(InfluenceEstimator):
                 )
             self._log_plan(n, world)
             return "exact"
-        if self.projection_dim == "auto" and n <= self.max_exact_n and plan is not None:
-            # the same rule in one process and in a group, so that both run the same estimator
-            factor = self._engine(model, n, budget).factor_elements(probe)
-            flops = 2.0 * n * n * factor + n**3  # kernel entries, then the factorisation and inverse
-            if flops <= EXACT_MAX_FLOPS:
-                self._log_plan(n, world)
-                return "exact"
-            logger.info(
-                "NTK influence: exact mode would take about %.1e flops (%d examples, %d factor elements each); "
-                "projected instead", flops, n, factor,
-            )
+        if self.projection_dim != "auto":
+            return "projected"
+        # "auto": the same rule in one process and in a group, so that a group never runs the projected mode where
+        # one process would run the exact one
+        factor = self._engine(model, n, budget).factor_elements(probe)
+        rate = gemm_rate(self.device_, shard)
+        estimate = exact_seconds(n, factor, rate, world)
+        if n > self.max_exact_n:
+            reason = f"{n} training examples exceed max_exact_n={self.max_exact_n}"
+        elif plan is None:
+            reason = f"its solve does not fit the {budget / _GIB:.1f} GiB budget per process, even with tiles on disk"
+        elif estimate > self.exact_budget_s:
+            reason = (f"it would take about {_minutes(estimate)} here, over exact_budget_s={self.exact_budget_s:g} s "
+                      f"({n} examples, {factor} Jacobian factor elements each)")
+        else:
+            self._log_plan(n, world)
+            return "exact"
+        self.auto_note_ = (
+            f"the exact NTK influence is not affordable here: {reason}. Running the projected mode "
+            f"(k = {DEFAULT_PROJECTION_DIM}, about "
+            f"{_minutes(projected_seconds(n, factor, DEFAULT_PROJECTION_DIM, rate, world))}), whose scores two "
+            "projection seeds reproduce only loosely at small ridges (the report states this run's seed agreement). "
+            f"Other options: the exact mode (projection_dim=None: about {_minutes(estimate)} with "
+            f"{world} process{'es' if world > 1 else ''}, about {_minutes(estimate / 4)} with "
+            f"{4 * world} under torchrun), a GPU (device='cuda'), or the gradient estimator (influence='gradient', "
+            "TracIn at the final weights: a different estimator, minutes)"
+        )
+        logger.warning("NTK influence: %s", self.auto_note_)
         return "projected"
 
     def _log_plan(self, n: int, world: int) -> None:
@@ -558,3 +591,12 @@ class NTKInfluence(InfluenceEstimator):
             f, b, beta = self._query_parts(x_query)
             y = torch.as_tensor(y_query, device=f.device)
             return self._gather(loo_scores(f, b, beta, y, self.loss)).cpu().numpy()
+
+
+def _minutes(seconds: float) -> str:
+    """``seconds`` as a short duration for a message."""
+    if seconds < 90:
+        return f"{max(seconds, 1):.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
