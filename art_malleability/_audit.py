@@ -400,7 +400,7 @@ def _projection_likely(influence: InfluenceEstimator, n: int) -> bool:
     """Whether an NTK influence will surely run projected (then its second seed is fitted before the clean fit)."""
     if not isinstance(influence, NTKInfluence) or influence.projection_dim is None:
         return False
-    return influence.projection_dim != "auto" or n > influence.max_exact_n
+    return influence.projection_dim != "auto" or (influence.max_exact_n is not None and n > influence.max_exact_n)
 
 
 def _control_summary(control: dict | None, eps: float | None) -> dict[str, Any] | None:

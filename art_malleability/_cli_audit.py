@@ -54,9 +54,9 @@ def add_audit(sub: argparse._SubParsersAction, run: Runner) -> None:
         "--projection-dim",
         type=projection_dim,
         default="auto",
-        help="NTK influence mode: 'auto' (exact n x n solve when n <= 10000, it fits the memory and its estimated "
-        "cost is below ~1e13 flops; else projected with k = 4096), 'none' (always exact) or the projection "
-        "dimension k (always projected)",
+        help="NTK influence mode: 'auto' (the exact n x n solve when it fits the memory, in memory or in tiles on "
+        "disk, and its estimated time on this machine is under 30 minutes; else projected with k = 4096, after a "
+        "warning naming the options), 'none' (always exact) or the projection dimension k (always projected)",
     )
     group.add_argument("--top-fraction", type=float, default=0.1, help="share of training data in the top set")
     group.add_argument("--strategy", choices=STRATEGIES, default="top", help="perturb the top set or all")

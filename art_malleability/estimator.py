@@ -114,9 +114,9 @@ class MalleabilityEstimator:
         :param clip_values: Valid input range, only with a raw module.
         :param model_name: Name of the model in the report (default: the module's class name).
         :param projection_dim: Mode of the NTK influence (see :class:`~art_malleability.influence.NTKInfluence`):
-               ``"auto"`` (exact when ``n ≤ 10,000``, the ``n × n`` solve fits the memory and its estimated cost
-               stays below about five minutes of a CPU; otherwise projected with ``k = 4096``), ``None`` (always
-               exact) or the projection dimension ``k``. The projection is seeded with ``seed``.
+               ``"auto"`` (exact when its solve fits the memory, in memory or in tiles on disk, and its estimated
+               time on this machine stays under 30 minutes; otherwise projected with ``k = 4096``, after a warning
+               naming the options), ``None`` (always exact) or the projection dimension ``k``. The projection is seeded with ``seed``.
         :param distributed: ``"auto"`` (shard the audit over an initialised ``torch.distributed`` group of several
                processes, see :mod:`art_malleability.distributed`), ``True`` (require one) or ``False``.
         :param controls: Beside every ℓ∞ attack, perturb the same training examples by random signs at the same

@@ -22,7 +22,7 @@ Two modes compute it (see :mod:`art_malleability.influence.ridge` for the solves
   ``n ≤ k``). Memory ``O(n k + k²)``, never ``n × n``; time ``O(n k²)``. With a projection that
   keeps every dimension the scores equal the exact ones.
 
-``projection_dim="auto"`` (the default) runs the exact mode when ``n ≤ max_exact_n`` (10,000), its
+``projection_dim="auto"`` (the default) runs the exact mode when ``n ≤ max_exact_n`` (no cap by default), its
 solve fits the memory budget in one of its three forms and its estimated time (the kernel, ``2 n² D``
 operations with ``D`` the size of an example's Jacobian factors: a few thousand for the reference
 models, about 50,000 for a small CNN, millions for a ResNet; and two factorisations, ``4 n³ / 3``, at
@@ -79,8 +79,8 @@ logger = logging.getLogger(__name__)
 
 #: Projection dimension of ``projection_dim="auto"`` when the projected mode runs.
 DEFAULT_PROJECTION_DIM = 4096
-#: Largest training set of the exact mode under ``projection_dim="auto"``.
-DEFAULT_MAX_EXACT_N = 10_000
+#: Largest training set of the exact mode under ``projection_dim="auto"`` (``None``: no cap, the time budget decides).
+DEFAULT_MAX_EXACT_N = None
 #: Longest estimated time (seconds) of the exact mode's fit and one refit under ``projection_dim="auto"``
 #: (:func:`~art_malleability.influence._ntk_memory.exact_seconds`, from this machine's measured GEMM rate).
 DEFAULT_EXACT_BUDGET_S = 1800.0
@@ -102,7 +102,8 @@ class NTKInfluence(InfluenceEstimator):
     :param projection_dim: ``"auto"`` (exact or projected by the rule in the module docstring),
         ``None`` (always exact) or the projection dimension ``k`` (always projected).
     :param projection_seed: Seed of the projection matrices.
-    :param max_exact_n: Largest training set of the exact mode under ``projection_dim="auto"``.
+    :param max_exact_n: Largest training set of the exact mode under ``projection_dim="auto"``, or ``None`` (no cap:
+        ``exact_budget_s`` decides).
     :param memory_limit_gb: Memory (GiB) the large matrices may take; ``None``: 80 % of the memory
         available on the device when :meth:`fit` starts (read once per fit; in a sharded run shared by
         the processes of a machine, the smallest budget of all processes applies).
@@ -156,7 +157,7 @@ class NTKInfluence(InfluenceEstimator):
         method: str = "auto",
         projection_dim: int | str | None = "auto",
         projection_seed: int = 0,
-        max_exact_n: int = DEFAULT_MAX_EXACT_N,
+        max_exact_n: int | None = DEFAULT_MAX_EXACT_N,
         memory_limit_gb: float | None = None,
         distributed: bool | str = "auto",
         verbose: bool = False,
@@ -177,10 +178,9 @@ class NTKInfluence(InfluenceEstimator):
             check_projection_dim(self.projection_dim)
         if isinstance(self.projection_seed, bool) or not isinstance(self.projection_seed, (int, np.integer)):
             raise ValueError(f"projection_seed must be an integer, got {self.projection_seed!r}")
-        if isinstance(self.max_exact_n, bool) or not isinstance(self.max_exact_n, (int, np.integer)):
-            raise ValueError(f"max_exact_n must be a non-negative integer, got {self.max_exact_n!r}")
-        if self.max_exact_n < 0:
-            raise ValueError(f"max_exact_n must be a non-negative integer, got {self.max_exact_n!r}")
+        cap = self.max_exact_n
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, np.integer)) or cap < 0):
+            raise ValueError(f"max_exact_n must be a non-negative integer or None, got {cap!r}")
         if self.memory_limit_gb is not None:
             ok = not isinstance(self.memory_limit_gb, bool) and isinstance(
                 self.memory_limit_gb, (int, float, np.integer, np.floating)
@@ -221,7 +221,7 @@ class NTKInfluence(InfluenceEstimator):
         factor = self._engine(model, n, budget).factor_elements(probe)
         rate = gemm_rate(self.device_, shard)
         estimate = exact_seconds(n, factor, rate, world)
-        if n > self.max_exact_n:
+        if self.max_exact_n is not None and n > self.max_exact_n:
             reason = f"{n} training examples exceed max_exact_n={self.max_exact_n}"
         elif plan is None:
             reason = f"its solve does not fit the {budget / _GIB:.1f} GiB budget per process, even with tiles on disk"
