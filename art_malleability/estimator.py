@@ -116,7 +116,8 @@ class MalleabilityEstimator:
         :param projection_dim: Mode of the NTK influence (see :class:`~art_malleability.influence.NTKInfluence`):
                ``"auto"`` (exact when its solve fits the memory, in memory or in tiles on disk, and its estimated
                time on this machine stays under 30 minutes; otherwise projected with ``k = 4096``, after a warning
-               naming the options), ``None`` (always exact) or the projection dimension ``k``. The projection is seeded with ``seed``.
+               naming the options), ``None`` (always exact) or the projection dimension ``k``. The projection is
+               seeded with ``seed``.
         :param distributed: ``"auto"`` (shard the audit over an initialised ``torch.distributed`` group of several
                processes, see :mod:`art_malleability.distributed`), ``True`` (require one) or ``False``.
         :param controls: Beside every ℓ∞ attack, perturb the same training examples by random signs at the same

@@ -269,3 +269,24 @@ def test_the_exact_plan_takes_the_cheapest_form_that_fits():
     assert exact_plan(n, 12 * gib) == (4096, True)  # 6.4 GB of tiles and the update's blocks exceed 12 GiB
     assert exact_plan(n, 12 * gib, world=2) == (2048, False)  # each of two processes holds half the tiles
     assert exact_plan(n, 3 * gib) is None  # not even the update's m x n blocks fit
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("where", ["memory", "disk"])
+def test_the_tiled_exact_solve_on_cuda_matches_the_cpu(tmp_path, where):
+    """The exact mode's tiles on the GPU (in its memory, or on disk and moved there tile by tile), float64."""
+    import art_malleability.influence._ntk_memory as memory
+
+    model = _mlp()
+    x, y, xq, yq = _data(n=60, n_query=5)
+    cpu = NTKInfluence(projection_dim=None, device="cpu").fit(model, x, y)
+    fixed = 3 * 8 * 7 * 60 + 3 * memory.DEFAULT_CHUNK_MB * 2**20
+    extra = 2 * 8 * 60 * 32 if where == "disk" else 8 * (60 * 60 // 2 + 3 * 60 * 15) + 1000
+    gpu = NTKInfluence(projection_dim=None, device="cuda", memory_limit_gb=(fixed + extra) / 2**30,
+                       tile_folder=tmp_path).fit(model, x, y)
+    assert gpu.solver_.block is not None and gpu.solver_.alpha_.device.type == "cuda"
+    assert _rel(gpu.scores(xq, yq), cpu.scores(xq, yq)) < 1e-9
+    changed = np.array([0, 9, 33])
+    x_new = x[changed] + 0.1
+    assert _rel(gpu.refit(changed, x_new).scores(xq, yq), cpu.refit(changed, x_new).scores(xq, yq)) < 1e-9
