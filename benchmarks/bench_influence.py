@@ -54,6 +54,9 @@ resident set size (``ru_maxrss`` of that process, reported by the process itself
     (features, solve, communication, scores), peak RSS, and each attack's influence time relative to the clean
     influence (the update touches only the perturbed 10 % of the rows). Targets at 60k: whole audit < 10 min
     (2L-ReLU) and < 30 min (CNN), peak RSS < 8 GB (10⁹ bytes).
+    ``--scale-projection-dim none --memory-limit-gb 6`` runs the exact mode instead (dense, or in tiles in memory
+    or on disk within the budget: the issue's 40,000-image target is
+    ``scale --models 2l-relu --sizes 40000 --scale-projection-dim none --memory-limit-gb 6``).
 
 ``gemm``
     Share of this machine's fp32 GEMM rate (``torch.mm`` on 4096 × 4096 float32 matrices with ``--threads``
@@ -636,8 +639,9 @@ def case_audit(spec: dict[str, Any]) -> None:
     data = load_mnist(spec["root"], spec["n"], spec["n_queries"], spec["seed"], spec["pool_limit"], spec["cache"])
     model = load_model(spec)
     classifier = make_classifier(model, INPUT_SHAPE, NB_CLASSES, device="cpu")
-    ntk = _timed_ntk_class()(ridge=1e-3, device="cpu", projection_dim="auto", projection_seed=spec["seed"],
-                             max_exact_n=spec["max_exact_n"])
+    ntk = _timed_ntk_class()(ridge=1e-3, device="cpu", projection_dim=spec.get("projection_dim", "auto"),
+                             projection_seed=spec["seed"], max_exact_n=spec["max_exact_n"],
+                             memory_limit_gb=spec.get("memory_limit_gb"))
     audit = MalleabilityEstimator(classifier, attacks=ATTACKS, eps=0.3, influence=ntk, strategy="top",
                                   n_queries=spec["n_queries"], verbose=False, device="cpu", seed=spec["seed"])
     base = rss_bytes()
@@ -651,7 +655,10 @@ def case_audit(spec: dict[str, Any]) -> None:
     write_result(spec, {
         "total_s": total, "base_rss": base, "n_unique": data.n_unique, "query_source": report.query_source,
         "mode": report.execution.get("mode"), "k": report.execution.get("projection_dim"),
-        "solver": type(ntk.solver_).__name__, "seconds": dict(report.seconds),
+        "solver": type(ntk.solver_).__name__ + ("" if getattr(ntk.solver_, "block", None) is None
+                                                     else f" tiles {ntk.solver_.block}"
+                                                     + (" on disk" if ntk.solver_.folder else "")),
+        "seconds": dict(report.seconds),
         "attacks": [{"attack": r.attack, "seconds": dict(r.seconds), "flip_rate": r.flip_rate,
                      "flip_rate_ci": r.flip_rate_ci, "flip_rate_null": r.flip_rate_null,
                      "noise_aware": r.flip_rate_above_floor, "noise_aware_ci": r.flip_rate_above_floor_ci,
@@ -916,14 +923,15 @@ class Bench:
         a = self.args
         out: dict[str, Any] = {"sizes": a.sizes, "models": {}}
         print(f"\n## scale: the whole audit ({', '.join(ATTACKS)}, eps 0.3, {a.n_queries} queries, strategy top, "
-              f"projection_dim auto)\n", flush=True)
+              f"projection_dim {a.scale_projection_dim}, memory limit {a.memory_limit_gb} GiB)\n", flush=True)
         for model in a.models:
             rows, phase_rows, cases = [], [], {}
             for n in a.sizes:
                 info = self.prep(model, n, a.n_queries)
                 name = f"scale-{model}-n{n}"
                 spec = {**self.common(model), "kind": "audit", "name": name, "n": n, "n_queries": a.n_queries,
-                        "model_path": info["model_path"], "max_exact_n": a.max_exact_n}
+                        "model_path": info["model_path"], "max_exact_n": a.max_exact_n,
+                        "projection_dim": a.scale_projection_dim, "memory_limit_gb": a.memory_limit_gb}
                 print(f"  audit {model} n={n:,} ...", flush=True)
                 res = self.run(spec, a.audit_timeout, a.threads)[0]
                 res["training"] = _clean(info)
@@ -1098,6 +1106,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sizes", nargs="+", type=int, default=[1000, 4000, 16000, 60000])
     p.add_argument("--max-exact-n", type=int, default=None,
                    help="NTKInfluence max_exact_n in the audits (default: the library's)")
+    p.add_argument("--scale-projection-dim", type=lambda v: None if v.lower() == "none" else v, default="auto",
+                   help="projection_dim of the scale audits: 'auto' (default) or 'none' (exact, in memory or out of "
+                   "core)")
+    p.add_argument("--memory-limit-gb", type=float, default=None,
+                   help="NTKInfluence memory_limit_gb in the scale audits (default: 80 %% of the available memory)")
     p.add_argument("--gemm-n", type=int, default=16000)
     p.add_argument("--gemm-k", type=int, default=4096)
     p.add_argument("--shard-n", type=int, default=16000)
