@@ -324,12 +324,15 @@ def bivariate_normal_cdf(h: np.ndarray, k: np.ndarray, r: np.ndarray) -> np.ndar
     h, k, r = np.broadcast_arrays(*(np.asarray(v, dtype=np.float64) for v in (h, k, r)))
     root = np.sqrt(1.0 - r * r)
     tiny = 1e-300
-    hs = np.where(np.abs(h) < tiny, tiny, h)
-    ks = np.where(np.abs(k) < tiny, tiny, k)
-    a_h = (k - r * hs) / (hs * root)
-    a_k = (h - r * ks) / (ks * root)
-    beta = np.where((h * k < 0) | ((h * k == 0) & (h + k < 0)), 0.5, 0.0)
-    both_zero = (h == 0) & (k == 0)
+    # a hair from zero: moved to ±tiny keeping the sign (exact zeros to +tiny, the branch ``beta`` accounts for)
+    hs = np.where(np.abs(h) < tiny, np.where(h < 0, -tiny, tiny), h)
+    ks = np.where(np.abs(k) < tiny, np.where(k < 0, -tiny, tiny), k)
+    with np.errstate(over="ignore", divide="ignore"):  # ±inf near an axis: Owen's T has the right limit there
+        a_h = (k - r * hs) / (hs * root)
+        a_k = (h - r * ks) / (ks * root)
+    zero = (h == 0) | (k == 0)
+    beta = np.where((~zero & (np.sign(h) != np.sign(k))) | (zero & (h + k < 0)), 0.5, 0.0)  # no underflow of h·k
+    both_zero = (np.abs(h) < tiny) & (np.abs(k) < tiny)  # both at the origin for all purposes
     value = 0.5 * (norm.cdf(h) + norm.cdf(k)) - owens_t(hs, a_h) - owens_t(ks, a_k) - beta
     return np.where(both_zero, 0.25 + np.arcsin(r) / (2 * np.pi), np.clip(value, 0.0, 1.0))
 

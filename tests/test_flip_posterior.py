@@ -122,3 +122,20 @@ def test_projection_noise_enters_the_covariance_of_the_likelihood(rng):
     scale = np.sqrt(total[0, 0])
     density = multivariate_normal([posterior.u[atom], posterior.v[atom]], total / scale**2).logpdf(means[0, j] / scale)
     assert posterior.loglik[j, atom] == pytest.approx(density, rel=1e-10)
+
+
+def test_the_bivariate_cdf_next_to_an_axis_is_exact_and_silent():
+    """Arguments a hair from zero (of either sign) send Owen's T to its infinite-slope limit: no overflow warning,
+    scipy's value."""
+    import warnings
+
+    from scipy.stats import multivariate_normal
+
+    from art_malleability._flip_posterior import bivariate_normal_cdf
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for h, k, r in [(1e-310, 0.5, 0.3), (0.7, 1e-305, -0.4), (2.0, 3e-320, 0.9), (-1.2, -1e-308, 0.2),
+                        (1e-200, -1e-200, 0.4), (-1e-310, 1e-310, -0.3), (0.0, -1e-310, 0.5), (-0.8, 0.0, -0.6)]:
+            expected = multivariate_normal([0.0, 0.0], [[1.0, r], [r, 1.0]]).cdf([h, k])
+            assert float(bivariate_normal_cdf(h, k, r)) == pytest.approx(expected, abs=1e-9)
