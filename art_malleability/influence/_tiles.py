@@ -259,7 +259,7 @@ def lower_matmul(store: TileStore, v: torch.Tensor) -> torch.Tensor:
     out = torch.zeros((store.n, v.shape[1]), dtype=store.dtype, device=v.device)
     for i, j in store.lower():
         out[store.rows(i)] += store.get(i, j).to(v.device) @ v[store.rows(j)]
-    return store.group.all_reduce(out)
+    return _sum(store, out)
 
 
 def lower_t_matmul(store: TileStore, u: torch.Tensor) -> torch.Tensor:
@@ -267,7 +267,7 @@ def lower_t_matmul(store: TileStore, u: torch.Tensor) -> torch.Tensor:
     out = torch.zeros((store.n, u.shape[1]), dtype=store.dtype, device=u.device)
     for i, j in store.lower():
         out[store.rows(j)] += store.get(i, j).to(u.device).T @ u[store.rows(i)]
-    return store.group.all_reduce(out)
+    return _sum(store, out)
 
 
 def column_sq_norms(store: TileStore) -> torch.Tensor:
@@ -276,7 +276,12 @@ def column_sq_norms(store: TileStore) -> torch.Tensor:
     for i, j in store.lower():
         tile = store.get(i, j)
         out[store.rows(j)] += (tile * tile).sum(dim=0)
-    return store.group.all_reduce(out)
+    return _sum(store, out)
+
+
+def _sum(store: TileStore, out: torch.Tensor) -> torch.Tensor:
+    """The sum of ``out`` over the processes (``out`` itself in one process: no copy of an ``n × r`` result)."""
+    return out if store.group.world_size == 1 else store.group.all_reduce(out)
 
 
 class TiledInverseFactor:

@@ -308,15 +308,18 @@ class DualRidge:
             self._q_key = key
         m = self._m
         if len(p):
+            # at most three m × n blocks at once: the rows, one operand and one result (each freed when done)
             rows = rows.to(self._dtype)
-            a_pq = rows[:, qt]
             a_pp = rows[:, pt]
             a_pp = 0.5 * (a_pp + a_pp.T)
             a_pp.diagonal().add_(self.ridge)
-            l_pq = m.matmul(a_pq.T.contiguous()).T
-            schur = a_pp - l_pq @ l_pq.T
+            l_qp = m.matmul(rows.T[qt].contiguous())  # M A_QP, (n - m) × m
+            schur = a_pp - l_qp.T @ l_qp
             y_p = inverse_cholesky_(schur.contiguous(), self.ridge, "the Schur complement of the changed rows")
-            x = -(y_p @ m.t_matmul(l_pq.T.contiguous()).T)
+            w = m.t_matmul(l_qp)  # Mᵀ M A_QP
+            del l_qp
+            x = -(y_p @ w.T)
+            del w
         else:
             x = torch.zeros((0, len(q)), dtype=self._dtype, device=dev)
             y_p = torch.zeros((0, 0), dtype=self._dtype, device=dev)
