@@ -19,6 +19,8 @@ _FIELDS = {
     "execution.backend": "one process: no torch.distributed process group ran the audit",
     "execution.params.memory_limit_gb": "no memory limit was set: the estimator plans with the memory available "
     "when it runs",
+    "execution.params.max_exact_n": "no cap on the exact mode's training set size was set: its estimated time "
+    "(exact_budget_s) decides",
     "execution.params.tile_folder": "no tile folder was set: an out-of-core exact solve would use the system's "
     "temporary folder",
     "noise_model.projection_seeds": "the influence estimator is deterministic in this run (not a random "

@@ -264,9 +264,14 @@ def test_an_interrupt_during_the_commit_waits_for_it(tmp_path, monkeypatch):
         return real(src, dst)
 
     monkeypatch.setattr(module.os, "replace", interrupting)
-    with pytest.raises(KeyboardInterrupt):
-        with OutputFolder(tmp_path, writer="w") as out:
-            out.write_all({"a.txt": "a", "b.txt": "b"})
+    # Python's own SIGINT handler, also where the test runner was started with SIGINT ignored (a background job)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with OutputFolder(tmp_path, writer="w") as out:
+                out.write_all({"a.txt": "a", "b.txt": "b"})
+    finally:
+        signal.signal(signal.SIGINT, previous)
     monkeypatch.setattr(module.os, "replace", real)
     assert (tmp_path / "a.txt").read_text() == "a" and (tmp_path / "b.txt").read_text() == "b"  # all of it
     assert is_ours(tmp_path / "a.txt") and is_ours(tmp_path / "b.txt")
