@@ -101,7 +101,7 @@ class TileStore:
 
     def get(self, i: int, j: int) -> torch.Tensor:
         """:return: Tile ``(i, j)`` (``i ≥ j``, a row this process holds); from disk a new tensor, from memory the
-        stored one."""
+        stored one (which a later :meth:`put` of the same tile overwrites in place)."""
         if j > i:
             raise IndexError(f"tile ({i}, {j}) is above the diagonal; the store holds the lower tiles")
         if self._memory is not None:
@@ -117,7 +117,11 @@ class TileStore:
             raise ValueError(f"tile ({i}, {j}) must have shape {(self.size(i), self.size(j))}, got {tuple(tile.shape)}")
         tile = tile.to(dtype=self.dtype)
         if self._memory is not None:
-            self._memory[(i, j)] = tile.to(self.device).contiguous()
+            kept = self._memory.get((i, j))
+            if kept is not None:  # overwrite in place: a replaced tile would leave a hole of its size in the heap
+                kept.copy_(tile)
+            else:
+                self._memory[(i, j)] = tile.to(self.device).contiguous()
             return
         tile.detach().cpu().contiguous().numpy().tofile(self._file(i, j))
 
