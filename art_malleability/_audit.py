@@ -16,7 +16,6 @@ import numpy as np
 import torch
 from art.attacks import EvasionAttack
 from art.utils import compute_success_array
-from scipy.stats import spearmanr
 
 from art_malleability._flip_posterior import projection_noise
 from art_malleability._io import progress_bar
@@ -32,7 +31,14 @@ from art_malleability.attacks import (
 from art_malleability.distributed import Shard, raise_if_any
 from art_malleability.influence import InfluenceEstimator, NTKInfluence
 from art_malleability.input_pipeline import with_input_pipeline
-from art_malleability.metrics import aggregate_scores, combine_controls, malleability_metrics, top_indices
+from art_malleability.metrics import (
+    _aggregate_jaccard,
+    aggregate_scores,
+    combine_controls,
+    malleability_metrics,
+    spearman,
+    top_indices,
+)
 from art_malleability.models import is_transductive
 from art_malleability.report import AttackResult
 from art_malleability.streaming import ExampleSource, is_torch_data
@@ -182,11 +188,9 @@ class AuditRun:
         self.top = top_indices(self.agg_before, k, self.est.rank_by)
         self.seed_agreement = None
         if self.projected and twins:  # how much of the ranking is the projection's own draw
-            keep = np.isfinite(self.agg_before) & np.isfinite(twins[0])
-            other = top_indices(twins[0], k, self.est.rank_by)
             self.seed_agreement = {
-                "spearman": float(spearmanr(self.agg_before[keep], twins[0][keep])[0]),
-                "top_k_jaccard": len(np.intersect1d(self.top, other)) / len(np.union1d(self.top, other)),
+                "spearman": spearman(self.agg_before[None, :], twins[0][None, :]),
+                "top_k_jaccard": _aggregate_jaccard(twins[0], self.top, k, self.est.rank_by),
             }
         self.perturbed = self.top if self.est.strategy == "top" else np.arange(self.source.n)
         lo, hi = self.shard.bounds(self.source.n) if self.shard is not None else (0, self.source.n)

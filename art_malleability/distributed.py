@@ -114,11 +114,10 @@ class Shard:
         :param device: Where the result lives.
         :return: Rank ``src``'s tensor on every rank (on ``src`` itself, ``t``).
         """
-        if self.world_size == 1 or self.rank == src:
-            if t is None:
-                raise ValueError(f"t must be a tensor on the sending rank {src}, got None")
-            if self.world_size == 1:
-                return t
+        if self.rank == src and t is None:
+            raise ValueError(f"t must be a tensor on the sending rank {src}, got None")
+        if self.world_size == 1:
+            return t
         comm = torch.device(self._device(torch.empty(0)))
         work = (t.detach().to(comm, dtype).contiguous() if self.rank == src
                 else torch.empty(shape, dtype=dtype, device=comm))

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from bench_influence import gemm_rate  # the same GEMM reference as the other benchmarks (4096², best of three)
 
 CASES = ("dense", "tiles-memory", "tiles-disk", "sharded")
 RANK = 256
@@ -55,20 +56,6 @@ def problem(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, np.ndarr
                                                                   dtype=torch.float64) / RANK**0.5
     queries = torch.randn((100, RANK), generator=gen, dtype=torch.float64) / RANK**0.5
     return phi, targets, changed, new_rows, queries
-
-
-def gemm_gflops(size: int = 4096, repeats: int = 3) -> float:
-    """Best fp64 GFLOP/s of ``torch.mm`` on two square matrices."""
-    gen = torch.Generator().manual_seed(0)
-    a = torch.randn((size, size), generator=gen, dtype=torch.float64)
-    b = torch.randn((size, size), generator=gen, dtype=torch.float64)
-    out = torch.mm(a, b)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.mm(a, b, out=out)
-        best = min(best, time.perf_counter() - start)
-    return 2.0 * size**3 / best / 1e9
 
 
 def run_case(case: str, n: int, out: Path, block: int | None) -> None:
@@ -110,7 +97,7 @@ def run_case(case: str, n: int, out: Path, block: int | None) -> None:
     peaks = [int(peak)] if shard is None else shard.all_gather_rows(peak).tolist()
     if shard is None or shard.rank == 0:
         np.savez(out / f"{case}.npz", alpha=alpha, b=b.numpy())
-        record = {"case": case, "world": world, "seconds": seconds, "peak_rss": peaks, "gemm": gemm_gflops()}
+        record = {"case": case, "world": world, "seconds": seconds, "peak_rss": peaks, "gemm": gemm_rate(torch.float64)}
         (out / f"{case}.json").write_text(json.dumps(record))
 
 

@@ -41,12 +41,17 @@ def tiled_block(n: int, budget: int, changed_share: float = 0.1) -> int | None:
     :param changed_share: Share of rows an update changes (the audit's top set).
     :return: The tile size (rows), between 32 and 4,096.
     """
-    fixed = 3 * 8 * int(changed_share * n + 1) * n + 3 * int(DEFAULT_CHUNK_MB * 2**20)
-    spare = budget - fixed
+    spare = budget - _update_bytes(n, changed_share)
     if spare <= 0:
         return None
     block = min(4096, n, spare // (2 * 8 * max(n, 1)))
     return int(block) if block >= min(32, n) else None
+
+
+def _update_bytes(n: int, changed_share: float = 0.1) -> int:
+    """Bytes beside the tiles: the ``m × n`` blocks of an update of ``m = changed_share · n`` rows (three of them) and
+    the kernel engine's chunks."""
+    return 3 * 8 * int(changed_share * n + 1) * n + 3 * int(DEFAULT_CHUNK_MB * 2**20)
 
 
 def exact_plan(
@@ -70,8 +75,7 @@ def exact_plan(
     if world == 1 and exact_bytes(n, device) <= budget:
         return None, False
     block = int(min(2048, max(1, -(-n // (4 * world)))))
-    fixed = 3 * 8 * int(0.1 * n + 1) * n + 3 * int(DEFAULT_CHUNK_MB * 2**20)
-    if 8 * (n * n // (2 * world) + 3 * n * block) + fixed <= budget:
+    if 8 * (n * n // (2 * world) + 3 * n * block) + _update_bytes(n) <= budget:
         return block, False
     block = tiled_block(n, budget)
     return None if block is None else (block, True)
