@@ -69,7 +69,8 @@ def percentile_interval(draws: np.ndarray, confidence: float = 0.95) -> tuple[fl
 
 
 def normal_interval(
-    point: float, draws: np.ndarray, confidence: float = 0.95, bounds: tuple[float, float] = (-np.inf, np.inf)
+    point: float, draws: np.ndarray, confidence: float = 0.95, bounds: tuple[float, float] = (-np.inf, np.inf),
+    extra_variance: float = 0.0,
 ) -> tuple[float, float]:
     """
     Normal interval with a bootstrap standard error: ``point ± z · sd(draws)``, clipped to the statistic's range.
@@ -83,6 +84,8 @@ def normal_interval(
     :param draws: Its bootstrap replicates (non-finite ones are ignored).
     :param confidence: Coverage, in (0, 1).
     :param bounds: Range of the statistic.
+    :param extra_variance: Variance added to the bootstrap variance (a source the resamples do not see, e.g. the
+        spread between a control's random-sign draws divided by their number).
     :return: ``(low, high)``; ``(NaN, NaN)`` when the point is undefined or fewer than two replicates are finite.
     """
     check_confidence(confidence)
@@ -90,7 +93,7 @@ def normal_interval(
     draws = draws[np.isfinite(draws)]
     if draws.size < 2 or not np.isfinite(point):
         return float("nan"), float("nan")
-    half = float(norm.ppf(0.5 + confidence / 2.0)) * float(draws.std(ddof=1))
+    half = float(norm.ppf(0.5 + confidence / 2.0)) * float(np.sqrt(draws.var(ddof=1) + max(extra_variance, 0.0)))
     return float(max(point - half, bounds[0])), float(min(point + half, bounds[1]))
 
 

@@ -352,9 +352,9 @@ def malleability_metrics(
         _check_control(control, identity, draws["flip_rate"])
         result["excess_flip_rate"] = result["flip_rate"] - control["flip_rate"]
         paired = draws["flip_rate"] - control["draws"]["flip_rate"]
-        result["excess_flip_rate_ci"] = _normal_with_extra(
-            result["excess_flip_rate"], paired, control.get("draw_variance", {}).get("flip_rate", 0.0),
-            control.get("n_draws", 1), confidence, BOUNDS["excess_flip_rate"],
+        between = control.get("draw_variance", {}).get("flip_rate", 0.0) / max(control.get("n_draws", 1), 1)
+        result["excess_flip_rate_ci"] = normal_interval(
+            result["excess_flip_rate"], paired, confidence, BOUNDS["excess_flip_rate"], extra_variance=between
         )
     if keep_draws:
         result["draws"] = draws
@@ -389,8 +389,9 @@ def combine_controls(draws: list[dict[str, Any]], confidence: float = 0.95) -> d
     for name in _REPLICATED:
         mean_draws = np.mean(np.stack([d["draws"][name] for d in draws]), axis=0)
         combined["draws"][name] = mean_draws
-        combined[name + "_ci"] = _normal_with_extra(
-            combined[name], mean_draws, combined["draw_variance"][name], n, confidence, BOUNDS[name]
+        combined[name + "_ci"] = normal_interval(
+            combined[name], mean_draws, confidence, BOUNDS[name],
+            extra_variance=combined["draw_variance"][name] / max(n, 1),
         )
     lows = [d["flip_rate_above_floor_ci"][0] for d in draws]
     highs = [d["flip_rate_above_floor_ci"][1] for d in draws]
@@ -401,18 +402,6 @@ def combine_controls(draws: list[dict[str, Any]], confidence: float = 0.95) -> d
     )
     combined["per_query_flip_rate_ci"] = (float("nan"), float("nan"))
     return combined
-
-
-def _normal_with_extra(
-    point: float, draws: np.ndarray, extra: float, n_draws: int, confidence: float, bounds: tuple[float, float]
-) -> tuple[float, float]:
-    """Normal interval whose variance is the bootstrap variance of ``draws`` plus ``extra / n_draws``."""
-    finite = np.asarray(draws, dtype=np.float64)
-    finite = finite[np.isfinite(finite)]
-    if finite.size < 2 or not np.isfinite(point):
-        return float("nan"), float("nan")
-    half = z_value(confidence) * float(np.sqrt(finite.var(ddof=1) + max(extra, 0.0) / max(n_draws, 1)))
-    return float(max(point - half, bounds[0])), float(min(point + half, bounds[1]))
 
 
 def _resampling(seed: int, rows: np.ndarray | None) -> dict[str, Any]:

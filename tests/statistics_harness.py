@@ -133,8 +133,8 @@ def resampled_statistics(design: Planted, reps: int, seed: int = 0, n_bootstrap:
         points = np.array([c[0] for c in controls])
         mean_draws = np.mean([c[1] for c in controls], axis=0)
         excess = flip(np.arange(design.n_query)) - points.mean()
-        interval = M._normal_with_extra(excess, flip_draws - mean_draws, float(np.var(points, ddof=1)),
-                                        control_draws, 0.95, (-1.0, 1.0))
+        interval = M.normal_interval(excess, flip_draws - mean_draws, 0.95, (-1.0, 1.0),
+                                     extra_variance=float(np.var(points, ddof=1)) / control_draws)
         out["excess flip rate"].add(truths[:, 0].mean() - control_truth, excess, interval)
     return out
 
