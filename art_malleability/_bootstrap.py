@@ -68,9 +68,17 @@ def percentile_interval(draws: np.ndarray, confidence: float = 0.95) -> tuple[fl
     return float(low), float(high)
 
 
+#: Ratio of the true variance of a threshold indicator ``1{a > b}`` at a tie (``1/4``) to its expected bootstrap
+#: variance there (``1/6``) under Gaussian noise of the means: the bootstrap probability ``p* = Φ(Z)`` is itself
+#: uniform, so ``E[p*(1 - p*)] = 1/2 - E[Φ(Z)²] = 1/6``. The ratio is largest at the tie and falls below 1 a
+#: standard error away from it. A top-set overlap is a sum of such indicators near its rank cut-off, so its
+#: bootstrap variance is scaled by this bound (``tests/test_statistics.py`` measures both the ratio and the coverage).
+TIE_VARIANCE_RATIO = 1.5
+
+
 def normal_interval(
     point: float, draws: np.ndarray, confidence: float = 0.95, bounds: tuple[float, float] = (-np.inf, np.inf),
-    extra_variance: float = 0.0,
+    extra_variance: float = 0.0, variance_factor: float = 1.0,
 ) -> tuple[float, float]:
     """
     Normal interval with a bootstrap standard error: ``point ± z · sd(draws)``, clipped to the statistic's range.
@@ -86,6 +94,8 @@ def normal_interval(
     :param bounds: Range of the statistic.
     :param extra_variance: Variance added to the bootstrap variance (a source the resamples do not see, e.g. the
         spread between a control's random-sign draws divided by their number).
+    :param variance_factor: Factor on the bootstrap variance (:data:`TIE_VARIANCE_RATIO` for a statistic made of
+        rank cut-offs, whose bootstrap variance falls short near ties).
     :return: ``(low, high)``; ``(NaN, NaN)`` when the point is undefined or fewer than two replicates are finite.
     """
     check_confidence(confidence)
@@ -93,7 +103,8 @@ def normal_interval(
     draws = draws[np.isfinite(draws)]
     if draws.size < 2 or not np.isfinite(point):
         return float("nan"), float("nan")
-    half = float(norm.ppf(0.5 + confidence / 2.0)) * float(np.sqrt(draws.var(ddof=1) + max(extra_variance, 0.0)))
+    variance = variance_factor * float(draws.var(ddof=1)) + max(extra_variance, 0.0)
+    half = float(norm.ppf(0.5 + confidence / 2.0)) * float(np.sqrt(variance))
     return float(max(point - half, bounds[0])), float(min(point + half, bounds[1]))
 
 

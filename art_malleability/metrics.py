@@ -45,6 +45,7 @@ from numpy.typing import ArrayLike
 from scipy.stats import norm, spearmanr
 
 from art_malleability._bootstrap import (
+    TIE_VARIANCE_RATIO,
     bca_interval,
     check_confidence,
     evaluate_resamples,
@@ -88,6 +89,8 @@ __all__ = [
     "bca_interval",
     "seed_interval",
     "BOUNDS",
+    "TIE_VARIANCE_RATIO",
+    "VARIANCE_FACTOR",
     "malleability_metrics",
     "combine_controls",
 ]
@@ -265,6 +268,10 @@ BOUNDS = {
     "excess_flip_rate": (-1.0, 1.0),
 }
 
+#: Factors on the bootstrap variance of the normal intervals: the top-set overlap is made of examples at its rank
+#: cut-off, where the bootstrap variance falls short by up to :data:`TIE_VARIANCE_RATIO` (docs/metrics.md).
+VARIANCE_FACTOR = {"top_k_jaccard": TIE_VARIANCE_RATIO}
+
 #: Bootstrap refits behind the noise-aware interval (each one refits the deconvolution).
 NOISE_AWARE_RESAMPLES = 100
 
@@ -333,7 +340,9 @@ def malleability_metrics(
         result[name] = float(statistic(everything))
         draws[name] = evaluate_resamples(statistic, rows) if rows is not None else np.full(0, np.nan)
     for name in ("flip_rate", "top_k_jaccard"):
-        result[name + "_ci"] = normal_interval(result[name], draws[name], confidence, BOUNDS[name])
+        result[name + "_ci"] = normal_interval(
+            result[name], draws[name], confidence, BOUNDS[name], variance_factor=VARIANCE_FACTOR.get(name, 1.0)
+        )
     result["spearman_ci"] = bca_interval(spearman_of.batch, n_query, n_bootstrap, confidence, seed, BOUNDS["spearman"])
     per_query = per_query_flip_rates(before, after, top_fraction, rank_by)
     result["per_query_flip_rate"] = float(np.nanmean(per_query)) if np.isfinite(per_query).any() else float("nan")
@@ -391,7 +400,7 @@ def combine_controls(draws: list[dict[str, Any]], confidence: float = 0.95) -> d
         combined["draws"][name] = mean_draws
         combined[name + "_ci"] = normal_interval(
             combined[name], mean_draws, confidence, BOUNDS[name],
-            extra_variance=combined["draw_variance"][name] / max(n, 1),
+            extra_variance=combined["draw_variance"][name] / max(n, 1), variance_factor=VARIANCE_FACTOR.get(name, 1.0),
         )
     lows = [d["flip_rate_above_floor_ci"][0] for d in draws]
     highs = [d["flip_rate_above_floor_ci"][1] for d in draws]

@@ -3,7 +3,7 @@ Coverage, bias, power and false-positive rate of every statistic the audit repor
 known truth (the harness of ``tests/statistics_harness.py``, at larger sizes than the test suite). Prints one line
 per statistic and scenario; the numbers in docs/metrics.md come from
 
-    python benchmarks/statistics_coverage.py            # about 20 minutes on 2 CPU cores
+    python benchmarks/statistics_coverage.py            # about an hour on 2 CPU cores
 """
 
 from __future__ import annotations
@@ -49,10 +49,14 @@ def main() -> None:
         lr = np.asarray(runs["lr"])
         print(f"- {label}: {runs['aware'].line()}; raw flip rate {np.mean(runs['raw']):.3f}, its null expectation "
               f"{np.mean(runs['null']):.3f}; no-flip test rejects in {np.mean(lr > critical):.2f}", flush=True)
-    print("\n## Raw flip rate, top-k Jaccard, excess over a 5-draw control (100 queries x 400, top 40)")
-    for design in ({"flips": 0.0, "shrink": 0.25}, {"flips": 0.3, "rho": 0.5}, {"flips": 0.3}):
-        for coverage in H.resampled_statistics(Planted(n_train=400, n_influential=40, **design), reps(1000)).values():
-            print(f"- {design}: {coverage.line()}", flush=True)
+    print("\n## Raw flip rate, top-k Jaccard, excess over a 5-draw control (100 queries x 400, top 40; two seeds)")
+    designs = ({"flips": 0.0, "shrink": 0.25}, {"flips": 0.3, "rho": 0.5}, {"flips": 0.3}, {"flips": 0.0},
+               {"flips": 0.3, "lo": 0.5, "hi": 1.5}, {"flips": 0.3, "n_influential": 20})
+    for design in designs:
+        for seed in (0, 1):
+            planted = Planted(n_train=400, **{"n_influential": 40, **design})
+            for coverage in H.resampled_statistics(planted, reps(1000), seed=seed).values():
+                print(f"- {design}, seed {seed}: {coverage.line()}", flush=True)
     print("\n## Spearman (BCa), per-query flip rate (Student-t) (60 queries x 300)")
     for design in ({"flips": 0.3, "rho": 0.5}, {"flips": 0.0, "shrink": 0.25, "rho": 0.3}):
         runs = H.spearman_and_per_query(Planted(n_query=60, n_train=300, n_influential=30, **design), reps(400))

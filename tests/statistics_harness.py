@@ -124,7 +124,8 @@ def resampled_statistics(design: Planted, reps: int, seed: int = 0, n_bootstrap:
         for name, stat, draws, truth in (("flip rate", flip, flip_draws, truths[:, 0].mean()),
                                          ("top-k Jaccard", jac, M.evaluate_resamples(jac, rows), truths[:, 1].mean())):
             point = stat(np.arange(design.n_query))
-            out[name].add(truth, point, M.normal_interval(point, draws, 0.95, (0.0, 1.0)))
+            factor = M.VARIANCE_FACTOR.get("top_k_jaccard" if name == "top-k Jaccard" else "flip_rate", 1.0)
+            out[name].add(truth, point, M.normal_interval(point, draws, 0.95, (0.0, 1.0), variance_factor=factor))
         controls = []
         for _ in range(control_draws):
             control_after = paired(control_draw())
