@@ -150,6 +150,10 @@ class FlipPosterior:
         self.threshold, self.rank_by, self.noise = threshold, rank_by, noise
         means, cov = paired_moments(before, after, self.top)
         self.keep = np.isfinite(means[0]).all(axis=1) & (cov[0, :, 0, 0] > 0)
+        # members whose scores do not vary over the queries (clean and perturbed) are measured exactly: their
+        # population aggregates are the measured ones, and they flip or not for certain
+        exact = np.isfinite(means[0]).all(axis=1) & (cov[0, :, 0, 0] == 0) & (cov[0, :, 1, 1] == 0)
+        self.exact_flips = np.where(exact, means[0, :, 0] * means[0, :, 1] < 0, np.nan)
         scale = np.sqrt(cov[0, :, 0, 0])
         axis = _grid(np.where(self.keep[:, None], means[0] / np.where(scale > 0, scale, 1.0)[:, None], np.nan))
         u, v = np.meshgrid(axis, axis, indexing="ij")
@@ -201,14 +205,15 @@ class FlipPosterior:
     # ------------------------------------------------------------------ results
     def flip_probabilities(self) -> np.ndarray:
         """:return: Each member's posterior probability of a sign change (``NaN`` for a member without scores)."""
-        out = np.full(self.top.size, np.nan)
-        out[self.keep] = _posterior_flips(self.loglik, self.weights, self.flip_atoms)
+        out = self.exact_flips.astype(np.float64)
+        if self.keep.any():
+            out[self.keep] = _posterior_flips(self.loglik, self.weights, self.flip_atoms)
         return out
 
     def estimate(self) -> float:
         """:return: The estimated share of the set whose population aggregates change sign."""
         probabilities = self.flip_probabilities()
-        return float(np.nanmean(probabilities)) if self.keep.any() else float("nan")
+        return float(np.nanmean(probabilities)) if np.isfinite(probabilities).any() else float("nan")
 
     def undecided_share(self) -> float:
         """
@@ -246,7 +251,8 @@ class FlipPosterior:
         if self.threshold is not None:
             t = (abs(self.threshold) if self.rank_by == "abs" else self.threshold) / scale
         flips = _measured_flip_probability(self.u, self.v, sbb, saa, sab, t, self.rank_by)
-        return float(np.mean(np.sum(posterior * flips, axis=1)))
+        # exactly measured members flip by noise never
+        return float(np.sum(posterior * flips) / (self.keep.sum() + np.isfinite(self.exact_flips).sum()))
 
     def interval(self, rows: np.ndarray, confidence: float, seed: int) -> tuple[float, float]:
         """
@@ -258,6 +264,7 @@ class FlipPosterior:
         """
         if not self.keep.any() or len(rows) == 0:
             return float("nan"), float("nan")
+        exact = self.exact_flips[np.isfinite(self.exact_flips)]
         n_query = self.before.shape[0]
         rows = np.atleast_2d(rows)
         rng = np.random.default_rng(seed)
@@ -270,10 +277,10 @@ class FlipPosterior:
             fitted = _em(loglik, np.broadcast_to(self.weights, (len(weights), self.u.size)).copy(), REFIT_STEPS)
             probabilities = _posterior_flips(loglik, fitted, self.flip_atoms)  # (b, k)
             draws = rng.random((POSTERIOR_DRAWS, *probabilities.shape)) < probabilities
-            shares.append(draws.mean(axis=-1).ravel())
+            shares.append(((draws.sum(axis=-1) + exact.sum()) / (draws.shape[-1] + exact.size)).ravel())
         tail = (1.0 - confidence) / 2.0
         low, high = (float(v) for v in np.quantile(np.concatenate(shares), [tail, 1.0 - tail]))
-        if self.no_flip_statistic() < chi2.ppf(confidence, 1):
+        if self.no_flip_statistic() < chi2.ppf(confidence, 1) and not exact.any():
             low = 0.0
         return low, high
 
@@ -345,7 +352,8 @@ def _measured_flip_probability(
     aggregates have opposite signs, given that the clean one was selected (``|X_b| ≥ t``, or ``X_b ≥ t`` for a signed
     ranking; no condition when ``t`` is ``None``).
     """
-    sb, sa = np.sqrt(sbb)[:, None], np.sqrt(saa)[:, None]
+    # a perturbed aggregate without query noise has a floor of spread: its sign is then decided (or, at 0, a tie)
+    sb, sa = np.sqrt(sbb)[:, None], np.sqrt(np.maximum(saa, 1e-24))[:, None]
     r = np.clip(sab[:, None] / (sb * sa), -0.999999, 0.999999)
     zb, za = -u / sb, -v / sa  # standardised positions of 0 on each axis
     low = np.zeros_like(zb) if t is None else (t[:, None] - u) / sb  # X_b ≥ t  <=>  Z_b ≥ low

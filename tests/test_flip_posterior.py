@@ -1,5 +1,7 @@
 """The deconvolution behind the noise-aware flip rate, piece by piece against direct computations."""
 
+import warnings
+
 import numpy as np
 import pytest
 from scipy.stats import multivariate_normal
@@ -139,3 +141,24 @@ def test_the_bivariate_cdf_next_to_an_axis_is_exact_and_silent():
                         (1e-200, -1e-200, 0.4), (-1e-310, 1e-310, -0.3), (0.0, -1e-310, 0.5), (-0.8, 0.0, -0.6)]:
             expected = multivariate_normal([0.0, 0.0], [[1.0, r], [r, 1.0]]).cdf([h, k])
             assert float(bivariate_normal_cdf(h, k, r)) == pytest.approx(expected, abs=1e-9)
+
+
+def test_members_measured_without_query_noise_count_for_certain(rng):
+    """A member whose scores do not vary over the queries flips or keeps its sign for certain; one whose perturbed
+    scores alone do not vary leaves the expectation by noise finite (no warning)."""
+    from art_malleability import metrics as M
+
+    before = rng.standard_normal((40, 30)) + 3.0
+    after = before + 0.3 * rng.standard_normal((40, 30))
+    before[:, 0], after[:, 0] = 5.0, -4.0  # flips, exactly measured
+    before[:, 1], after[:, 1] = 2.0, 2.5  # keeps its sign, exactly measured
+    after[:, 2] = 1.0  # perturbed scores without spread
+    top = np.arange(6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a division by a zero spread would warn
+        result = M.noise_aware_flip_rate(before, after, top=top, selected=False)
+    probabilities = result["flip_probabilities"]
+    assert probabilities[0] == 1.0 and probabilities[1] == 0.0
+    assert np.all(np.isfinite(probabilities)) and result["estimate"] == pytest.approx(1 / 6, abs=1e-6)
+    assert result["ci"][0] >= 1 / 6 - 1e-9  # a certain flip keeps the interval off zero
+    assert np.isfinite(result["null_raw_flip_rate"]) and result["null_raw_flip_rate"] < 0.05
