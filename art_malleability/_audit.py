@@ -368,6 +368,8 @@ class AuditRun:
         details: dict[str, Any] = {"influence": type(influence).__name__, "params": params}
         if hasattr(influence, "mode_"):
             details["mode"] = influence.mode_
+        if getattr(influence, "ridge_", None) is not None:
+            details["ridge"] = float(influence.ridge_)
         if getattr(influence, "projector_", None) is not None:
             details["projection_dim"] = influence.projection_dim_
             details["projection_seed"] = influence.projection_seed

@@ -15,6 +15,7 @@ from art_malleability._cli_options import (
     add_model_options,
     add_run_options,
     projection_dim,
+    ridge_value,
     say,
 )
 from art_malleability.attacks import ATTACK_NAMES, STRATEGIES
@@ -49,7 +50,10 @@ def add_audit(sub: argparse._SubParsersAction, run: Runner) -> None:
     group.add_argument("--eps", type=float, default=0.3, help="l-inf attack budget on [0, 1] inputs")
     group.add_argument("--attack-max-iter", type=int, default=20, help="steps of PGD and MIM")
     group.add_argument("--influence", choices=INFLUENCE_NAMES, default="ntk", help="influence estimator")
-    group.add_argument("--ridge", type=float, default=1e-3, help="ridge lambda of the NTK influence")
+    group.add_argument(
+        "--ridge", type=ridge_value, default=1e-3,
+        help="ridge lambda of the NTK influence, or 'loo' / 'gcv' to choose it on the clean training set",
+    )
     group.add_argument(
         "--projection-dim",
         type=projection_dim,

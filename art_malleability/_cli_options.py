@@ -110,6 +110,27 @@ def say(args: argparse.Namespace, *lines: str) -> None:
         print(*lines, sep="\n", flush=True)
 
 
+def ridge_value(text: str) -> float | str:
+    """
+    Parse a ``--ridge`` value.
+
+    :param text: A positive number, ``loo`` or ``gcv`` (see :mod:`art_malleability.influence.ridge_choice`).
+    :return: The float or the rule's name.
+    """
+    from art_malleability.influence.ridge_choice import RIDGE_RULES
+
+    key = text.strip().lower()
+    if key in RIDGE_RULES:
+        return key
+    try:
+        value = float(key)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, 'loo' or 'gcv', got {text!r}")
+    return value
+
+
 def projection_dim(text: str) -> int | str | None:
     """
     Parse a ``--projection-dim`` value.

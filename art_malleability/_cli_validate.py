@@ -46,7 +46,11 @@ def add_validate(sub: argparse._SubParsersAction, run: options.Runner) -> None:
         help="NTK influence modes, one estimator each: 'none' (exact), an integer k (projected), 'auto'; "
         "default: exact and projected with k = 512",
     )
-    group.add_argument("--ridge", type=float, default=1e-3, help="ridge lambda of the NTK influence")
+    group.add_argument(
+        "--ridge", type=options.ridge_value, nargs="+", default=[1e-3],
+        help="ridge lambda of the NTK influence, or 'loo' / 'gcv' (chosen on the training set); several values give "
+        "one estimator each, all checked against the same retrained models",
+    )
     group.add_argument("--n-queries", type=int, default=100, help="query points drawn from the test set")
     group.add_argument("--n-models", type=int, default=50, help="subset models of the LDS (M)")
     group.add_argument("--alpha", type=float, default=0.5, help="share of the training set in each subset")
@@ -103,8 +107,8 @@ def _estimators(args: argparse.Namespace) -> list[InfluenceEstimator]:
     for name in args.estimators:
         if name == "ntk":
             estimators += [
-                get_influence("ntk", ridge=args.ridge, projection_dim=k, projection_seed=args.seed, device=args.device)
-                for k in dict.fromkeys(args.projection_dim)
+                get_influence("ntk", ridge=ridge, projection_dim=k, projection_seed=args.seed, device=args.device)
+                for k in dict.fromkeys(args.projection_dim) for ridge in dict.fromkeys(args.ridge)
             ]
         else:
             estimators.append(get_influence(name, loss=args.loss, device=args.device))

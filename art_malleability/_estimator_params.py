@@ -15,6 +15,7 @@ from art_malleability._torch_utils import resolve_device
 from art_malleability._validation import check_positive_int, loss_name
 from art_malleability.attacks import ATTACK_NAMES, STRATEGIES, attack_label, make_attack
 from art_malleability.influence import INFLUENCE_NAMES, InfluenceEstimator, get_influence
+from art_malleability.influence.ridge_choice import check_ridge
 from art_malleability.metrics import RANK_BY
 from art_malleability.ntk.projection import check_projection_dim
 
@@ -57,7 +58,7 @@ def check_params(est: Any) -> None:
         raise ValueError(f"top_fraction must lie in (0, 1], got {est.top_fraction!r}")
     if est.strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {est.strategy!r}")
-    _positive_number("ridge", est.ridge)
+    check_ridge(est.ridge)
     if est.rank_by not in RANK_BY:
         raise ValueError(f"rank_by must be one of {RANK_BY}, got {est.rank_by!r}")
     for name in ("n_queries", "n_bootstrap", "attack_max_iter", "batch_size", "control_draws"):
@@ -102,7 +103,7 @@ def build_influence(est: Any) -> InfluenceEstimator:
     if est.influence == "ntk":
         return get_influence(
             "ntk",
-            ridge=float(est.ridge),
+            ridge=est.ridge if isinstance(est.ridge, str) else float(est.ridge),
             device=est.device,
             projection_dim=est.projection_dim,
             projection_seed=int(est.seed),

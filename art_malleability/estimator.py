@@ -67,7 +67,7 @@ class MalleabilityEstimator:
         influence: str | InfluenceEstimator = "ntk",
         top_fraction: float = 0.1,
         strategy: str = "top",
-        ridge: float = 1e-3,
+        ridge: float | str = 1e-3,
         n_queries: int = 100,
         rank_by: str = "abs",
         n_bootstrap: int = 1000,
@@ -98,7 +98,8 @@ class MalleabilityEstimator:
                :class:`InfluenceEstimator` instance.
         :param top_fraction: Share of training examples in the influential set, in (0, 1].
         :param strategy: ``"top"`` perturbs the influential set, ``"all"`` every training example.
-        :param ridge: Ridge λ of the NTK influence (> 0).
+        :param ridge: Ridge λ of the NTK influence (> 0), or "loo" / "gcv" to choose it on the clean training set
+            (see :class:`~art_malleability.influence.NTKInfluence`).
         :param n_queries: Number of query points (a seeded sample when more are available).
         :param rank_by: Top-set ranking: ``"abs"`` (magnitude) or ``"signed"`` (most helpful).
         :param n_bootstrap: Bootstrap resamples over queries for the intervals.

@@ -357,11 +357,18 @@ class MalleabilityReport(SavedReport):
         return (
             f"model {self.model}"
             + (f" on {self.dataset}" if self.dataset else "")
-            + f"; influence {self.config.get('influence')}, {self.n_train} training examples, "
+            + f"; influence {self.config.get('influence')}{self._ridge()}, {self.n_train} training examples, "
             f"{self.n_queries} queries ({self.query_source}), top {self.top_k}, eps {self.config.get('eps')}, "
             f"strategy {self.config.get('strategy')}; clean accuracy {acc}"
             + self._seed_agreement()
         )
+
+    def _ridge(self) -> str:
+        """The NTK's ridge, with the rule that chose it (empty for other estimators)."""
+        used, asked = self.execution.get("ridge"), self.config.get("ridge")
+        if used is None:
+            return ""
+        return f" (ridge {used:.3g}" + (f", chosen by {asked})" if isinstance(asked, str) else ")")
 
     def _seed_agreement(self) -> str:
         """How far a projected estimator's clean ranking is its own random draw (empty when deterministic)."""

@@ -68,7 +68,6 @@ def test_audit_npz_dataset(tmp_path):
         # the estimator's own parameter check, before any training
         (["--eps", "inf"], "--eps must lie in (0, 1)"),
         (["--eps", "5"], "--eps must lie in (0, 1): an l-inf budget on inputs scaled to [0, 1]"),
-        (["--ridge", "0"], "--ridge (ridge) must be a positive finite number"),
         (["--n-bootstrap", "0"], "--n-bootstrap (n_bootstrap) must be a positive integer"),
         (["--projection-dim", "3000000000"], "--projection-dim (projection_dim) must be a positive integer below"),
     ],
@@ -105,6 +104,14 @@ def test_options_are_checked_before_any_work(tmp_path, capsys, monkeypatch, args
     assert main(["audit", *TINY, *args]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_bad_ridge_is_an_argument_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["audit", *TINY, "--output", str(tmp_path / "out"), "--ridge", "0"])
+    assert done.value.code == 2
+    assert "argument --ridge: must be a positive number, 'loo' or 'gcv', got '0'" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 

@@ -545,8 +545,8 @@ def test_an_invalid_change_is_named_and_changes_nothing(relu_clf, change, match)
     assert estimator.get_params() == before and estimator._attacks is attacks and estimator._influence is influence
 
 
-def test_a_string_ridge_is_refused_at_construction(relu_clf):
-    with pytest.raises(TypeError, match="ridge must be a positive number, got str"):
+def test_a_string_ridge_other_than_a_rule_is_refused_at_construction(relu_clf):
+    with pytest.raises(ValueError, match=r"ridge must be a positive float or one of \('loo', 'gcv'\), got '0.1'"):
         MalleabilityEstimator(relu_clf, ridge="0.1", **FAST)
 
 

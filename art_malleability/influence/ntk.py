@@ -71,6 +71,7 @@ from art_malleability.influence._ntk_memory import (  # noqa: F401 - MEMORY_SHAR
 )
 from art_malleability.influence.base import InfluenceEstimator, regression_targets
 from art_malleability.influence.ridge import DualRidge, PrimalRidge, loo_scores
+from art_malleability.influence.ridge_choice import RIDGE_RULES, check_ridge, choose_ridge
 from art_malleability.ntk.empirical import DEFAULT_CHUNK_MB, NTK_METHODS, JacobianGram, KeptFactors
 from art_malleability.ntk.projection import ProjectedNTK, check_projection_dim
 from art_malleability.streaming import ExampleSource
@@ -91,7 +92,12 @@ class NTKInfluence(InfluenceEstimator):
     Scores have shape ``(n_query, n_train)``; **positive = helpful**: removing the training
     example from the kernel ridge regression would raise the query's loss.
 
-    :param ridge: Ridge ``λ > 0`` added to the kernel diagonal (the paper uses ``1e-3``).
+    :param ridge: Ridge ``λ > 0`` added to the kernel diagonal (the paper uses ``1e-3``), or a rule that chooses it
+        from the clean training set at :meth:`fit` (:mod:`~art_malleability.influence.ridge_choice`): ``"loo"`` (least
+        exact leave-one-out error of the regression targets) or ``"gcv"`` (generalised cross-validation), over a grid
+        relative to the kernel's scale; the chosen value stays for the refits, so clean and perturbed scores come
+        from the same regression. A rule needs the kernel as one matrix: the exact mode's dense solve (one process)
+        or the projected mode with ``n <= k``.
     :param loss: Loss applied to the kernel predictor's outputs: ``"mse"`` (the kernel ridge
         regression's own loss, default) or ``"cross_entropy"`` (outputs treated as logits).
     :param device: ``"auto"``, a device string or a :class:`torch.device`.
@@ -122,6 +128,7 @@ class NTKInfluence(InfluenceEstimator):
     Fitted attributes: ``mode_`` (``"exact"`` or ``"projected"``), ``projection_dim_`` (realised
     ``k``, ``None`` when exact), ``solver_`` (:class:`~art_malleability.influence.ridge.DualRidge`
     or :class:`~art_malleability.influence.ridge.PrimalRidge`), ``projector_`` (projected mode),
+    ``ridge_`` (the ridge used), ``ridge_criteria_`` (with a rule: the grid and its criteria),
     ``shard_`` (the :class:`~art_malleability.distributed.Shard` or ``None``), ``kernel_`` (exact
     mode: the ``n × n`` eNTK of the fitted training set), ``model_`` (working copy), ``seconds_``
     (wall time since :meth:`fit` per phase: ``features`` (the kernel in the exact mode), ``solve``,
@@ -149,7 +156,7 @@ class NTKInfluence(InfluenceEstimator):
 
     def __init__(
         self,
-        ridge: float = 1e-3,
+        ridge: float | str = 1e-3,
         loss: str = "mse",
         device: str | torch.device = "auto",
         dtype: torch.dtype = torch.float64,
@@ -168,10 +175,7 @@ class NTKInfluence(InfluenceEstimator):
 
     def _check_params(self) -> None:
         super()._check_params()
-        if isinstance(self.ridge, bool) or not isinstance(self.ridge, (int, float, np.integer, np.floating)):
-            raise ValueError(f"ridge must be a positive float, got {self.ridge!r}")
-        if not math.isfinite(float(self.ridge)) or self.ridge <= 0:
-            raise ValueError(f"ridge must be a positive float, got {self.ridge!r}")
+        check_ridge(self.ridge)
         if self.method not in NTK_METHODS:
             raise ValueError(f"method must be one of {NTK_METHODS}, got {self.method!r}")
         if self.projection_dim is not None and self.projection_dim != "auto":
@@ -244,6 +248,33 @@ class NTKInfluence(InfluenceEstimator):
         logger.warning("NTK influence: %s", self.auto_note_)
         return "projected"
 
+    def _check_ridge_rule(self, n: int) -> None:
+        """A ridge rule needs the kernel as one matrix: refuse it, before the long work, where the solve has none."""
+        self.ridge_ = None if self.ridge in RIDGE_RULES else float(self.ridge)
+        self.ridge_criteria_ = None
+        if self.ridge_ is not None:
+            return
+        if self.mode_ == "exact" and self._plan[0] is not None:
+            where = "tiles on disk" if self._plan[1] else "tiles"
+            raise ValueError(
+                f"ridge must be a number for the exact solve in {where} ({n} training examples, "
+                f"{1 if self.shard_ is None else self.shard_.world_size} process(es)), got {self.ridge!r}: the rule "
+                "needs the kernel's eigendecomposition, which only the dense solve in one process holds; choose the "
+                "ridge on a subset, or raise memory_limit_gb"
+            )
+        k = DEFAULT_PROJECTION_DIM if self.projection_dim == "auto" else self.projection_dim
+        if self.mode_ == "projected" and n > int(k):
+            raise ValueError(
+                f"ridge must be a number for the projected mode with more training examples ({n}) than features "
+                f"({k}), got {self.ridge!r}: the rule needs the n x n kernel; use the exact mode (projection_dim=None)"
+            )
+
+    def _ridge_for(self, kernel: torch.Tensor, y: np.ndarray) -> float:
+        """The fixed ridge, or the rule's choice on this kernel (computed once, at the clean fit)."""
+        if self.ridge_ is None:
+            self.ridge_, self.ridge_criteria_ = choose_ridge(kernel, self._targets(y), str(self.ridge))
+        return self.ridge_
+
     def _log_plan(self, n: int, world: int) -> None:
         block, on_disk = self._plan
         if block is None:
@@ -294,6 +325,7 @@ class NTKInfluence(InfluenceEstimator):
             previous.close()  # a previous fit's tiles on disk go now
         probe, _ = source.take(np.arange(min(n, 64)), self.batch_size)
         self.mode_ = self._choose_mode(n, shard, model, probe)
+        self._check_ridge_rule(n)
         self._prev_local = np.zeros(0, dtype=np.int64)
         if self.mode_ == "exact":
             self._fit_exact(model, source)
@@ -317,14 +349,14 @@ class NTKInfluence(InfluenceEstimator):
 
             with self._clock("solve"):
                 folder = (self.tile_folder or tempfile.gettempdir()) if on_disk else None
-                solver = DualRidge(float(self.ridge), block=block, folder=folder, group=self.shard_)
+                solver = DualRidge(self.ridge_, block=block, folder=folder, group=self.shard_)
                 self.solver_ = solver.fit(tile, self._targets(y))
             return
         with self._clock("features"):
             kernel = self._exact_fit_kernel(model, x)
         with self._clock("solve"):
-            self.solver_ = DualRidge(float(self.ridge)).fit(kernel, self._targets(y))
-        logger.debug("NTK influence (exact): kernel %s, ridge %g", tuple(kernel.shape), self.ridge)
+            self.solver_ = DualRidge(self._ridge_for(kernel, y)).fit(kernel, self._targets(y))
+        logger.debug("NTK influence (exact): kernel %s, ridge %g", tuple(kernel.shape), self.ridge_)
 
     def _train_columns(self, x_rows: np.ndarray, x_train: np.ndarray) -> torch.Tensor:
         """
@@ -366,11 +398,12 @@ class NTKInfluence(InfluenceEstimator):
                 self._bounds = (0, n)
             self._phi_base, self._phi = phi, phi
             with self._clock("solve"):
-                self.solver_ = DualRidge(float(self.ridge)).fit(phi @ phi.T, self._targets(y))
+                gram = phi @ phi.T
+                self.solver_ = DualRidge(self._ridge_for(gram, y)).fit(gram, self._targets(y))
         else:
             reduce = partial(self._comm, shard.all_reduce) if shard is not None else None
             with self._clock("solve"):
-                self.solver_ = PrimalRidge(float(self.ridge), reduce=reduce).fit(phi, self._targets(y))
+                self.solver_ = PrimalRidge(self.ridge_, reduce=reduce).fit(phi, self._targets(y))
         logger.debug(
             "NTK influence (projected, k=%d of %d, %s): %d examples here of %d",
             dim, projector.full_dim, type(self.solver_).__name__, stop - start, n,

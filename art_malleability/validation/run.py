@@ -19,6 +19,7 @@ from art_malleability._validation import check_loss
 from art_malleability.estimator import library_versions, near_chance_warnings, weights_digest
 from art_malleability.influence import InfluenceEstimator, get_influence, per_example_loss
 from art_malleability.influence.base import check_data
+from art_malleability.influence.ridge_choice import DEFAULT_RIDGE
 from art_malleability.validation.lds import OUTCOMES, TrainFn, linear_datamodeling_score, sign_agreement, subset_sums
 from art_malleability.validation.report import EstimatorFidelity, ValidationReport
 
@@ -168,11 +169,13 @@ def estimator_label(estimator: InfluenceEstimator) -> str:
     """
     name = estimator.name or type(estimator).__name__
     mode = getattr(estimator, "mode_", None)
+    ridge = getattr(estimator, "ridge", DEFAULT_RIDGE)
+    suffix = "" if ridge == DEFAULT_RIDGE else f"-ridge-{ridge:g}" if not isinstance(ridge, str) else f"-ridge-{ridge}"
     if mode == "projected":
         requested = estimator.projection_dim
-        return f"{name}-projected-k{requested if _is_int(requested) else estimator.projection_dim_}"
+        return f"{name}-projected-k{requested if _is_int(requested) else estimator.projection_dim_}{suffix}"
     if mode is not None:
-        return f"{name}-{mode}"
+        return f"{name}-{mode}{suffix}"
     return name
 
 
@@ -185,6 +188,8 @@ def _params(estimator: InfluenceEstimator) -> dict[str, Any]:
     if getattr(estimator, "mode_", None) is not None:
         params["mode"] = estimator.mode_
         params["projection_dim_realised"] = getattr(estimator, "projection_dim_", None)
+    if getattr(estimator, "ridge_", None) is not None:
+        params["ridge_used"] = float(estimator.ridge_)
     return params
 
 
