@@ -128,3 +128,8 @@ def test_a_rule_is_refused_before_the_work_where_no_single_kernel_exists(tmp_pat
         NTKInfluence(ridge="gcv", projection_dim=16, device="cpu").fit(model, x, y)
     np.testing.assert_array_equal(x, x_copy)
     assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights, strict=True))
+    # the realised dimension decides, not the requested one: k = 100 realises 96 features here, fewer than n = 98
+    model, x, y, _, _ = _mlp_and_data(n=98)
+    refusal = r"ridge must be a number for the projected mode .*\(98\) than features \(96\)"
+    with pytest.raises(ValueError, match=refusal):
+        NTKInfluence(ridge="loo", projection_dim=100, device="cpu").fit(model, x, y)

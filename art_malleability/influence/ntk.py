@@ -71,7 +71,7 @@ from art_malleability.influence._ntk_memory import (  # noqa: F401 - MEMORY_SHAR
 )
 from art_malleability.influence.base import InfluenceEstimator, regression_targets
 from art_malleability.influence.ridge import DualRidge, PrimalRidge, loo_scores
-from art_malleability.influence.ridge_choice import RIDGE_RULES, check_ridge, choose_ridge
+from art_malleability.influence.ridge_choice import DEFAULT_RIDGE, RIDGE_RULES, check_ridge, choose_ridge
 from art_malleability.ntk.empirical import DEFAULT_CHUNK_MB, NTK_METHODS, JacobianGram, KeptFactors
 from art_malleability.ntk.projection import ProjectedNTK, check_projection_dim
 from art_malleability.streaming import ExampleSource
@@ -156,7 +156,7 @@ class NTKInfluence(InfluenceEstimator):
 
     def __init__(
         self,
-        ridge: float | str = 1e-3,
+        ridge: float | str = DEFAULT_RIDGE,
         loss: str = "mse",
         device: str | torch.device = "auto",
         dtype: torch.dtype = torch.float64,
@@ -249,7 +249,10 @@ class NTKInfluence(InfluenceEstimator):
         return "projected"
 
     def _check_ridge_rule(self, n: int) -> None:
-        """A ridge rule needs the kernel as one matrix: refuse it, before the long work, where the solve has none."""
+        """
+        A ridge rule needs the kernel as one matrix: refuse it, before the long work, where the exact solve has none
+        (the projected mode checks its realised dimension once the projection is planned).
+        """
         self.ridge_ = None if self.ridge in RIDGE_RULES else float(self.ridge)
         self.ridge_criteria_ = None
         if self.ridge_ is not None:
@@ -261,12 +264,6 @@ class NTKInfluence(InfluenceEstimator):
                 f"{1 if self.shard_ is None else self.shard_.world_size} process(es)), got {self.ridge!r}: the rule "
                 "needs the kernel's eigendecomposition, which only the dense solve in one process holds; choose the "
                 "ridge on a subset, or raise memory_limit_gb"
-            )
-        k = DEFAULT_PROJECTION_DIM if self.projection_dim == "auto" else self.projection_dim
-        if self.mode_ == "projected" and n > int(k):
-            raise ValueError(
-                f"ridge must be a number for the projected mode with more training examples ({n}) than features "
-                f"({k}), got {self.ridge!r}: the rule needs the n x n kernel; use the exact mode (projection_dim=None)"
             )
 
     def _ridge_for(self, kernel: torch.Tensor, y: np.ndarray) -> float:
@@ -427,6 +424,12 @@ class NTKInfluence(InfluenceEstimator):
         )
         projector.plan(probe)
         dim = projector.dim
+        if self.ridge_ is None and n > dim:
+            raise ValueError(
+                f"ridge must be a number for the projected mode with more training examples ({n}) than features "
+                f"({dim}), got {self.ridge!r}: the rule needs the n x n kernel; use the exact mode "
+                "(projection_dim=None)"
+            )
         need = projected_bytes(stop - start, n, dim)
         if need > self._budget:
             raise ValueError(
