@@ -117,17 +117,14 @@ def ridge_value(text: str) -> float | str:
     :param text: A positive number, ``loo`` or ``gcv`` (see :mod:`art_malleability.influence.ridge_choice`).
     :return: The float or the rule's name.
     """
-    from art_malleability.influence.ridge_choice import RIDGE_RULES
+    from art_malleability.influence.ridge_choice import RIDGE_RULES, check_ridge
 
     key = text.strip().lower()
-    if key in RIDGE_RULES:
-        return key
     try:
-        value = float(key)
+        value = key if key in RIDGE_RULES else float(key)
+        check_ridge(value)
     except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, 'loo' or 'gcv', got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be a positive number, 'loo' or 'gcv', got {text!r}") from None
     return value
 
 

@@ -149,10 +149,11 @@ class FlipPosterior:
         self.top = np.asarray(top, dtype=np.int64)
         self.threshold, self.rank_by, self.noise = threshold, rank_by, noise
         means, cov = paired_moments(before, after, self.top)
-        self.keep = np.isfinite(means[0]).all(axis=1) & (cov[0, :, 0, 0] > 0)
+        finite = np.isfinite(means[0]).all(axis=1)
+        self.keep = finite & (cov[0, :, 0, 0] > 0)
         # members whose scores do not vary over the queries (clean and perturbed) are measured exactly: their
         # population aggregates are the measured ones, and they flip or not for certain
-        exact = np.isfinite(means[0]).all(axis=1) & (cov[0, :, 0, 0] == 0) & (cov[0, :, 1, 1] == 0)
+        exact = finite & (cov[0, :, 0, 0] == 0) & (cov[0, :, 1, 1] == 0)
         self.exact_flips = np.where(exact, means[0, :, 0] * means[0, :, 1] < 0, np.nan)
         scale = np.sqrt(cov[0, :, 0, 0])
         axis = _grid(np.where(self.keep[:, None], means[0] / np.where(scale > 0, scale, 1.0)[:, None], np.nan))

@@ -28,6 +28,7 @@ from scipy.linalg import lapack
 from threadpoolctl import threadpool_limits
 
 from art_malleability.influence._tiles import check_finite
+from art_malleability.influence.ridge import _row_block
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +40,6 @@ RIDGE_RULES = ("loo", "gcv")
 
 #: Default grid, as powers of ten of the kernel's mean diagonal.
 DEFAULT_RELATIVE_GRID = tuple(10.0 ** np.arange(-9.0, 1.0 + 1e-9, 0.25))
-
-# Rows of the eigenvector matrix processed at once (8 MiB temporaries at n = 1,000 columns).
-_BLOCK_ELEMENTS = 2**20
 
 
 def check_ridge(ridge: float | str) -> None:
@@ -83,7 +81,7 @@ def ridge_criteria(
         values, vectors, _, _, info = lapack.dsyevr(arr.T, compute_v=1, range="A", lower=1, overwrite_a=1)
     if info != 0:  # pragma: no cover - LAPACK contract
         raise RuntimeError(f"the eigendecomposition of the kernel failed, LAPACK info {info}")
-    step = max(1, _BLOCK_ELEMENTS // max(n, 1))
+    step = _row_block(n)
     for s in range(0, n, step):  # the kernel back, row block by row block
         arr[s : s + step] = (vectors[s : s + step] * values) @ vectors.T
     y = targets.detach().to(torch.float64).cpu().numpy()
