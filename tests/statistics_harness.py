@@ -121,11 +121,14 @@ def resampled_statistics(design: Planted, reps: int, seed: int = 0, n_bootstrap:
         aggregates = M._ResampledAggregates(before, after, top, k, "abs")
         flip, jac = (aggregates.statistic(n) for n in ("flip_rate", "top_k_jaccard"))
         flip_draws = M.evaluate_resamples(flip, rows)
-        for name, stat, draws, truth in (("flip rate", flip, flip_draws, truths[:, 0].mean()),
-                                         ("top-k Jaccard", jac, M.evaluate_resamples(jac, rows), truths[:, 1].mean())):
+        for name, key, stat, draws, truth in (
+            ("flip rate", "flip_rate", flip, flip_draws, truths[:, 0].mean()),
+            ("top-k Jaccard", "top_k_jaccard", jac, M.evaluate_resamples(jac, rows), truths[:, 1].mean()),
+        ):
             point = stat(np.arange(design.n_query))
-            factor = M.VARIANCE_FACTOR.get("top_k_jaccard" if name == "top-k Jaccard" else "flip_rate", 1.0)
-            out[name].add(truth, point, M.normal_interval(point, draws, 0.95, (0.0, 1.0), variance_factor=factor))
+            factor = M.VARIANCE_FACTOR.get(key, 1.0)
+            interval = M.normal_interval(point, draws, 0.95, M.BOUNDS[key], variance_factor=factor)
+            out[name].add(truth, point, interval)
         controls = []
         for _ in range(control_draws):
             control_after = paired(control_draw())
