@@ -10,7 +10,10 @@ process so that its peak resident set size (``ru_maxrss``, reported by the proce
 - ``tiles-memory``: lower tiles in memory (one process);
 - ``tiles-disk``: the same tiles in files of a temporary folder (one process);
 - ``sharded``: tiles in memory dealt out over ``--ranks`` ``gloo`` processes launched by ``torchrun``, one thread
-  each (the same cores as the other cases).
+  each (the same cores as the other cases); several counts (``--ranks 2 4``) show how the peak per process falls.
+
+The tiled cases hand the update its changed rows as a function of the kernel columns, as the audit does, so each
+process computes and holds only the blocks of its own tile rows; the dense case gets the ``m × n`` rows whole.
 
 The kernel is ``K = Φ Φᵀ / r`` with seeded Gaussian ``Φ`` (``n × r``, ``r = 256``) plus the ridge ``1e-3``: the
 solve does not depend on where the kernel comes from (its time is ``O(n³)`` whatever the model), and a kernel
@@ -23,6 +26,7 @@ entry (target 1e-8).
 
     python benchmarks/bench_exact_solve.py --n 8000              # about 10 minutes on 2 cores
     python benchmarks/bench_exact_solve.py --n 2000 --cases dense sharded
+    python benchmarks/bench_exact_solve.py --n 16000 --cases tiles-memory sharded --ranks 2 4
 """
 
 from __future__ import annotations
@@ -68,9 +72,13 @@ def run_case(case: str, n: int, out: Path, block: int | None) -> None:
     phi, targets, changed, new_rows, queries = problem(n)
     new_phi = phi.clone()
     new_phi[torch.as_tensor(changed)] = new_rows
-    rows = new_rows @ new_phi.T
+
+    def rows(cols: np.ndarray) -> torch.Tensor:
+        return new_rows @ new_phi[torch.as_tensor(cols)].T
+
     if case == "dense":
         solver, kernel = DualRidge(RIDGE), phi @ phi.T
+        rows = rows(np.arange(n))
     else:
         size = block or min(2048, -(-n // (4 * world)))
         folder = tempfile.mkdtemp(prefix="bench-exact-") if case == "tiles-disk" else None
@@ -96,9 +104,10 @@ def run_case(case: str, n: int, out: Path, block: int | None) -> None:
     peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], dtype=torch.int64)
     peaks = [int(peak)] if shard is None else shard.all_gather_rows(peak).tolist()
     if shard is None or shard.rank == 0:
-        np.savez(out / f"{case}.npz", alpha=alpha, b=b.numpy())
+        name = case if shard is None else f"{case}-{world}"
+        np.savez(out / f"{name}.npz", alpha=alpha, b=b.numpy())
         record = {"case": case, "world": world, "seconds": seconds, "peak_rss": peaks, "gemm": gemm_rate(torch.float64)}
-        (out / f"{case}.json").write_text(json.dumps(record))
+        (out / f"{name}.json").write_text(json.dumps(record))
 
 
 def launch(case: str, n: int, out: Path, threads: int, ranks: int, block: int | None) -> None:
@@ -122,13 +131,14 @@ def report(n: int, out: Path, cases: list[str]) -> None:
     dense_total = None
     for case in cases:
         record = json.loads((out / f"{case}.json").read_text())
+        case = record["case"]
         sec = record["seconds"]
         total = sum(sec.values())
         dense_total = total if case == "dense" else dense_total
         share = flops / (sec["fit"] + sec["update"]) / 1e9 / (record["gemm"] * record["world"])
         diff = "–"
         if reference is not None and case != "dense":
-            found = np.load(out / f"{case}.npz")
+            found = np.load(out / f"{case if record['world'] == 1 else case + '-' + str(record['world'])}.npz")
             diff = " / ".join(
                 f"{np.abs(found[k] - reference[k]).max() / np.abs(reference[k]).max():.1e}" for k in ("alpha", "b")
             )
@@ -144,7 +154,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8000)
     parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2], help="processes of the sharded case")
     parser.add_argument("--block", type=int, default=None, help="tile size (default: n / (4 ranks), at most 2048)")
     if "BENCH_EXACT_SOLVE" in os.environ:  # a case's process (its settings in the environment)
         spec = json.loads(os.environ["BENCH_EXACT_SOLVE"])
@@ -153,11 +163,14 @@ def main() -> None:
         return
     args = parser.parse_args()
     cases = sorted(args.cases, key=CASES.index)
+    names = []
     with tempfile.TemporaryDirectory(prefix="bench-exact-solve-") as out:
         for case in cases:
-            print(f"running {case} ...", flush=True)
-            launch(case, args.n, Path(out), args.threads, args.ranks, args.block)
-        report(args.n, Path(out), cases)
+            for ranks in args.ranks if case == "sharded" else [1]:
+                print(f"running {case} ({ranks} process{'es' if ranks > 1 else ''}) ...", flush=True)
+                launch(case, args.n, Path(out), args.threads, ranks, args.block)
+                names.append(case if case != "sharded" else f"{case}-{ranks}")
+        report(args.n, Path(out), names)
 
 
 if __name__ == "__main__":

@@ -233,7 +233,7 @@ def test_the_tiled_exact_solve_equals_the_dense_one(tmp_path, where):
     model = trained_classifier("2l-relu", epochs=30).model
     x, y, xq, yq = data.x_train, data.y_train, data.x_test[:8], data.y_test[:8]
     dense = NTKInfluence(projection_dim=None, device="cpu").fit(model, x, y)
-    fixed = 3 * 8 * 13 * 120 + 3 * memory.DEFAULT_CHUNK_MB * 2**20
+    fixed = memory.update_bytes(120)
     # disk: room for the changed rows' blocks and two block columns of 32 rows, not for the tiles in memory;
     # memory: room for half the matrix in tiles of 30 rows (n / 4), not for two n x n matrices
     extra = 2 * 8 * 120 * 32 if where == "disk" else 8 * (120 * 120 // 2 + 3 * 120 * 30) + 1000
@@ -266,9 +266,9 @@ def test_the_exact_plan_takes_the_cheapest_form_that_fits():
     n, gib = 40_000, 2**30
     assert exact_plan(n, exact_bytes(n)) == (None, False)
     assert exact_plan(n, exact_bytes(n), world=2)[0] is not None  # a group always works in tiles
-    assert exact_plan(n, 12 * gib) == (4096, True)  # 6.4 GB of tiles and the update's blocks exceed 12 GiB
-    assert exact_plan(n, 12 * gib, world=2) == (2048, False)  # each of two processes holds half the tiles
-    assert exact_plan(n, 3 * gib) is None  # not even the update's m x n blocks fit
+    assert exact_plan(n, 10 * gib) == (4096, True)  # 6.4 GB of tiles and the update's 3.5 GB exceed 10 GiB
+    assert exact_plan(n, 10 * gib, world=2) == (2048, False)  # each of two processes holds half of both
+    assert exact_plan(n, 3 * gib) is None  # not even the update's (n - m) x m blocks fit
 
 
 @pytest.mark.cuda
@@ -281,7 +281,7 @@ def test_the_tiled_exact_solve_on_cuda_matches_the_cpu(tmp_path, where):
     model = _mlp()
     x, y, xq, yq = _data(n=60, n_query=5)
     cpu = NTKInfluence(projection_dim=None, device="cpu").fit(model, x, y)
-    fixed = 3 * 8 * 7 * 60 + 3 * memory.DEFAULT_CHUNK_MB * 2**20
+    fixed = memory.update_bytes(60)
     extra = 2 * 8 * 60 * 32 if where == "disk" else 8 * (60 * 60 // 2 + 3 * 60 * 15) + 1000
     gpu = NTKInfluence(projection_dim=None, device="cuda", memory_limit_gb=(fixed + extra) / 2**30,
                        tile_folder=tmp_path).fit(model, x, y)

@@ -263,3 +263,54 @@ def test_the_tiled_dual_solve_equals_the_dense_one_with_updates(tmp_path, where,
         assert len(list(tmp_path.iterdir())) == 1  # one tile folder while the solver lives
     tiled.close()
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("block", [None, 7])
+def test_an_update_asks_for_the_changed_rows_by_column_block(tmp_path, block):
+    """Rows given as a function of columns: the tiled solver asks for one tile row's columns at a time (and once for
+    the changed columns), never for all of them, and gets what the rows given whole give; a failing function leaves
+    the solver as it was."""
+    rng = np.random.default_rng(4)
+    n, ridge = 40, 1e-3
+    phi = rng.normal(size=(n, 25))
+    targets = torch.tensor(rng.normal(size=(n, 3)))
+    kernel = torch.tensor(phi @ phi.T)
+    whole = DualRidge(ridge).fit(kernel.clone(), targets)
+    by_columns = DualRidge(ridge, block=block).fit(kernel.clone(), targets)
+    changed = np.array([3, 17, 18, 39])
+    new = phi.copy()
+    new[changed] += 0.3
+    rows = torch.tensor(new[changed] @ new.T)
+    asked = []
+
+    def columns(cols):
+        asked.append(np.array(cols))
+        return rows[:, torch.as_tensor(cols)]
+
+    whole.update(changed, rows)
+    by_columns.update(changed, columns)
+    k_q = torch.tensor(rng.normal(size=(5, 25)) @ phi.T)
+    for x, y in zip(by_columns.loo_parts(k_q), whole.loo_parts(k_q), strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-8, atol=1e-8 * float(y.abs().max()))
+    torch.testing.assert_close(by_columns.cinv_diag_, whole.cinv_diag_, rtol=1e-8, atol=0)
+    assert sorted(np.concatenate(asked).tolist()) == list(range(n))  # every column once
+    assert any(np.array_equal(a, changed) for a in asked)
+    widest = max(len(a) for a in asked if not np.array_equal(a, changed))
+    assert widest == (n - len(changed) if block is None else block)
+    before = [t.clone() for t in by_columns.loo_parts(k_q)]
+
+    other = np.array([1, 2, 5])
+    new[other] -= 0.2
+    other_rows = torch.tensor(new[other] @ new.T)
+
+    def failing(cols):  # the changed columns, then a failure
+        if asked:
+            raise RuntimeError("the kernel columns could not be computed")
+        asked.append(cols)
+        return other_rows[:, torch.as_tensor(cols)]
+
+    asked.clear()
+    with pytest.raises(RuntimeError, match="could not be computed"):
+        by_columns.update(other, failing)
+    for a, b in zip(by_columns.loo_parts(k_q), before, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10 * float(b.abs().max()))

@@ -59,3 +59,33 @@ def test_tiles_are_checked_and_the_upper_triangle_refused():
         store.put(1, 0, torch.zeros(3, 4, dtype=torch.float64))
     assert [store.size(i) for i in range(store.count)] == [4, 4, 2]
     assert np.array_equal(np.arange(10)[store.rows(2)], [8, 9])
+
+
+@pytest.mark.parametrize("on_disk", [False, True])
+def test_products_with_row_blocks_equal_the_dense_ones(tmp_path, on_disk):
+    """``M B``, ``then((Mᵀ U)_j)`` and the column blocks of ``X`` with the operands held in row blocks by tile row."""
+    n, block, width = 37, 10, 4
+    a = _spd(n, seed=2)
+    store = T.TileStore(n, block, folder=tmp_path if on_disk else None)
+    store.fill(lambda r, c: a[r][:, c])
+    T.cholesky_(store, 1e-3)
+    T.triangular_inverse_(store)
+    m = store.dense()
+    g = torch.Generator().manual_seed(5)
+    b = torch.randn(n, width, generator=g, dtype=torch.float64)
+    blocks = {i: b[store.rows(i)].clone() for i in range(store.count)}
+    product = T.lower_matmul_rows(store, blocks, width)
+    assert blocks == {}  # each block is released once used
+    torch.testing.assert_close(torch.cat([product[i] for i in range(store.count)]), m @ b, rtol=0, atol=1e-12)
+    shift = torch.randn(width, width, generator=g, dtype=torch.float64)
+    x = T.lower_t_matmul_rows(store, {i: b[store.rows(i)] for i in range(store.count)}, width,
+                              lambda w_j: -(shift @ w_j.T))
+    want = -(shift @ (m.T @ b).T)  # width × n
+    assert [tuple(x[j].shape) for j in range(store.count)] == [(width, store.size(j)) for j in range(store.count)]
+    torch.testing.assert_close(torch.cat([x[j] for j in range(store.count)], dim=1), want, rtol=0, atol=1e-11)
+    columns = T.ColumnBlocks(store, x, width)
+    v, u = torch.randn(n, 3, generator=g, dtype=torch.float64), torch.randn(width, 3, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(columns.matmul(v), want @ v, rtol=0, atol=1e-11)
+    torch.testing.assert_close(columns.t_matmul(u), want.T @ u, rtol=0, atol=1e-11)
+    torch.testing.assert_close(columns.column_sq_norms(), (want**2).sum(dim=0), rtol=1e-12, atol=0)
+    store.close()

@@ -29,29 +29,35 @@ def exact_bytes(n: int, device: torch.device | None = None) -> int:
     return 8 * matrices * n * n + 3 * int(DEFAULT_CHUNK_MB * 2**20)
 
 
-def tiled_block(n: int, budget: int, changed_share: float = 0.1) -> int | None:
+def tiled_block(n: int, budget: int, changed_share: float = 0.1, world: int = 1) -> int | None:
     """
-    The tile size of the out-of-core exact mode (tiles on disk) within a memory budget, or ``None`` when even that
-    does not fit. In memory at once: the tiles of one block row or column (``n × b``) twice over (a factor's panel and
-    its inverse's column), and the ``m × n`` blocks of an update of ``m = changed_share · n`` rows (the new kernel
-    rows, ``A_PQ M^T`` and ``X``: three of them) with the kernel engine's chunks.
+    The tile size of the out-of-core exact mode (tiles on disk) within a memory budget per process, or ``None`` when
+    even that does not fit. In memory at once: the tiles of one block row or column (``n × b``) twice over (a factor's
+    panel and its inverse's column), and the blocks of an update of ``m = changed_share · n`` rows
+    (:func:`update_bytes`).
 
     :param n: Training examples.
-    :param budget: Bytes.
+    :param budget: Bytes per process.
     :param changed_share: Share of rows an update changes (the audit's top set).
+    :param world: Processes of the group.
     :return: The tile size (rows), between 32 and 4,096.
     """
-    spare = budget - _update_bytes(n, changed_share)
+    spare = budget - update_bytes(n, changed_share, world)
     if spare <= 0:
         return None
     block = min(4096, n, spare // (2 * 8 * max(n, 1)))
     return int(block) if block >= min(32, n) else None
 
 
-def _update_bytes(n: int, changed_share: float = 0.1) -> int:
-    """Bytes beside the tiles: the ``m × n`` blocks of an update of ``m = changed_share · n`` rows (three of them) and
-    the kernel engine's chunks."""
-    return 3 * 8 * int(changed_share * n + 1) * n + 3 * int(DEFAULT_CHUNK_MB * 2**20)
+def update_bytes(n: int, changed_share: float = 0.1, world: int = 1) -> int:
+    """
+    Bytes per process beside the tiles during an update of ``m = changed_share · n`` rows: two sets of
+    ``(n − m) × m`` blocks dealt out over the ``world`` processes by tile row (the kernel columns ``A_QP`` or
+    ``M A_QP``, then ``X``), three ``m × m`` matrices (``A_PP``, its Schur complement, its factor) and the kernel
+    engine's chunks.
+    """
+    m = int(changed_share * n + 1)
+    return 8 * (2 * m * max(n - m, 0) // world + 3 * m * m) + 3 * int(DEFAULT_CHUNK_MB * 2**20)
 
 
 def exact_plan(
@@ -62,7 +68,7 @@ def exact_plan(
 
     - ``(None, False)``: one ``n × n`` matrix pair in memory (:func:`exact_bytes`; one process only);
     - ``(block, False)``: lower tiles in memory, dealt out over the ``world`` processes (each holds about
-      ``8 n² / (2 world)`` bytes, plus a block column of tiles and the update's ``m × n`` blocks);
+      ``8 n² / (2 world)`` bytes, plus a block column of tiles and its share of the update's blocks);
     - ``(block, True)``: the same tiles in files of a temporary folder (:func:`tiled_block`);
     - ``None``: nothing fits.
 
@@ -75,9 +81,9 @@ def exact_plan(
     if world == 1 and exact_bytes(n, device) <= budget:
         return None, False
     block = int(min(2048, max(1, -(-n // (4 * world)))))
-    if 8 * (n * n // (2 * world) + 3 * n * block) + _update_bytes(n) <= budget:
+    if 8 * (n * n // (2 * world) + 3 * n * block) + update_bytes(n, world=world) <= budget:
         return block, False
-    block = tiled_block(n, budget)
+    block = tiled_block(n, budget, world=world)
     return None if block is None else (block, True)
 
 

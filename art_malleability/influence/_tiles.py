@@ -10,7 +10,9 @@ tile by tile, so the memory they need is a few tiles plus their inputs and outpu
 - :func:`cholesky_` — left-looking blocked Cholesky, ``A = LLᵀ`` in place (``A``'s lower tiles become ``L``'s);
 - :func:`triangular_inverse_` — ``L⁻¹`` in place, block column by block column;
 - :func:`lower_matmul`, :func:`lower_t_matmul` — ``M V`` and ``Mᵀ U`` for the stored lower-triangular ``M``;
-- :func:`column_sq_norms` — squared column norms of ``M`` (the diagonal of ``MᵀM``).
+- :func:`column_sq_norms` — squared column norms of ``M`` (the diagonal of ``MᵀM``);
+- :func:`lower_matmul_rows`, :func:`lower_t_matmul_rows` — the same products for tall operands held in row blocks
+  by the process that owns each tile row (the ``(n − m) × m`` blocks of a row update), never whole on one process.
 
 Each is checked against the dense computation in the tests (``tests/test_tiles.py``).
 """
@@ -30,6 +32,10 @@ from art_malleability.distributed import Shard
 
 #: ``tile(rows, cols) -> tensor``: one block of a matrix, rows and columns given as index arrays.
 TileFn = Callable[[np.ndarray, np.ndarray], torch.Tensor]
+#: ``columns(cols) -> tensor``: the columns ``cols`` (an index array) of a matrix with few rows.
+ColumnFn = Callable[[np.ndarray], torch.Tensor]
+#: A tall matrix in row blocks by tile row: ``{i: rows i of it}``, each process holding the tile rows it owns.
+RowBlocks = dict[int, torch.Tensor]
 
 #: Elements of a row block in the finiteness check (8 MiB in float64).
 _CHECK_ELEMENTS = 2**20
@@ -283,6 +289,78 @@ def column_sq_norms(store: TileStore) -> torch.Tensor:
     return _sum(store, out)
 
 
+def lower_matmul_rows(store: TileStore, b: RowBlocks, width: int) -> RowBlocks:
+    """
+    ``M B`` for the stored lower-triangular ``M`` and ``B`` of shape ``(n, width)`` held in row blocks: each process
+    passes the blocks of the tile rows it owns and gets its own row blocks of the product. Block row ``j`` of ``B`` is
+    broadcast by its owner at step ``j`` and released from ``b`` there (``b`` is emptied), so a process holds at most
+    its own blocks of ``B`` and of the product and one broadcast block.
+    """
+    out = {i: torch.zeros((store.size(i), width), dtype=store.dtype, device=store.device)
+           for i in range(store.count) if store.owns(i)}
+    for j in range(store.count):
+        b_j = store.group.broadcast(b.pop(j) if store.owns(j) else None, (store.size(j), width), store.dtype,
+                                    store.owner(j), store.device)
+        for i, acc in out.items():
+            if i >= j:
+                acc.addmm_(store.get(i, j), b_j)
+        del b_j
+    return out
+
+
+def lower_t_matmul_rows(store: TileStore, u: RowBlocks, width: int,
+                        then: Callable[[torch.Tensor], torch.Tensor]) -> RowBlocks:
+    """
+    ``then`` of each row block of ``Mᵀ U``, for ``U`` of shape ``(n, width)`` held in row blocks like
+    :func:`lower_matmul_rows`: block ``j`` of ``Mᵀ U`` is summed over the processes, handed to ``then`` on its owner
+    and only ``then``'s result is kept, so ``Mᵀ U`` is never held whole.
+
+    :return: ``{j: then((Mᵀ U)_j)}`` for the tile rows ``j`` this process owns.
+    """
+    out: RowBlocks = {}
+    for j in range(store.count):
+        part = torch.zeros((store.size(j), width), dtype=store.dtype, device=store.device)
+        for i, u_i in u.items():
+            if i >= j:
+                part.addmm_(store.get(i, j).T, u_i)
+        part = _sum(store, part)
+        if store.owns(j):
+            out[j] = then(part)
+        del part
+    return out
+
+
+class ColumnBlocks:
+    """
+    A wide matrix ``X`` (``rows × n``) held in column blocks by the store's tile rows, each on the process that owns
+    that tile row: ``X v``, ``Xᵀ u`` and the squared column norms, summed over the processes.
+    """
+
+    def __init__(self, store: TileStore, blocks: RowBlocks, rows: int) -> None:
+        self.store, self.blocks, self.rows = store, blocks, int(rows)
+
+    def matmul(self, v: torch.Tensor) -> torch.Tensor:
+        """:return: ``X v`` for ``v`` of shape ``(n, r)`` (on every process)."""
+        out = torch.zeros((self.rows, v.shape[1]), dtype=self.store.dtype, device=v.device)
+        for j, x_j in self.blocks.items():
+            out.addmm_(x_j, v[self.store.rows(j)])
+        return _sum(self.store, out)
+
+    def t_matmul(self, u: torch.Tensor) -> torch.Tensor:
+        """:return: ``Xᵀ u`` for ``u`` of shape ``(rows, r)`` (on every process)."""
+        out = torch.zeros((self.store.n, u.shape[1]), dtype=self.store.dtype, device=u.device)
+        for j, x_j in self.blocks.items():
+            out[self.store.rows(j)] = x_j.T @ u
+        return _sum(self.store, out)
+
+    def column_sq_norms(self) -> torch.Tensor:
+        """:return: The squared column norms of ``X`` (on every process)."""
+        out = torch.zeros(self.store.n, dtype=self.store.dtype, device=self.store.device)
+        for j, x_j in self.blocks.items():
+            out[self.store.rows(j)] = (x_j * x_j).sum(dim=0)
+        return _sum(self.store, out)
+
+
 def _sum(store: TileStore, out: torch.Tensor) -> torch.Tensor:
     """The sum of ``out`` over the processes (``out`` itself in one process: no copy of an ``n × r`` result)."""
     return out if store.group.world_size == 1 else store.group.all_reduce(out)
@@ -328,6 +406,37 @@ class TiledInverseFactor:
 
     def column_sq_norms(self) -> torch.Tensor:
         return column_sq_norms(self.store)
+
+    def schur(self, columns: ColumnFn, a_pp: torch.Tensor,
+              invert: Callable[[torch.Tensor], torch.Tensor]) -> tuple[ColumnBlocks, torch.Tensor]:
+        """
+        The blocks of a row update (:class:`~art_malleability.influence.ridge.DualRidge`) with this factor ``M`` of
+        ``A_QQ``: ``Y_P = invert(A_PP − A_PQ Mᵀ M A_QP)`` and ``X = −Y_P A_PQ Mᵀ M``, in the layout of the tiles. Every
+        process computes the kernel columns ``A_QP`` of its own tile rows only (``columns``), and keeps only its own
+        column blocks of ``X``: per process, two ``(n − m) × m / w`` sets of blocks at most, never an ``m × n`` one.
+
+        :param columns: ``columns(idx)``: the ``m × len(idx)`` kernel block ``A_PQ`` at positions ``idx`` of ``Q``.
+        :param a_pp: ``A_PP`` with the ridge, ``m × m``, the same on every process.
+        :param invert: The inverse Cholesky factor of the Schur complement (``m × m``).
+        :return: ``(X, Y_P)``.
+        """
+        store, width = self.store, int(a_pp.shape[0])
+        blocks: RowBlocks = {}
+        error = None
+        try:  # every process computes its columns before the first collective
+            for i in range(store.count):
+                if store.owns(i):
+                    blocks[i] = columns(np.arange(store.n)[store.rows(i)]).to(store.dtype).T.contiguous()
+        except Exception as failure:  # noqa: BLE001 - handed to every process below
+            error = failure
+        store.group.raise_if_any(error)
+        l_qp = lower_matmul_rows(store, blocks, width)  # M A_QP
+        gram = torch.zeros((width, width), dtype=store.dtype, device=store.device)
+        for l_i in l_qp.values():
+            gram.addmm_(l_i.T, l_i)
+        y_p = invert(a_pp - _sum(store, gram))
+        x = lower_t_matmul_rows(store, l_qp, width, lambda w_j: -(y_p @ w_j.T))
+        return ColumnBlocks(store, x, width), y_p
 
     def close(self) -> None:
         self.store.close()

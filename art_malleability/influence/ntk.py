@@ -33,8 +33,8 @@ says why and what the other options would cost. The rule is the same in one proc
 projected mode where one process would run the exact one. The exact solve's forms, the cheapest that
 fits first (:func:`~art_malleability.influence._ntk_memory.exact_plan`): two ``n × n`` matrices in
 memory (one process); the lower tiles of the kernel and its factor in memory, dealt out over the
-processes of a group (each holds about ``1/w`` of them); the same tiles in files of a temporary folder
-(out of core). The exact
+processes of a group (each holds about ``1/w`` of them, and of an update's blocks); the same tiles in
+files of a temporary folder (out of core). The exact
 mode is preferred because the projected scores are a different estimator: at the paper's ridge they
 agree only loosely with the exact ones (see the scale page of the documentation). Both modes check
 their memory before they allocate and stop with an error that names the way out.
@@ -501,8 +501,8 @@ class NTKInfluence(InfluenceEstimator):
                     previous = (self._kept._changed, self._kept._x_changed)
                     self._kept.set_changed(changed, x_changed)
                     rows = self._kept.changed_rows().to(torch.float64) if len(changed) else None
-                else:
-                    rows = self._train_columns(x_changed, x) if len(changed) else None
+                else:  # the solver asks for the columns it needs (over a group: each process its own)
+                    rows = self._changed_columns(x_changed, x) if len(changed) else None
             try:
                 with self._clock("solve"):
                     empty = torch.zeros((0, self.n_train_), dtype=torch.float64, device=self.device_)
@@ -543,15 +543,28 @@ class NTKInfluence(InfluenceEstimator):
             self.solver_.update(np.concatenate([restore, local]), torch.cat([rows_restore, feats]))
         self._prev_local, self._prev_base = local, base_new
 
+    def _changed_columns(self, x_changed: np.ndarray, x: np.ndarray) -> Callable[[np.ndarray], torch.Tensor]:
+        """The kernel rows of the changed examples against the training set ``x``, as a function of its columns."""
+        model = self.model_
+
+        def columns(cols: np.ndarray) -> torch.Tensor:
+            with self._clock("features"):
+                return self._kernel(model, x_changed, x[cols]).to(torch.float64)
+
+        return columns
+
     @contextmanager
     def _clock(self, phase: str) -> Iterator[None]:
-        """Add the wall time of the block to ``seconds_[phase]`` (communication inside a solve is counted apart)."""
-        comm, start = self.seconds_["communication"], time.perf_counter()
+        """Add the wall time of the block to ``seconds_[phase]``; time clocked inside it by another phase (kernel
+        columns inside a solve, communication) is counted there and not here."""
+        def others() -> float:
+            return sum(v for k, v in self.seconds_.items() if k != phase)
+
+        before, start = others(), time.perf_counter()
         try:
             yield
         finally:
-            inner = self.seconds_["communication"] - comm if phase != "communication" else 0.0
-            self.seconds_[phase] += time.perf_counter() - start - inner
+            self.seconds_[phase] += time.perf_counter() - start - (others() - before)
 
     def _comm(self, fn: Callable[..., torch.Tensor], *args: object) -> torch.Tensor:
         """A collective of the shard, timed as communication."""

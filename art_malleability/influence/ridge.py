@@ -52,7 +52,12 @@ from scipy.linalg import lapack
 from threadpoolctl import threadpool_limits
 
 from art_malleability.distributed import Shard
-from art_malleability.influence._tiles import TiledInverseFactor, check_finite, not_positive_definite
+from art_malleability.influence._tiles import (
+    ColumnFn,
+    TiledInverseFactor,
+    check_finite,
+    not_positive_definite,
+)
 from art_malleability.influence.base import per_example_loss
 
 logger = logging.getLogger(__name__)
@@ -176,6 +181,22 @@ def _sq_column_norms(m: torch.Tensor) -> torch.Tensor:
     return out
 
 
+class _DenseColumns:
+    """A wide matrix ``X`` held whole (the counterpart of the tiles' ``ColumnBlocks``)."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+
+    def matmul(self, v: torch.Tensor) -> torch.Tensor:
+        return self.x @ v
+
+    def t_matmul(self, u: torch.Tensor) -> torch.Tensor:
+        return self.x.T @ u
+
+    def column_sq_norms(self) -> torch.Tensor:
+        return _sq_column_norms(self.x)
+
+
 class _DenseFactor:
     """An inverse Cholesky factor held as one lower-triangular matrix (computed in the kernel's memory layout)."""
 
@@ -191,6 +212,18 @@ class _DenseFactor:
     def column_sq_norms(self) -> torch.Tensor:
         return _sq_column_norms(self.m)
 
+    def schur(self, columns: ColumnFn, a_pp: torch.Tensor,
+              invert: Callable[[torch.Tensor], torch.Tensor]) -> tuple[_DenseColumns, torch.Tensor]:
+        """The blocks of a row update, as ``TiledInverseFactor.schur`` computes them, with whole matrices (at most
+        three ``m × n`` blocks at once)."""
+        l_qp = self.m @ columns(np.arange(self.m.shape[0])).to(self.m.dtype).T  # M A_QP, (n - m) × m
+        y_p = invert(a_pp - l_qp.T @ l_qp)
+        w = self.m.T @ l_qp  # Mᵀ M A_QP
+        del l_qp
+        x = -(y_p @ w.T)
+        del w
+        return _DenseColumns(x), y_p
+
     def close(self) -> None:
         self.m = None
 
@@ -203,7 +236,8 @@ class DualRidge:
     at most two ``n × n`` matrices in memory, the kernel and ``M``), or as tiles of ``block`` rows
     (:mod:`~art_malleability.influence._tiles`), in memory or, with ``folder``, in files of a temporary folder that
     the solver creates and removes: then the kernel is never held whole either (it is given as a function of tiles)
-    and the memory is a few tiles plus the ``m × n`` blocks of the changed rows. Both give the same results up to
+    and the memory is a few tiles plus two sets of ``(n − m) × m`` blocks of an update of ``m`` rows, held by tile
+    row (over a process group each process holds those of its own tile rows). Both give the same results up to
     rounding.
 
     :param ridge: Ridge ``λ > 0``.
@@ -211,7 +245,8 @@ class DualRidge:
     :param folder: With ``block``: ``None`` (tiles in memory) or a folder for the tiles' temporary files.
     :param group: With ``block``: the process group (:class:`~art_malleability.distributed.Shard`) over which the
         tile rows are dealt out, or ``None`` (one process). Every process calls every method together with the same
-        arguments and gets the same results; each computes and holds only its own tiles of the kernel and the factor.
+        arguments and gets the same results; each computes and holds only its own tiles of the kernel and the factor,
+        and its own blocks of an update.
 
     Fitted attributes: ``kernel_`` (the base kernel, owned by the solver; the tile function with ``block``),
     ``alpha_`` (``A⁻¹Y`` of the current training set), ``cinv_diag_`` (``diag A⁻¹``), ``changed_`` (rows
@@ -255,22 +290,26 @@ class DualRidge:
             self._m.close()
         self._m, self._q_key = None, None
 
-    def update(self, changed: np.ndarray, rows: torch.Tensor) -> DualRidge:
+    def update(self, changed: np.ndarray, rows: torch.Tensor | ColumnFn) -> DualRidge:
         """
         Solve again for a training set that differs from the base fit only in the rows ``changed``.
-        If it fails, the solver is left as it was (its factor is computed again when needed).
+        If it fails, the solver is left as it was (its factor and blocks are computed again).
 
         :param changed: Indices of the changed examples (``m``, distinct).
-        :param rows: Their new kernel rows against the whole new training set, ``(m, n)``.
+        :param rows: Their new kernel rows against the whole new training set, ``(m, n)``, or a function
+            ``rows(cols)`` returning the columns ``cols`` (an index array) of that ``m × n`` matrix. With tiles, the
+            solver asks each process only for the columns of its own tile rows, so the ``m × n`` rows are never
+            held whole (nor computed twice over a process group).
         :return: ``self``.
         """
-        previous = getattr(self, "_p", None)
+        previous, previous_rows = getattr(self, "_p", None), getattr(self, "_rows", None)
         try:
             return self._update(changed, rows)
         except BaseException:
-            if previous is not None and self._q_key != previous.tobytes():
-                self.close()  # the restored state recomputes its factor
-                self._update(previous, self._rows)
+            if previous is not None:
+                if self._q_key != previous.tobytes():
+                    self.close()  # the restored state recomputes its factor
+                self._update(previous, previous_rows)
             raise
 
     def _factor(self, qt: torch.Tensor) -> _DenseFactor | TiledInverseFactor:
@@ -293,7 +332,7 @@ class DualRidge:
             tile, len(q), self.ridge, self.block, self.folder, self._dtype, self._device, self.group
         )
 
-    def _update(self, changed: np.ndarray, rows: torch.Tensor) -> DualRidge:
+    def _update(self, changed: np.ndarray, rows: torch.Tensor | ColumnFn) -> DualRidge:
         n = self.n
         p = np.asarray(changed, dtype=np.int64)
         mask = np.ones(n, dtype=bool)
@@ -302,36 +341,54 @@ class DualRidge:
         key = p.tobytes()
         dev = self._device
         pt, qt = torch.as_tensor(p, device=dev), torch.as_tensor(q, device=dev)
+        self._p, self._x = None, None  # the previous update's blocks go before the new ones are computed
         if self._q_key != key:
             self.close()  # release before the next factor
             self._m = self._factor(qt)
             self._q_key = key
         m = self._m
         if len(p):
-            # at most three m × n blocks at once: the rows, one operand and one result (each freed when done)
-            rows = rows.to(self._dtype)
-            a_pp = rows[:, pt]
+            columns = self._columns(rows)
+            a_pp = self._changed_block(columns, p)
             a_pp = 0.5 * (a_pp + a_pp.T)
             a_pp.diagonal().add_(self.ridge)
-            l_qp = m.matmul(rows.T[qt].contiguous())  # M A_QP, (n - m) × m
-            schur = a_pp - l_qp.T @ l_qp
-            y_p = inverse_cholesky_(schur.contiguous(), self.ridge, "the Schur complement of the changed rows")
-            w = m.t_matmul(l_qp)  # Mᵀ M A_QP
-            del l_qp
-            x = -(y_p @ w.T)
-            del w
+
+            def invert(schur: torch.Tensor) -> torch.Tensor:
+                return inverse_cholesky_(schur.contiguous(), self.ridge, "the Schur complement of the changed rows")
+
+            x, y_p = m.schur(lambda idx: columns(q[idx]), a_pp, invert)
         else:
-            x = torch.zeros((0, len(q)), dtype=self._dtype, device=dev)
+            x = _DenseColumns(torch.zeros((0, len(q)), dtype=self._dtype, device=dev))
             y_p = torch.zeros((0, 0), dtype=self._dtype, device=dev)
         self._p, self._q, self._pt, self._qt = p, q, pt, qt
         self._x, self._yp, self._rows = x, y_p, rows
         self.changed_ = p
         diag = torch.empty(n, dtype=self._dtype, device=dev)
-        diag[qt] = m.column_sq_norms() + _sq_column_norms(x)
+        diag[qt] = m.column_sq_norms() + x.column_sq_norms()
         diag[pt] = _sq_column_norms(y_p)
         self.cinv_diag_ = diag
         self.alpha_ = self.solve(self.targets_)
         return self
+
+    def _columns(self, rows: torch.Tensor | ColumnFn) -> ColumnFn:
+        """The changed rows as a function of column indices, in the solver's dtype."""
+        if callable(rows) and not isinstance(rows, torch.Tensor):
+            return lambda cols: rows(cols).to(self._dtype)
+        return lambda cols: rows[:, torch.as_tensor(cols, device=rows.device)].to(self._dtype)
+
+    def _changed_block(self, columns: ColumnFn, p: np.ndarray) -> torch.Tensor:
+        """``A'_PP`` without the ridge; over a process group each process computes its share of the columns."""
+        group = self.group if self.block is not None else None
+        if group is None or group.world_size == 1:
+            return columns(p)
+        start, stop = group.bounds(len(p))
+        local, error = None, None
+        try:
+            local = columns(p[start:stop])
+        except Exception as failure:  # noqa: BLE001 - handed to every process below
+            error = failure
+        group.raise_if_any(error)
+        return group.all_gather_columns(local)
 
     def _submatrix(self, idx: torch.Tensor) -> torch.Tensor:
         """``K[idx][:, idx]`` as a new C-contiguous matrix, gathered in row blocks (no third ``n × n`` buffer)."""
@@ -351,9 +408,9 @@ class DualRidge:
         v = v.to(self._dtype)
         vq, vp = v[self._qt], v[self._pt]
         uq = self._m.matmul(vq)
-        up = self._x @ vq + self._yp @ vp
+        up = self._x.matmul(vq) + self._yp @ vp
         out = torch.empty_like(v)
-        out[self._qt] = self._m.t_matmul(uq) + self._x.T @ up
+        out[self._qt] = self._m.t_matmul(uq) + self._x.t_matmul(up)
         out[self._pt] = self._yp.T @ up
         return out
 
