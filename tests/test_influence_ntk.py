@@ -266,7 +266,7 @@ def test_the_exact_plan_takes_the_cheapest_form_that_fits():
     n, gib = 40_000, 2**30
     assert exact_plan(n, exact_bytes(n)) == (None, False)
     assert exact_plan(n, exact_bytes(n), world=2)[0] is not None  # a group always works in tiles
-    assert exact_plan(n, 10 * gib) == (4096, True)  # 6.4 GB of tiles and the update's 3.5 GB exceed 10 GiB
+    assert exact_plan(n, 10 * gib) == (4096, True)  # 6.4 GB of tiles and the update's 3.7 GB exceed 10 GiB
     assert exact_plan(n, 10 * gib, world=2) == (2048, False)  # each of two processes holds half of both
     assert exact_plan(n, 3 * gib) is None  # not even the update's (n - m) x m blocks fit
 
@@ -281,7 +281,7 @@ def test_the_tiled_exact_solve_on_cuda_matches_the_cpu(tmp_path, where):
     model = _mlp()
     x, y, xq, yq = _data(n=60, n_query=5)
     cpu = NTKInfluence(projection_dim=None, device="cpu").fit(model, x, y)
-    fixed = memory.update_bytes(60)
+    fixed = memory.update_bytes(60, device=torch.device("cuda"))
     extra = 2 * 8 * 60 * 32 if where == "disk" else 8 * (60 * 60 // 2 + 3 * 60 * 15) + 1000
     gpu = NTKInfluence(projection_dim=None, device="cuda", memory_limit_gb=(fixed + extra) / 2**30,
                        tile_folder=tmp_path).fit(model, x, y)

@@ -29,7 +29,9 @@ def exact_bytes(n: int, device: torch.device | None = None) -> int:
     return 8 * matrices * n * n + 3 * int(DEFAULT_CHUNK_MB * 2**20)
 
 
-def tiled_block(n: int, budget: int, changed_share: float = 0.1, world: int = 1) -> int | None:
+def tiled_block(
+    n: int, budget: int, changed_share: float = 0.1, world: int = 1, device: torch.device | None = None
+) -> int | None:
     """
     The tile size of the out-of-core exact mode (tiles on disk) within a memory budget per process, or ``None`` when
     even that does not fit. In memory at once: the tiles of one block row or column (``n × b``) twice over (a factor's
@@ -40,24 +42,27 @@ def tiled_block(n: int, budget: int, changed_share: float = 0.1, world: int = 1)
     :param budget: Bytes per process.
     :param changed_share: Share of rows an update changes (the audit's top set).
     :param world: Processes of the group.
+    :param device: The compute device.
     :return: The tile size (rows), between 32 and 4,096.
     """
-    spare = budget - update_bytes(n, changed_share, world)
+    spare = budget - update_bytes(n, changed_share, world, device)
     if spare <= 0:
         return None
     block = min(4096, n, spare // (2 * 8 * max(n, 1)))
     return int(block) if block >= min(32, n) else None
 
 
-def update_bytes(n: int, changed_share: float = 0.1, world: int = 1) -> int:
+def update_bytes(n: int, changed_share: float = 0.1, world: int = 1, device: torch.device | None = None) -> int:
     """
     Bytes per process beside the tiles during an update of ``m = changed_share · n`` rows: two sets of
     ``(n − m) × m`` blocks dealt out over the ``world`` processes by tile row (the kernel columns ``A_QP`` or
-    ``M A_QP``, then ``X``), three ``m × m`` matrices (``A_PP``, its Schur complement, its factor) and the kernel
-    engine's chunks.
+    ``M A_QP``, then ``X``), five ``m × m`` matrices on the CPU (``A_PP``, the Gram matrix and its sum over the
+    processes, the Schur complement, its factor; three more elsewhere, where the factorisation needs temporaries) and
+    the kernel engine's chunks.
     """
     m = int(changed_share * n + 1)
-    return 8 * (2 * m * max(n - m, 0) // world + 3 * m * m) + 3 * int(DEFAULT_CHUNK_MB * 2**20)
+    squares = 5 if device is None or device.type == "cpu" else 8
+    return 8 * (2 * m * max(n - m, 0) // world + squares * m * m) + 3 * int(DEFAULT_CHUNK_MB * 2**20)
 
 
 def exact_plan(
@@ -81,9 +86,9 @@ def exact_plan(
     if world == 1 and exact_bytes(n, device) <= budget:
         return None, False
     block = int(min(2048, max(1, -(-n // (4 * world)))))
-    if 8 * (n * n // (2 * world) + 3 * n * block) + update_bytes(n, world=world) <= budget:
+    if 8 * (n * n // (2 * world) + 3 * n * block) + update_bytes(n, world=world, device=device) <= budget:
         return block, False
-    block = tiled_block(n, budget, world=world)
+    block = tiled_block(n, budget, world=world, device=device)
     return None if block is None else (block, True)
 
 

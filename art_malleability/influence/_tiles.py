@@ -412,21 +412,31 @@ class TiledInverseFactor:
         """
         The blocks of a row update (:class:`~art_malleability.influence.ridge.DualRidge`) with this factor ``M`` of
         ``A_QQ``: ``Y_P = invert(A_PP − A_PQ Mᵀ M A_QP)`` and ``X = −Y_P A_PQ Mᵀ M``, in the layout of the tiles. Every
-        process computes the kernel columns ``A_QP`` of its own tile rows only (``columns``), and keeps only its own
-        column blocks of ``X``: per process, two ``(n − m) × m / w`` sets of blocks at most, never an ``m × n`` one.
+        process asks ``columns`` once, for the kernel columns ``A_QP`` of its own tile rows (so the changed examples'
+        Jacobians are computed once per process, not once per tile row), and keeps only its own column blocks of
+        ``X``: per process, two ``(n − m) × m / w`` sets of blocks at most, never an ``m × n`` one.
 
         :param columns: ``columns(idx)``: the ``m × len(idx)`` kernel block ``A_PQ`` at positions ``idx`` of ``Q``.
         :param a_pp: ``A_PP`` with the ridge, ``m × m``, the same on every process.
         :param invert: The inverse Cholesky factor of the Schur complement (``m × m``).
         :return: ``(X, Y_P)``.
+        :raises ValueError: If ``columns`` returns a block of another shape (on every process).
         """
         store, width = self.store, int(a_pp.shape[0])
+        owned = [i for i in range(store.count) if store.owns(i)]
         blocks: RowBlocks = {}
         error = None
         try:  # every process computes its columns before the first collective
-            for i in range(store.count):
-                if store.owns(i):
-                    blocks[i] = columns(np.arange(store.n)[store.rows(i)]).to(store.dtype).T.contiguous()
+            idx = np.concatenate([np.arange(store.n)[store.rows(i)] for i in owned] or [np.zeros(0, np.int64)])
+            found = columns(idx) if len(idx) else torch.zeros((width, 0), dtype=store.dtype)
+            if tuple(found.shape) != (width, len(idx)):
+                raise ValueError(f"the changed rows' kernel columns must have shape {(width, len(idx))}, got "
+                                 f"{tuple(found.shape)}")
+            start = 0
+            for i in owned:  # one block at a time out of the process's columns
+                blocks[i] = found[:, start : start + store.size(i)].T.to(store.device, store.dtype).contiguous()
+                start += store.size(i)
+            del found
         except Exception as failure:  # noqa: BLE001 - handed to every process below
             error = failure
         store.group.raise_if_any(error)

@@ -309,7 +309,11 @@ class DualRidge:
             if previous is not None:
                 if self._q_key != previous.tobytes():
                     self.close()  # the restored state recomputes its factor
-                self._update(previous, previous_rows)
+                try:
+                    self._update(previous, previous_rows)
+                except BaseException:
+                    self.close()  # no state to answer from: solve() says so (fit again)
+                    self._p = self._x = None
             raise
 
     def _factor(self, qt: torch.Tensor) -> _DenseFactor | TiledInverseFactor:
@@ -383,8 +387,8 @@ class DualRidge:
             return columns(p)
         start, stop = group.bounds(len(p))
         local, error = None, None
-        try:
-            local = columns(p[start:stop])
+        try:  # fewer changed rows than processes: some have no columns to compute
+            local = columns(p[start:stop]) if stop > start else torch.zeros((len(p), 0), dtype=self._dtype)
         except Exception as failure:  # noqa: BLE001 - handed to every process below
             error = failure
         group.raise_if_any(error)
@@ -405,6 +409,9 @@ class DualRidge:
         :param v: ``(n, r)`` right-hand sides.
         :return: ``A⁻¹ v`` for the current training set.
         """
+        if self._x is None:
+            raise RuntimeError("the solver has no solution: an update failed and so did restoring the previous one; "
+                               "fit it again")
         v = v.to(self._dtype)
         vq, vp = v[self._qt], v[self._pt]
         uq = self._m.matmul(vq)
