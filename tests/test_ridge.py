@@ -270,11 +270,9 @@ def test_an_update_takes_the_changed_rows_as_a_function_of_columns(tmp_path, blo
     """Rows given as a function of columns: asked once for the changed columns and once for the others (over a group,
     each process for its own tile rows: tests/test_distributed.py), with what the rows given whole give; a failing
     or wrong function leaves the solver as it was; when restoring fails too, the solver says to fit again."""
-    rng = np.random.default_rng(4)
     n, ridge = 40, 1e-3
-    phi = rng.normal(size=(n, 25))
-    targets = torch.tensor(rng.normal(size=(n, 3)))
-    kernel = torch.tensor(phi @ phi.T)
+    phi, phi_q, targets = _problem(n, 25, seed=4)
+    targets, kernel = torch.tensor(targets), torch.tensor(phi @ phi.T)
     whole = DualRidge(ridge).fit(kernel.clone(), targets)
     by_columns = DualRidge(ridge, block=block).fit(kernel.clone(), targets)
     changed = np.array([3, 17, 18, 39])
@@ -291,7 +289,7 @@ def test_an_update_takes_the_changed_rows_as_a_function_of_columns(tmp_path, blo
 
     whole.update(changed, rows)
     by_columns.update(changed, columns)
-    k_q = torch.tensor(rng.normal(size=(5, 25)) @ phi.T)
+    k_q = torch.tensor(phi_q @ phi.T)
     for x, y in zip(by_columns.loo_parts(k_q), whole.loo_parts(k_q), strict=True):
         torch.testing.assert_close(x, y, rtol=1e-8, atol=1e-8 * float(y.abs().max()))
     torch.testing.assert_close(by_columns.cinv_diag_, whole.cinv_diag_, rtol=1e-8, atol=0)

@@ -197,35 +197,27 @@ class _DenseColumns:
         return _sq_column_norms(self.x)
 
 
-class _DenseFactor:
-    """An inverse Cholesky factor held as one lower-triangular matrix (computed in the kernel's memory layout)."""
+class _DenseFactor(_DenseColumns):
+    """An inverse Cholesky factor held as one lower-triangular matrix (computed in the kernel's memory layout); its
+    products and column norms are those of any matrix held whole."""
 
     def __init__(self, a: torch.Tensor, ridge: float) -> None:
-        self.m = inverse_cholesky_(a, ridge)
-
-    def matmul(self, v: torch.Tensor) -> torch.Tensor:
-        return self.m @ v
-
-    def t_matmul(self, u: torch.Tensor) -> torch.Tensor:
-        return self.m.T @ u
-
-    def column_sq_norms(self) -> torch.Tensor:
-        return _sq_column_norms(self.m)
+        super().__init__(inverse_cholesky_(a, ridge))
 
     def schur(self, columns: ColumnFn, a_pp: torch.Tensor,
               invert: Callable[[torch.Tensor], torch.Tensor]) -> tuple[_DenseColumns, torch.Tensor]:
         """The blocks of a row update, as ``TiledInverseFactor.schur`` computes them, with whole matrices (at most
         three ``m × n`` blocks at once)."""
-        l_qp = self.m @ columns(np.arange(self.m.shape[0])).to(self.m.dtype).T  # M A_QP, (n - m) × m
+        l_qp = self.x @ columns(np.arange(self.x.shape[0])).to(self.x.dtype).T  # M A_QP, (n - m) × m
         y_p = invert(a_pp - l_qp.T @ l_qp)
-        w = self.m.T @ l_qp  # Mᵀ M A_QP
+        w = self.x.T @ l_qp  # Mᵀ M A_QP
         del l_qp
         x = -(y_p @ w.T)
         del w
         return _DenseColumns(x), y_p
 
     def close(self) -> None:
-        self.m = None
+        self.x = None
 
 
 class DualRidge:
