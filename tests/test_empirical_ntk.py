@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from art_malleability.influence._ntk_memory import factor_passes
 from art_malleability.models import MLPAttn, TwoLayerReLU
 from art_malleability.ntk.empirical import JacobianGram, empirical_ntk
 
@@ -342,6 +343,31 @@ def test_chunk_budget_bounds_passes() -> None:
     assert max(sizes[1:]) == 3
     assert sum(sizes[1:]) == 40  # factors of the rank-one layer are small enough to be cached
     assert _rel(k, empirical_ntk(model, x, method="jacobian")) < 1e-12
+
+
+@pytest.mark.parametrize("name", ["2l-relu", "cnn"])
+def test_factors_that_do_not_fit_are_computed_once_per_panel(name: str) -> None:
+    """
+    With room for the factors of 15 examples, blocks of 5: x2's factors stream past panels of 10 rows of x1 (the full
+    kernel, whose factors are never compressed, so that their size is known before the call).
+    """
+    model, shape = _models()[name]
+    model = model.double().eval()
+    x = torch.randn(40, *shape, generator=_gen(21), dtype=torch.float64)
+    xq = torch.randn(12, *shape, generator=_gen(22), dtype=torch.float64)
+    size = JacobianGram(model).factor_elements(x, compressed=False)
+    engine = JacobianGram(model, batch_size=5, chunk_mb=7.5 * size * 8 / 2**20)
+    x_probe = x[:2].numpy()
+    engine.factor_elements(x_probe)
+    assert engine.panel_rows() == 10 and factor_passes(40, engine.panel_rows()) == 100  # the estimate's count
+    counted = []
+    features = engine.features
+    engine.features = lambda xb, yb=None: counted.append(len(xb)) or features(xb, yb)
+    for a, b, computed in [(x, None, 40 + 30 + 20 + 10), (xq, x, 12 + 2 * 40)]:  # one block at a time: 180, 92
+        counted.clear()
+        k = engine.gram(a, b, trace=False)
+        assert sum(counted) == computed
+        assert _rel(k, empirical_ntk(model, a, b, method="jacobian", trace=False)) < 1e-12
 
 
 def test_peak_memory_is_bounded_at_large_width() -> None:

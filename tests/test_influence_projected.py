@@ -306,6 +306,31 @@ def test_the_time_estimates_grow_as_their_operation_counts():
     assert projected_seconds(10_000, 100, 512, rate) < exact_seconds(10_000, 100, rate)
 
 
+def test_the_exact_estimate_counts_the_factors_the_kernel_computes():
+    from art_malleability.influence._ntk_memory import (
+        CONTRACTION_EFFICIENCY,
+        SOLVE_EFFICIENCY,
+        exact_seconds,
+        factor_passes,
+    )
+
+    assert factor_passes(100, 100) == factor_passes(100, 500) == 100  # all kept: each example once
+    assert factor_passes(100, 10) == sum(100 - 10 * k for k in range(10))  # a panel, then the rows after it
+    assert factor_passes(100, 50, block=25) == 8 * (25 + 25)  # half of the 4 x 4 tile pairs: rows, then columns
+    assert factor_passes(100, 10, block=25) == 8 * (25 + 25 * 3)  # columns once per panel of 10 rows
+    rate, n, d = 1e10, 1000, 100
+    m = n // 10 + 1
+    free = exact_seconds(n, d, rate, example_seconds=0.0, panel=n)  # the contraction and the solve alone
+    assert free == pytest.approx(2.0 * (n + m) * n * d / CONTRACTION_EFFICIENCY / rate
+                                 + 4.0 * n**3 / 3.0 / SOLVE_EFFICIENCY / rate)
+    # the fit's n, the refit's m and one more pass over the set, at one millisecond each
+    assert exact_seconds(n, d, rate, example_seconds=1e-3, panel=n) == pytest.approx(free + (n + m + n) * 1e-3)
+    assert exact_seconds(n, d, rate, example_seconds=1e-3, panel=100) > exact_seconds(
+        n, d, rate, example_seconds=1e-3, panel=n)
+    assert exact_seconds(n, d, rate, world=2, example_seconds=1e-3, panel=n) == pytest.approx(
+        exact_seconds(n, d, rate, example_seconds=1e-3, panel=n) / 2)
+
+
 def test_projection_matrices_that_cannot_fit_are_refused_before_they_are_drawn():
     torch.manual_seed(0)
     wide = nn.Sequential(nn.Linear(300, 400), nn.ReLU(), nn.Linear(400, 10))

@@ -9,11 +9,12 @@ import math
 import os
 import time
 
+import numpy as np
 import torch
 
 from art_malleability._torch_utils import available_memory
 from art_malleability.distributed import Shard
-from art_malleability.ntk.empirical import DEFAULT_CHUNK_MB
+from art_malleability.ntk.empirical import DEFAULT_CHUNK_MB, JacobianGram
 
 #: Share of the available memory the large matrices may take when no ``memory_limit_gb`` is set.
 MEMORY_SHARE = 0.8
@@ -120,9 +121,15 @@ def memory_budget(memory_limit_gb: float | None, device: torch.device, shard: Sh
     return budget
 
 
-#: Share of the fp64 GEMM rate the exact kernel reaches (measured: 15-50 % for the CNN and the 2L-ReLU; the lower
-#: end is assumed, so that an estimate errs long).
+#: Share of the fp64 GEMM rate the exact kernel reaches as a whole, where the time of the Jacobian factors is not
+#: measured (``benchmarks/plan_exact_gpu.py`` without a device). Measured on the CPU: 66-75 % for the SmallCNN and the
+#: 2L-ReLU at 10,000 examples, 9 % for ResNet-20 at 400 (``benchmarks/bench_exact_kernel.py``); the lower end of the
+#: first two is assumed.
 KERNEL_EFFICIENCY = 0.15
+#: Share of the fp64 GEMM rate of the kernel's contraction of computed factors (``2 n² D``), beside the time of the
+#: factors themselves, which ``"auto"`` measures (measured: the whole kernel at 66-75 % of the rate with the factors'
+#: time in it; the contraction alone is assumed at 50 %, so that an estimate errs long).
+CONTRACTION_EFFICIENCY = 0.5
 #: Share of the fp64 GEMM rate the blocked factorisation and inverse reach (benchmarks/bench_exact_solve.py).
 SOLVE_EFFICIENCY = 0.5
 
@@ -159,21 +166,78 @@ def gemm_rate(device: torch.device, shard: Shard | None = None) -> float:
     return rate
 
 
-def exact_seconds(n: int, factor: int, rate: float, world: int = 1) -> float:
+def factor_passes(n: int, panel: int, block: int | None = None) -> float:
     """
-    Estimated seconds of the exact mode's fit and one refit: the kernel (``2 n² D`` at ``KERNEL_EFFICIENCY`` of the
-    GEMM rate) and two factorisations with their inverses (``4 n³ / 3`` at ``SOLVE_EFFICIENCY``), shared by
-    ``world`` processes.
+    Examples whose Jacobian factors the exact kernel of ``n`` examples computes. In one matrix: each once when the
+    engine keeps them all (``panel ≥ n``), otherwise, over ``t = ⌈n / panel⌉`` panels, the panel's own and the rows
+    after it (``t n − panel · t (t − 1) / 2``, about ``n² / (2 panel)``).
+    In tiles of ``block`` rows, each of the ``n² / (2 block²)`` tile pairs computes its rows' factors and its columns'
+    once per panel (``n² / (2 block) · (1 + ⌈block / panel⌉)``).
+
+    :param n: Training examples.
+    :param panel: Examples whose factors the kernel engine keeps at once.
+    :param block: The tile size, or ``None`` (one matrix).
+    :return: Examples.
+    """
+    if block is not None and block < n:
+        return n * n / (2.0 * block) * (1 + math.ceil(block / panel))
+    panels = math.ceil(n / panel)
+    return float(panels * n - panel * panels * (panels - 1) / 2)
+
+
+def example_seconds(engine: JacobianGram, probe: np.ndarray, shard: Shard | None = None) -> float:
+    """
+    Seconds of one example's Jacobian factors: the kernel of the probe examples, timed the second time it is computed
+    (the first one pays the engine's one-time costs), per example; in a group the slowest process's, so that every
+    process takes the same decisions. The probe's factors are computed in one sub-batch, so this errs long for models
+    whose larger sub-batches run faster per example.
+
+    :param engine: The kernel engine, planned.
+    :param probe: A few training inputs.
+    :param shard: The process group, or ``None``.
+    :return: Seconds per example.
+    """
+    engine.gram(probe)
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+    start = time.perf_counter()
+    engine.gram(probe)
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+    seconds = (time.perf_counter() - start) / len(probe)
+    if shard is not None:
+        seconds = float(shard.all_reduce(torch.tensor([seconds], dtype=torch.float64), "max")[0])
+    return seconds
+
+
+def exact_seconds(
+    n: int, factor: int, rate: float, world: int = 1, example_seconds: float | None = None, panel: int | None = None,
+    block: int | None = None,
+) -> float:
+    """
+    Estimated seconds of the exact mode's fit and one refit, shared by ``world`` processes: two factorisations with
+    their inverses (``4 n³ / 3`` at ``SOLVE_EFFICIENCY``) and the kernel. The kernel is the contraction
+    (``2 n² D`` at ``CONTRACTION_EFFICIENCY``) plus the Jacobian factors of :func:`factor_passes` examples and, for
+    the refit, of a tenth of them and one more pass over the set, at ``example_seconds`` each (measured on a
+    probe); without ``example_seconds``, ``2 n² D`` at ``KERNEL_EFFICIENCY``.
 
     :param n: Training examples.
     :param factor: ``D``, elements of one example's Jacobian factors.
     :param rate: fp64 GEMM rate of one process (operations per second).
     :param world: Processes.
+    :param example_seconds: Seconds of one example's Jacobian factors, or ``None``.
+    :param panel: Examples whose factors the kernel engine keeps at once (with ``example_seconds``).
+    :param block: The tile size of the tiled solve, or ``None``.
     :return: Seconds.
     """
-    kernel = 2.0 * n * n * factor / KERNEL_EFFICIENCY
-    solve = 4.0 * n**3 / 3.0 / SOLVE_EFFICIENCY
-    return (kernel + solve) / rate / max(world, 1)
+    solve = 4.0 * n**3 / 3.0 / SOLVE_EFFICIENCY / rate
+    if example_seconds is None:
+        kernel = 2.0 * n * n * factor / KERNEL_EFFICIENCY / rate
+    else:
+        m = n // 10 + 1
+        passes = factor_passes(n, panel or n, block) + m + n * -(-m // (panel or n))
+        kernel = 2.0 * (n + m) * n * factor / CONTRACTION_EFFICIENCY / rate + passes * example_seconds
+    return (kernel + solve) / max(world, 1)
 
 
 def projected_seconds(n: int, factor: int, k: int, rate: float, world: int = 1) -> float:

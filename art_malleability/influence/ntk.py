@@ -64,6 +64,7 @@ from art_malleability.influence._ntk_memory import (  # noqa: F401 - MEMORY_SHAR
     exact_bytes,
     exact_plan,
     exact_seconds,
+    example_seconds,
     gemm_rate,
     memory_budget,
     projected_bytes,
@@ -222,9 +223,12 @@ class NTKInfluence(InfluenceEstimator):
             return "projected"
         # "auto": the same rule in one process and in a group, so that a group never runs the projected mode where
         # one process would run the exact one
-        factor = self._engine(model, n, budget).factor_elements(probe)
+        engine = self._engine(model, n, budget)
+        factor = engine.factor_elements(probe)
         rate = gemm_rate(self.device_, shard)
-        estimate = exact_seconds(n, factor, rate, world)
+        block = None if plan is None else plan[0]
+        estimate = exact_seconds(n, factor, rate, world, example_seconds(engine, probe, shard), engine.panel_rows(),
+                                 block)
         if self.max_exact_n is not None and n > self.max_exact_n:
             reason = f"{n} training examples exceed max_exact_n={self.max_exact_n}"
         elif plan is None:

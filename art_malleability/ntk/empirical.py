@@ -54,12 +54,15 @@ the widths and a memory budget ``chunk_mb``:
   the full ``(C × m)`` representation for good (for this engine) and the kernel is recomputed.
 - **Blocks.** The kernel is assembled from blocks of at most ``batch_size`` examples whose
   stored factors fit in ``chunk_mb`` MiB; the factors of ``x2`` are computed once and kept when
-  they fit in ``2 × chunk_mb`` MiB, otherwise recomputed for every block of ``x1`` (a memory for
-  time trade). With ``x2=None`` only the upper block triangle is computed and mirrored.
+  they fit in ``2 × chunk_mb`` MiB with one block of ``x1``. Otherwise the blocks of ``x1`` are
+  taken in panels that fit ``2 × chunk_mb`` MiB with one block of ``x2``, and the factors of
+  ``x2`` are computed once per panel (a memory for time trade: ``n1 + ⌈n1 / panel⌉ n2``
+  examples' factors instead of ``n1 + ⌈n1 / block⌉ n2``). With ``x2=None`` only the upper
+  block triangle is computed and mirrored.
 
 Peak memory is thus about the model, plus ``chunk_mb`` of raw gradients and the autograd graph
-of one sub-batch, plus at most ``2 × chunk_mb`` for cached factors (or two blocks), plus the
-``n1 × n2`` result, whatever the number of examples and the width (default ``chunk_mb = 256``:
+of one sub-batch, plus at most ``2 × chunk_mb`` for kept factors (or a panel) with the block
+beside them, plus the ``n1 × n2`` result, whatever the number of examples and the width (default ``chunk_mb = 256``:
 for ``n = 1,000``, ``m = 65,536``, ``C = 10`` in float64 the call adds about 1 GB to the model).
 Results do not depend on the chunking beyond rounding.
 """
@@ -266,6 +269,19 @@ class JacobianGram:
         """Examples per kernel block: ``batch_size`` capped by the chunk budget."""
         return rows_per_pass(self.batch_size, self.chunk_mb, self.dtype, self._example_size(raw=False))
 
+    def _kept_rows(self) -> int:
+        """Examples whose stored factors fit twice the chunk budget: kept factors or a panel, with one more block."""
+        return 2 * budget_elements(self.chunk_mb, self.dtype) // self._example_size(raw=False)
+
+    def panel_rows(self) -> int:
+        """
+        Examples whose factors one kernel computation keeps at once when it cannot keep them all: the panel of
+        ``x1``'s blocks that the blocks of ``x2`` stream past (call after planning, e.g. :meth:`factor_elements`;
+        outside a computation the factors count uncompressed, so the panel is the smallest it can be).
+        """
+        bs = self._block_rows()
+        return max(bs, (self._kept_rows() - bs) // bs * bs)
+
     def _sub_batch_rows(self) -> int:
         """Examples per forward/backward pass: ``batch_size`` capped by the chunk budget."""
         return rows_per_pass(self.batch_size, self.chunk_mb, self.dtype, self._example_size(raw=True))
@@ -416,28 +432,38 @@ class JacobianGram:
         bs = self._block_rows()
         shape = (n1, n2) if trace else (n1, n2, c, c)
         kernel = torch.empty(shape, dtype=self.dtype, device=self.device)
-        use_cache = n2 * self._example_size(raw=False) <= 2 * budget_elements(self.chunk_mb, self.dtype)
-        cache: dict[int, Features] = {}
-
-        def second(j: int) -> Features:
-            if j in cache:
-                return cache[j]
-            f = self.features(x2[j : j + bs], None if y2 is None else y2[j : j + bs])
-            if use_cache:
-                cache[j] = f
-            return f
-
-        for i in range(0, n1, bs):
-            if sym:
-                f1 = second(i)
-            else:
-                f1 = self.features(x1[i : i + bs], None if y1 is None else y1[i : i + bs])
-            for j in range(i if sym else 0, n2, bs):
-                f2 = f1 if (sym and j == i) else second(j)
-                place_block(kernel, self.contract(f1, f2, trace=trace), i, j, sym)
+        if n2 + (0 if sym else bs) <= self._kept_rows():  # x2's factors kept whole: each example's computed once
+            cache: dict[int, Features] = {}
+            for i in range(0, n1, bs):
+                f1 = self._block(x2 if sym else x1, y2 if sym else y1, i, bs, cache if sym else None)
+                for j in range(i if sym else 0, n2, bs):
+                    f2 = f1 if (sym and j == i) else self._block(x2, y2, j, bs, cache)
+                    place_block(kernel, self.contract(f1, f2, trace=trace), i, j, sym)
+            return kernel
+        # a panel of x1's blocks is kept, and x2's blocks stream past it once per panel
+        panel_rows = self.panel_rows()
+        for start in range(0, n1, panel_rows):
+            panel: dict[int, Features] = {}
+            for i in range(start, min(start + panel_rows, n1), bs):
+                panel[i] = self._block(x1, y1, i, bs, None)
+            for j in range(start if sym else 0, n2, bs):
+                f2 = panel[j] if (sym and j in panel) else self._block(x2, y2, j, bs, None)
+                for i, f1 in panel.items():
+                    if not sym or i <= j:
+                        place_block(kernel, self.contract(f1, f2, trace=trace), i, j, sym)
                 del f2
-            del f1
+            del panel
         return kernel
+
+    def _block(self, x: torch.Tensor, y: torch.Tensor | None, start: int, rows: int,
+               cache: dict[int, Features] | None) -> Features:
+        """The factors of ``x[start:start + rows]``, from ``cache`` when there (and kept in it)."""
+        if cache is not None and start in cache:
+            return cache[start]
+        f = self.features(x[start : start + rows], None if y is None else y[start : start + rows])
+        if cache is not None:
+            cache[start] = f
+        return f
 
 
 def empirical_ntk(
