@@ -27,8 +27,8 @@ import time
 import numpy as np
 
 from art_malleability import MalleabilityEstimator
-from art_malleability._cli_checks import build_model
-from art_malleability._cli_options import ridge_value
+from art_malleability.cli.checks import build_model
+from art_malleability.cli.options import ridge_value
 from art_malleability.datasets import load_dataset
 from art_malleability.influence import NTKInfluence
 from art_malleability.training import make_classifier, train_model

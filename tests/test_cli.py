@@ -353,7 +353,7 @@ def test_quiet_prints_nothing_on_success(tmp_path):
     ],
 )
 def test_what_the_options_tell_is_checked_before_any_data_is_read(tmp_path, capsys, monkeypatch, args, message):
-    import art_malleability._cli_audit as cli_audit
+    import art_malleability.cli.audit as cli_audit
 
     def never(args):
         raise AssertionError("the data was read before the options were checked")

@@ -98,7 +98,7 @@ def test_a_rerun_removes_what_the_last_run_wrote_and_only_that(tmp_path):
 
 
 def test_a_file_of_a_report_name_that_is_not_ours_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
-    import art_malleability._cli_audit as cli_audit
+    import art_malleability.cli.audit as cli_audit
 
     def never(args):
         raise AssertionError("data read although the output folder cannot be used")

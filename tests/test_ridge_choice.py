@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from art_malleability._cli_options import ridge_value
+from art_malleability.cli.options import ridge_value
 from art_malleability.influence import NTKInfluence
 from art_malleability.influence.ridge_choice import check_ridge, choose_ridge, ridge_criteria
 

@@ -5,8 +5,8 @@ Command line: ``art-malleability audit``, ``validate``, ``ntk-check``, ``spectru
 on scikit-learn's bundled digits, audits both with FGSM, PGD and MIM, prints the tables and writes
 one report folder per model plus a side-by-side ``summary.md``.
 
-Each subcommand's options and run are in its own module (``_cli_audit``, ``_cli_validate``, ``_cli_studies``),
-the options they share in ``_cli_options`` and the checks before any work in ``_cli_checks``.
+Each subcommand's options and run are in its own module of this package (``audit``, ``validate``, ``studies``),
+the options they share in ``options`` and the checks before any work in ``checks``.
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ import signal
 import sys
 from collections.abc import Iterator, Sequence
 
-from art_malleability._cli_audit import add_audit, run_audit
-from art_malleability._cli_checks import UsageError, message_of, output_claims, preflight
-from art_malleability._cli_options import add_output_options
-from art_malleability._cli_studies import (
+from art_malleability._output_folder import OutputFolder
+from art_malleability.cli.audit import add_audit, run_audit
+from art_malleability.cli.checks import UsageError, message_of, output_claims, preflight
+from art_malleability.cli.options import add_output_options
+from art_malleability.cli.studies import (
     add_ntk_check,
     add_reproduce,
     add_spectrum,
@@ -30,8 +31,7 @@ from art_malleability._cli_studies import (
     run_reproduce,
     run_spectrum,
 )
-from art_malleability._cli_validate import add_validate, run_validate
-from art_malleability._output_folder import OutputFolder
+from art_malleability.cli.validate import add_validate, run_validate
 from art_malleability.distributed import launched_by_torchrun, peer_failure
 
 __all__ = [
@@ -173,6 +173,3 @@ def _explain(prefix: str, err: BaseException | str, verbose: int, cause: BaseExc
         message += f" ({type(err).__name__})"
     print(f"{prefix} {message}", file=sys.stderr)
 
-
-if __name__ == "__main__":
-    console_main()

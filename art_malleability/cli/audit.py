@@ -7,8 +7,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from art_malleability._cli_checks import build_model, load_data, load_weights, model_names, validation_for
-from art_malleability._cli_options import (
+from art_malleability.attacks import ATTACK_NAMES, STRATEGIES
+from art_malleability.cli.checks import build_model, load_data, load_weights, model_names, validation_for
+from art_malleability.cli.options import (
     Runner,
     add_command,
     add_data_options,
@@ -18,7 +19,6 @@ from art_malleability._cli_options import (
     ridge_value,
     say,
 )
-from art_malleability.attacks import ATTACK_NAMES, STRATEGIES
 from art_malleability.influence import INFLUENCE_NAMES
 from art_malleability.metrics import RANK_BY
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from art_malleability._cli_checks import load_data
-from art_malleability._cli_options import (
+from art_malleability.cli.checks import load_data
+from art_malleability.cli.options import (
     DEFAULT_MODELS,
     Runner,
     add_command,

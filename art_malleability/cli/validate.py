@@ -7,8 +7,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from art_malleability import _cli_options as options
-from art_malleability._cli_checks import build_model, load_data, model_names
+from art_malleability.cli import options
+from art_malleability.cli.checks import build_model, load_data, model_names
 from art_malleability.influence import INFLUENCE_NAMES, InfluenceEstimator
 from art_malleability.validation import OUTCOMES
 

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from art_malleability._cli_options import DEFAULT_MODELS
 from art_malleability._torch_utils import eval_mode, model_device_dtype
+from art_malleability.cli.options import DEFAULT_MODELS
 
 if TYPE_CHECKING:
     from art_malleability.datasets import Dataset
@@ -116,8 +116,8 @@ def _check_estimator_params(args: argparse.Namespace) -> None:
     """
     from types import SimpleNamespace
 
-    from art_malleability._cli_audit import estimator_params
     from art_malleability._estimator_params import PARAM_NAMES, check_params
+    from art_malleability.cli.audit import estimator_params
     from art_malleability.estimator import MalleabilityEstimator
 
     defaults = inspect.signature(MalleabilityEstimator.__init__).parameters
