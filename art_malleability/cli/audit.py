@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from art_malleability.attacks import ATTACK_NAMES, STRATEGIES
 from art_malleability.cli.checks import build_model, load_data, load_weights, model_names, validation_for
@@ -15,6 +15,7 @@ from art_malleability.cli.options import (
     add_data_options,
     add_model_options,
     add_run_options,
+    estimator_params,
     projection_dim,
     ridge_value,
     say,
@@ -122,17 +123,6 @@ def run_audit(args: argparse.Namespace) -> int:
         args.out.write("summary.md", f"# Influence malleability on {data.name}\n\n{table}\n")
         say(args, f"\n{table}\n\nreports in {args.output}/")
     return 0
-
-
-def estimator_params(args: argparse.Namespace) -> dict[str, Any]:
-    """:return: The :class:`~art_malleability.estimator.MalleabilityEstimator` parameters the audit options set."""
-    return dict(
-        attacks=args.attacks, eps=args.eps, influence=args.influence, top_fraction=args.top_fraction,
-        strategy=args.strategy, ridge=args.ridge, n_queries=args.n_queries, rank_by=args.rank_by,
-        n_bootstrap=args.n_bootstrap, attack_max_iter=args.attack_max_iter, batch_size=args.batch_size,
-        seed=args.seed, device=args.device, projection_dim=args.projection_dim, controls=not args.no_controls,
-        control_draws=args.control_draws,
-    )
 
 
 def _audit_model(args: argparse.Namespace, name: str, data: Dataset, shard: Shard | None) -> MalleabilityReport:

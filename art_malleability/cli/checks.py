@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from art_malleability._torch_utils import eval_mode, model_device_dtype
-from art_malleability.cli.options import DEFAULT_MODELS
+from art_malleability.cli.options import DEFAULT_MODELS, estimator_params
 
 if TYPE_CHECKING:
     from art_malleability.datasets import Dataset
@@ -117,7 +117,6 @@ def _check_estimator_params(args: argparse.Namespace) -> None:
     from types import SimpleNamespace
 
     from art_malleability._estimator_params import PARAM_NAMES, check_params
-    from art_malleability.cli.audit import estimator_params
     from art_malleability.estimator import MalleabilityEstimator
 
     defaults = inspect.signature(MalleabilityEstimator.__init__).parameters

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from typing import Any
 
 #: What runs a subcommand: parsed arguments in, exit status out.
 Runner = Callable[[argparse.Namespace], int]
@@ -146,3 +147,14 @@ def projection_dim(text: str) -> int | str | None:
         # argparse prefixes the option: "argument --projection-dim: must be ..."
         raise argparse.ArgumentTypeError(f"must be 'auto', 'none' or a positive integer, got {text!r}")
     return value
+
+
+def estimator_params(args: argparse.Namespace) -> dict[str, Any]:
+    """:return: The :class:`~art_malleability.estimator.MalleabilityEstimator` parameters the audit options set."""
+    return dict(
+        attacks=args.attacks, eps=args.eps, influence=args.influence, top_fraction=args.top_fraction,
+        strategy=args.strategy, ridge=args.ridge, n_queries=args.n_queries, rank_by=args.rank_by,
+        n_bootstrap=args.n_bootstrap, attack_max_iter=args.attack_max_iter, batch_size=args.batch_size,
+        seed=args.seed, device=args.device, projection_dim=args.projection_dim, controls=not args.no_controls,
+        control_draws=args.control_draws,
+    )
