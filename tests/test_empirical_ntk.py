@@ -370,6 +370,32 @@ def test_factors_that_do_not_fit_are_computed_once_per_panel(name: str) -> None:
         assert _rel(k, empirical_ntk(model, a, b, method="jacobian", trace=False)) < 1e-12
 
 
+def test_the_factors_alive_at_once_fit_twice_the_chunk() -> None:
+    """Kept factors or a panel, with the block beside them: never more examples' factors than 2 x chunk holds."""
+    import weakref
+
+    model = nn.Sequential(nn.Linear(7, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    x = torch.randn(23, 7, generator=_gen(23), dtype=torch.float64)
+    size = JacobianGram(model, method="jacobian").factor_elements(x, compressed=False)
+    engine = JacobianGram(model, method="jacobian", batch_size=2, chunk_mb=3 * size * 8 / 2**20)  # 6 fit 2 x chunk
+    alive, peak = {}, [0]
+    features = engine.features
+
+    def tracked(xb, yb=None):
+        f = features(xb, yb)
+        alive[id(f)] = f.n
+        weakref.finalize(f, alive.pop, id(f), None)
+        peak[0] = max(peak[0], sum(alive.values()))
+        return f
+
+    engine.features = tracked
+    for a, b in [(x[:9], x), (x[:9], x[:4]), (x, None), (x[:3], x[:4])]:
+        peak[0] = 0
+        k = engine.gram(a, b)
+        assert peak[0] <= 6, (len(a), b is None)
+        assert _rel(k, empirical_ntk(model, a, b, method="jacobian")) < 1e-12
+
+
 def test_peak_memory_is_bounded_at_large_width() -> None:
     # n = 100, width 32,768, 10 classes: the output gradients of all examples would take
     # 100·10·32768·8 B = 250 MiB; streamed with a 16 MiB chunk the call adds far less to the peak

@@ -439,6 +439,7 @@ class JacobianGram:
                 for j in range(i if sym else 0, n2, bs):
                     f2 = f1 if (sym and j == i) else self._block(x2, y2, j, bs, cache)
                     place_block(kernel, self.contract(f1, f2, trace=trace), i, j, sym)
+                del f1, f2  # before the next block's factors are computed
             return kernel
         # a panel of x1's blocks is kept, and x2's blocks stream past it once per panel
         panel_rows = self.panel_rows()
@@ -451,7 +452,7 @@ class JacobianGram:
                 for i, f1 in panel.items():
                     if not sym or i <= j:
                         place_block(kernel, self.contract(f1, f2, trace=trace), i, j, sym)
-                del f2
+                del f1, f2  # the loop's names would hold two blocks past the panel
             del panel
         return kernel
 
