@@ -17,7 +17,6 @@ import torch
 from art.attacks import EvasionAttack
 from art.utils import compute_success_array
 
-from art_malleability._flip_posterior import projection_noise
 from art_malleability._io import progress_bar
 from art_malleability._validation import one_hot
 from art_malleability.attacks import (
@@ -39,6 +38,7 @@ from art_malleability.metrics import (
     spearman,
     top_indices,
 )
+from art_malleability.metrics._flip_posterior import projection_noise
 from art_malleability.models import is_transductive
 from art_malleability.report import AttackResult
 from art_malleability.streaming import ExampleSource, is_torch_data

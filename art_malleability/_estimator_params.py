@@ -10,13 +10,13 @@ from typing import Any
 import numpy as np
 from art.attacks import EvasionAttack
 
-from art_malleability._bootstrap import check_confidence
 from art_malleability._torch_utils import resolve_device
 from art_malleability._validation import check_positive_int, loss_name
 from art_malleability.attacks import ATTACK_NAMES, STRATEGIES, attack_label, make_attack
 from art_malleability.influence import INFLUENCE_NAMES, InfluenceEstimator, get_influence
 from art_malleability.influence.ridge_choice import check_ridge
 from art_malleability.metrics import RANK_BY
+from art_malleability.metrics._bootstrap import check_confidence
 from art_malleability.ntk.projection import check_projection_dim
 
 #: The parameters of :class:`~art_malleability.estimator.MalleabilityEstimator` (its ``estimator_params``).

@@ -13,7 +13,7 @@ import numpy as np
 from planted import Planted, true_flip_share
 
 from art_malleability import metrics as M
-from art_malleability._flip_posterior import FlipPosterior
+from art_malleability.metrics._flip_posterior import FlipPosterior
 from art_malleability.validation.lds import linear_datamodeling_score
 
 

@@ -15,7 +15,6 @@ from helpers import digits, trained_classifier
 from scipy.stats import spearmanr
 
 from art_malleability import MalleabilityEstimator, influence_flip_rate
-from art_malleability._flip_posterior import projection_noise
 from art_malleability.attacks import random_sign_perturbation
 from art_malleability.influence import InfluenceEstimator, NTKInfluence
 from art_malleability.metrics import (
@@ -25,6 +24,7 @@ from art_malleability.metrics import (
     spearman,
     top_indices,
 )
+from art_malleability.metrics._flip_posterior import projection_noise
 
 FAST = {"n_queries": 15, "n_bootstrap": 50, "verbose": False, "device": "cpu"}
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy.stats import multivariate_normal
 
-from art_malleability import _flip_posterior as F
+from art_malleability.metrics import _flip_posterior as F
 
 
 def test_paired_moments_equal_explicit_means_and_covariances_of_resampled_rows(rng):
@@ -133,7 +133,7 @@ def test_the_bivariate_cdf_next_to_an_axis_is_exact_and_silent():
 
     from scipy.stats import multivariate_normal
 
-    from art_malleability._flip_posterior import bivariate_normal_cdf
+    from art_malleability.metrics._flip_posterior import bivariate_normal_cdf
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -47,12 +47,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from art_malleability._bootstrap import check_confidence
 from art_malleability._io import json_ready, progress_bar
 from art_malleability._torch_utils import no_tf32, resolve_device
 from art_malleability._validation import labels_to_indices
 from art_malleability.influence.ridge import kernel_ridge_predict
 from art_malleability.metrics import percentile_interval
+from art_malleability.metrics._bootstrap import check_confidence
 from art_malleability.models import REFERENCE_MODELS, build_reference_model, is_transductive
 from art_malleability.ntk.analytic import analytic_ntk
 from art_malleability.ntk.convergence_report import LEVELS as LEVELS  # public path

@@ -44,7 +44,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 from scipy.stats import norm, spearmanr
 
-from art_malleability._bootstrap import (
+from art_malleability.metrics._bootstrap import (
     TIE_VARIANCE_RATIO,
     bca_interval,
     check_confidence,
@@ -55,9 +55,9 @@ from art_malleability._bootstrap import (
     seed_interval,
     t_interval,
 )
-from art_malleability._flip_posterior import FlipPosterior
-from art_malleability._resampled import _ResampledAggregates, _ResampledSpearman
-from art_malleability._scores import (
+from art_malleability.metrics._flip_posterior import FlipPosterior
+from art_malleability.metrics._resampled import _ResampledAggregates, _ResampledSpearman
+from art_malleability.metrics._scores import (
     RANK_BY,
     _pair,
     _pair_and_top,
@@ -66,7 +66,7 @@ from art_malleability._scores import (
     top_indices,
     top_k_count,
 )
-from art_malleability._scores import _top_masks as _top_masks  # the batched top sets, kept reachable here
+from art_malleability.metrics._scores import _top_masks as _top_masks  # the batched top sets, kept reachable here
 
 __all__ = [
     "RANK_BY",
@@ -221,9 +221,9 @@ def noise_aware_flip_rate(
     """
     The share of the influential set whose *population* aggregate (the mean over infinitely many queries) changes
     sign, estimated by empirical-Bayes deconvolution of the paired clean and perturbed aggregates (see
-    :mod:`art_malleability._flip_posterior` and docs/metrics.md for the model, its assumptions and its measured bias
-    and coverage). Unlike the raw :func:`flip_rate`, sign changes that query noise alone would produce are not
-    counted.
+    :mod:`art_malleability.metrics._flip_posterior` and docs/metrics.md for the model, its assumptions and its
+    measured bias and coverage). Unlike the raw :func:`flip_rate`, sign changes that query noise alone would produce
+    are not counted.
 
     :param before: Clean influence matrix (n_query, n_train), positive = helpful.
     :param after: Influence matrix after perturbation, same queries and weights.
@@ -233,7 +233,7 @@ def noise_aware_flip_rate(
     :param selected: Whether the set was chosen from these clean scores (then the likelihood is corrected for the
         selection); ``False`` for a set fixed in advance.
     :param noise: A projected estimator's noise model ``(α, β)``: ``sd = α + β |score|`` per aggregate
-        (:func:`~art_malleability._flip_posterior.projection_noise`); ``None`` for a deterministic estimator.
+        (:func:`~art_malleability.metrics._flip_posterior.projection_noise`); ``None`` for a deterministic estimator.
     :param confidence: Coverage of the interval.
     :param n_bootstrap: Bootstrap resamples of the queries for the interval.
     :param seed: Seed of the resampling and of the posterior draws.

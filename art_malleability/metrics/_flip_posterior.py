@@ -34,7 +34,7 @@ import torch
 from scipy.special import ndtr, owens_t
 from scipy.stats import chi2, norm
 
-from art_malleability._resampled import _weights as resample_weights
+from art_malleability.metrics._resampled import _weights as resample_weights
 
 #: Atoms per axis of the prior's grid (odd: one atom sits at 0, a population aggregate of about 0, which is not a flip).
 GRID_SIZE = 25

@@ -12,8 +12,8 @@ import numpy as np
 import torch
 from scipy.sparse import csr_matrix
 
-from art_malleability._bootstrap import _batched
-from art_malleability._scores import _mean_and_error, _top_masks, flip_mask
+from art_malleability.metrics._bootstrap import _batched
+from art_malleability.metrics._scores import _mean_and_error, _top_masks, flip_mask
 
 
 def _mm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
