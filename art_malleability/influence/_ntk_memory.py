@@ -30,6 +30,16 @@ def exact_bytes(n: int, device: torch.device | None = None) -> int:
     return 8 * matrices * n * n + 3 * int(DEFAULT_CHUNK_MB * 2**20)
 
 
+def engine_chunk_mb(n: int, budget: int, device: torch.device | None = None) -> float:
+    """
+    The exact kernel engine's chunk budget (MiB): a third of what the two ``n × n`` matrices leave of ``budget``
+    (raw gradients, and kept factors or a panel with one more block, take three chunks), at most 8 GiB, at least
+    the default.
+    """
+    spare = max(budget - exact_bytes(n, device), 0)
+    return max(DEFAULT_CHUNK_MB, min(spare / 3, 8 * _GIB) / 2**20)
+
+
 def tiled_block(
     n: int, budget: int, changed_share: float = 0.1, world: int = 1, device: torch.device | None = None
 ) -> int | None:

@@ -61,6 +61,7 @@ from art_malleability.distributed import Shard, current_shard, raise_if_any
 from art_malleability.influence._ntk_memory import (  # noqa: F401 - MEMORY_SHARE: its public path
     _GIB,
     MEMORY_SHARE,
+    engine_chunk_mb,
     exact_bytes,
     exact_plan,
     exact_seconds,
@@ -73,7 +74,7 @@ from art_malleability.influence._ntk_memory import (  # noqa: F401 - MEMORY_SHAR
 from art_malleability.influence.base import InfluenceEstimator, regression_targets
 from art_malleability.influence.ridge import DualRidge, PrimalRidge, loo_scores
 from art_malleability.influence.ridge_choice import DEFAULT_RIDGE, RIDGE_RULES, check_ridge, choose_ridge
-from art_malleability.ntk.empirical import DEFAULT_CHUNK_MB, NTK_METHODS, JacobianGram, KeptFactors
+from art_malleability.ntk.empirical import NTK_METHODS, JacobianGram, KeptFactors
 from art_malleability.ntk.projection import ProjectedNTK, check_projection_dim
 from art_malleability.streaming import ExampleSource
 
@@ -294,8 +295,7 @@ class NTKInfluence(InfluenceEstimator):
         engine = getattr(self, "_jacobian_gram", None)
         if engine is not None and engine.model is model:
             return engine
-        spare = max(budget - exact_bytes(n, self.device_), 0)
-        chunk_mb = max(DEFAULT_CHUNK_MB, min(spare / 3, 8 * _GIB) / 2**20)
+        chunk_mb = engine_chunk_mb(n, budget, self.device_)
         self._jacobian_gram = JacobianGram(model, method=self.method, batch_size=self.batch_size, chunk_mb=chunk_mb)
         return self._jacobian_gram
 
