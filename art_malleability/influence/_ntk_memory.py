@@ -244,8 +244,8 @@ def exact_seconds(
     if example_seconds is None:
         kernel = 2.0 * n * n * factor / KERNEL_EFFICIENCY / rate
     else:
-        m = n // 10 + 1
-        passes = factor_passes(n, panel or n, block) + m + n * -(-m // (panel or n))
+        m, panel = n // 10 + 1, panel or n
+        passes = factor_passes(n, panel, block) + m + n * math.ceil(m / panel)
         kernel = 2.0 * (n + m) * n * factor / CONTRACTION_EFFICIENCY / rate + passes * example_seconds
     return (kernel + solve) / max(world, 1)
 
