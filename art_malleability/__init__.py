@@ -7,8 +7,8 @@ Influence matrices everywhere have shape (n_query, n_train); positive = helpful 
 training example would raise the query's loss).
 """
 
-from art_malleability.estimator import MalleabilityEstimator, influence_flip_rate
-from art_malleability.report import AttackResult, MalleabilityReport
+from art_malleability.audit.estimator import MalleabilityEstimator, influence_flip_rate
+from art_malleability.audit.report import AttackResult, MalleabilityReport
 
 __version__ = "0.1.0"
 

@@ -26,9 +26,8 @@ import torch
 from bench_influence import gemm_rate  # the same GEMM reference as the other benchmarks (4096², best of three)
 from bench_ntk import PeakMemory
 
-from art_malleability.architectures import build_architecture
 from art_malleability.influence._ntk_memory import engine_chunk_mb
-from art_malleability.models import TwoLayerReLU
+from art_malleability.models import TwoLayerReLU, build_architecture
 from art_malleability.ntk.empirical import JacobianGram
 
 MODELS = {

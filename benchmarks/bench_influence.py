@@ -317,7 +317,7 @@ def load_mnist(
         with np.load(cache) as archive:
             x_all, y_all = archive["x"], archive["y"]
     else:
-        from art_malleability.datasets import load_dataset
+        from art_malleability.data import load_dataset
 
         data = load_dataset("mnist", root=root, seed=seed)
         x_all = np.concatenate([data.x_train, data.x_test])
@@ -338,8 +338,7 @@ def load_mnist(
 
 def build_model(name: str, width: int, seed: int) -> Any:
     """A fresh 2L-ReLU (``build_reference_model``) or SmallCNN."""
-    from art_malleability.architectures import SmallCNN
-    from art_malleability.models import build_reference_model
+    from art_malleability.models import SmallCNN, build_reference_model
 
     if name == "2l-relu":
         return build_reference_model("2l-relu", INPUT_SHAPE, NB_CLASSES, width=width, seed=seed)
@@ -451,7 +450,7 @@ def case_prep(spec: dict[str, Any]) -> None:
     """Train a model on the distinct images of a training set and save its weights."""
     import torch
 
-    from art_malleability.training import train_model
+    from art_malleability.models import train_model
 
     set_threads(spec["threads"])
     data = load_mnist(spec["root"], spec["n"], spec["n_queries"], spec["seed"], spec["pool_limit"], spec["cache"])
@@ -633,7 +632,7 @@ def _timed_ntk_class() -> type:
 
 def case_audit(spec: dict[str, Any]) -> None:
     from art_malleability import MalleabilityEstimator
-    from art_malleability.training import make_classifier
+    from art_malleability.models import make_classifier
 
     set_threads(spec["threads"])
     data = load_mnist(spec["root"], spec["n"], spec["n_queries"], spec["seed"], spec["pool_limit"], spec["cache"])

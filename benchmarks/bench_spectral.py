@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from art_malleability.datasets import load_dataset
+from art_malleability.data import load_dataset
 from art_malleability.ntk.spectral import spectral_analysis_of_dataset
 
 TARGET_S = 10.0

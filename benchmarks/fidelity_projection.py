@@ -34,13 +34,13 @@ For every setting (a data set and a model, trained once with a fixed seed) it co
 
 Settings (``n_train`` 2000, 100 queries from the test split, ridge ``1e-3`` = the library default):
 MNIST with the 2L-ReLU reference model (width 512, Adam lr 3e-2, 100 epochs, no weight decay),
-MNIST with :class:`~art_malleability.architectures.SmallCNN` (Adam lr 1e-3, 30 epochs) and CIFAR-10
+MNIST with :class:`~art_malleability.models.architectures.SmallCNN` (Adam lr 1e-3, 30 epochs) and CIFAR-10
 with SmallCNN (same training); for MNIST 2L-ReLU also a ridge sweep (``1e-3``, ``1e-1``, ``1``):
 Spearman of all scores vs ``k``, the exact scores recomputed for every ridge.
 
 Attacks: every attack is deterministic and acts on each example independently (FGSM; PGD and MIM
 without random start), so every training example is attacked once with
-:func:`~art_malleability.attacks.perturb_training_set` and the rows of each top set are taken from
+:func:`~art_malleability.audit.attacks.perturb_training_set` and the rows of each top set are taken from
 that array; the script checks this against attacking the exact top set alone.
 
 Outputs: a JSON of every number (``--output``), a figure (``--figure``) and a Markdown summary
@@ -75,9 +75,8 @@ from torch import nn
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend choice)
 
-from art_malleability.architectures import SmallCNN  # noqa: E402
-from art_malleability.attacks import ATTACK_NAMES, make_attack, perturb_training_set  # noqa: E402
-from art_malleability.datasets import Dataset, load_dataset  # noqa: E402
+from art_malleability.audit.attacks import ATTACK_NAMES, make_attack, perturb_training_set  # noqa: E402
+from art_malleability.data import Dataset, load_dataset  # noqa: E402
 from art_malleability.influence import NTKInfluence  # noqa: E402
 from art_malleability.influence.base import regression_targets  # noqa: E402
 from art_malleability.influence.ridge import DualRidge, loo_scores  # noqa: E402
@@ -90,9 +89,13 @@ from art_malleability.metrics import (  # noqa: E402
     top_k_count,
     top_k_jaccard,
 )
-from art_malleability.models import build_reference_model  # noqa: E402
+from art_malleability.models import (  # noqa: E402
+    SmallCNN,
+    build_reference_model,
+    make_classifier,
+    train_model,
+)
 from art_malleability.ntk.empirical import empirical_ntk  # noqa: E402
-from art_malleability.training import make_classifier, train_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO.parent / "shared" / "data"

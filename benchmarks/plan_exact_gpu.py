@@ -35,7 +35,6 @@ import time
 import numpy as np
 import torch
 
-from art_malleability.architectures import build_architecture
 from art_malleability.influence._ntk_memory import (
     KERNEL_EFFICIENCY,
     SOLVE_EFFICIENCY,
@@ -44,7 +43,7 @@ from art_malleability.influence._ntk_memory import (
     gemm_rate,
 )
 from art_malleability.influence.ridge import DualRidge
-from art_malleability.models import TwoLayerReLU
+from art_malleability.models import TwoLayerReLU, build_architecture
 from art_malleability.ntk.empirical import JacobianGram
 
 UPDATES = 8  # 3 attacks and 5 control draws

@@ -29,9 +29,9 @@ import numpy as np
 from art_malleability import MalleabilityEstimator
 from art_malleability.cli.checks import build_model
 from art_malleability.cli.options import ridge_value
-from art_malleability.datasets import load_dataset
+from art_malleability.data import load_dataset
 from art_malleability.influence import NTKInfluence
-from art_malleability.training import make_classifier, train_model
+from art_malleability.models import make_classifier, train_model
 from art_malleability.validation import validate
 
 

@@ -6,13 +6,14 @@ The kernel is :math:`K(a, b) = a^\\top C^2 b`, the entries of :math:`G^3` with :
 :math:`|K(x_i + \\delta, x_j) - K(x_i, x_j)| \\le \\|C^2 x_j\\|_1 \\, \\|\\delta\\|_\\infty` (see
 :mod:`art_malleability.ntk.sensitivity` and docs/ntk.md for why this reading).
 
-For each dataset (digits, embedded; MNIST from ``--mnist-root``) the script trains the MLP-Attn reference model
-(:func:`~art_malleability.models.build_reference_model`, :func:`~art_malleability.training.train_model`), draws a
-seeded sample of training examples, attacks them with FGSM, PGD and MIM at ``eps`` 0.3
-(:func:`~art_malleability.attacks.make_attack`, :func:`~art_malleability.attacks.perturb_training_set`; the model's
-context stays the clean training set during the attack), maps each perturbation to the space where :math:`G` is
-formed, :math:`\\tilde\\delta = \\mathrm{normalise}(x + \\delta) - \\mathrm{normalise}(x)`, and measures for every
-perturbed example `i` (each perturbed on its own) and every other training example `j`:
+For each dataset (digits, embedded; MNIST from ``--mnist-root``) the script trains the MLP-Attn reference
+model (:func:`~art_malleability.models.reference.build_reference_model`,
+:func:`~art_malleability.models.training.train_model`),
+draws a seeded sample of training examples, attacks them with FGSM, PGD and MIM at ``eps`` 0.3
+(:func:`~art_malleability.audit.attacks.make_attack`, :func:`~art_malleability.audit.attacks.perturb_training_set`;
+the model's context stays the clean training set during the attack), maps each perturbation to the space where
+:math:`G` is formed, :math:`\\tilde\\delta = \\mathrm{normalise}(x + \\delta) - \\mathrm{normalise}(x)`, and measures
+for every perturbed example `i` (each perturbed on its own) and every other training example `j`:
 
 - ``fixed C``: :math:`|\\tilde\\delta_i^\\top C^2 x_j|`, the change with the context held fixed (a query-like
   point; the bound must hold here);
@@ -55,9 +56,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from art_malleability.attacks import ATTACK_NAMES, make_attack, perturb_training_set
-from art_malleability.datasets import load_dataset
-from art_malleability.models import build_reference_model
+from art_malleability.audit.attacks import ATTACK_NAMES, make_attack, perturb_training_set
+from art_malleability.data import load_dataset
+from art_malleability.models import build_reference_model, make_classifier, train_model
 from art_malleability.ntk.sensitivity import (
     context_change,
     context_matrix,
@@ -69,7 +70,6 @@ from art_malleability.ntk.sensitivity import (
     summarise_ratios,
     unit_rows,
 )
-from art_malleability.training import make_classifier, train_model
 
 logger = logging.getLogger("sensitivity_bound")
 

@@ -25,11 +25,10 @@ import time
 import torch
 
 from art_malleability import MalleabilityEstimator
-from art_malleability.architectures import ResNet20
-from art_malleability.datasets import load_dataset
+from art_malleability.data import load_dataset
 from art_malleability.distributed import init_from_env
 from art_malleability.influence import NTKInfluence
-from art_malleability.training import make_classifier, train_model
+from art_malleability.models import ResNet20, make_classifier, train_model
 
 
 def resnet18(nb_classes: int) -> torch.nn.Module:

@@ -10,7 +10,7 @@ audit streams it in batches and never holds it as float64).
 the full training split, the first 10,000 training images (a seeded subset) are audited and the queries come
 from the test split; with the test split alone, all its 10,000 images are the training set and the queries are
 a seeded sample of them (each query's score on itself excluded). The model is
-:class:`art_malleability.architectures.SmallCNN` trained with Adam. The script prints the report, the time of
+:class:`art_malleability.models.architectures.SmallCNN` trained with Adam. The script prints the report, the time of
 every phase and the peak memory, and writes the report folder (``--output``).
 """
 
@@ -25,9 +25,8 @@ import torch
 from torch.utils.data import TensorDataset
 
 from art_malleability import MalleabilityEstimator
-from art_malleability.architectures import SmallCNN
-from art_malleability.datasets import load_dataset
-from art_malleability.training import make_classifier, train_model
+from art_malleability.data import load_dataset
+from art_malleability.models import SmallCNN, make_classifier, train_model
 
 
 def load(root: str, n_train: int, seed: int) -> tuple:

@@ -24,7 +24,7 @@ from art.metrics import empirical_robustness
 from torch import nn
 
 from art_malleability import MalleabilityEstimator
-from art_malleability.datasets import load_dataset
+from art_malleability.data import load_dataset
 
 
 class MyCNN(nn.Module):

@@ -26,8 +26,7 @@ import torch
 
 def problem():
     """A small trained CNN on random images: deterministic, seeded, quick."""
-    from art_malleability.architectures import SmallCNN
-    from art_malleability.training import make_classifier, train_model
+    from art_malleability.models import SmallCNN, make_classifier, train_model
 
     rng = np.random.default_rng(0)
     x = rng.random((90, 1, 8, 8), dtype=np.float32)

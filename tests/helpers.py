@@ -6,9 +6,8 @@ import functools
 
 import numpy as np
 
-from art_malleability.datasets import Dataset, load_dataset
-from art_malleability.models import build_reference_model
-from art_malleability.training import make_classifier, train_model
+from art_malleability.data import Dataset, load_dataset
+from art_malleability.models import build_reference_model, make_classifier, train_model
 
 
 @functools.cache

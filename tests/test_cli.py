@@ -197,8 +197,8 @@ def test_report_files_share_one_mode_and_bars_are_sparse_in_logs(tmp_path):
     import os
     import stat
 
-    from art_malleability._io import progress_bar
-    from art_malleability._output_folder import OutputFolder
+    from art_malleability._utils.io import progress_bar
+    from art_malleability._utils.output_folder import OutputFolder
 
     def write(name):
         with OutputFolder(tmp_path, writer="test") as out:

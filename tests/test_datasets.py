@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from sklearn.datasets import load_digits
 
-from art_malleability.datasets import DATASET_NAMES, Dataset, load_dataset
+from art_malleability.data import DATASET_NAMES, Dataset, load_dataset
 
 
 def _row_keys(x: np.ndarray) -> list[bytes]:

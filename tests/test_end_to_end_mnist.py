@@ -2,8 +2,8 @@
 
 import json
 
+from art_malleability.audit.report import MalleabilityReport
 from art_malleability.cli import main
-from art_malleability.report import MalleabilityReport
 
 
 def test_audit_on_real_mnist(shared_data, tmp_path, capsys):

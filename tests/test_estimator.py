@@ -15,7 +15,7 @@ from helpers import digits, trained_classifier
 from scipy.stats import spearmanr
 
 from art_malleability import MalleabilityEstimator, influence_flip_rate
-from art_malleability.attacks import random_sign_perturbation
+from art_malleability.audit.attacks import random_sign_perturbation
 from art_malleability.influence import InfluenceEstimator, NTKInfluence
 from art_malleability.metrics import (
     aggregate_scores,
@@ -468,8 +468,8 @@ def _validation(digest: str, names=("ntk-exact", "gradient")):
 
 
 def test_audit_states_the_validated_fidelity_of_its_estimator(relu_clf, tmp_path):
-    from art_malleability.estimator import weights_digest
-    from art_malleability.report import MalleabilityReport
+    from art_malleability.audit.estimator import weights_digest
+    from art_malleability.audit.report import MalleabilityReport
 
     data = digits()
     x, y, xq, yq = data.x_train, data.y_train, data.x_test[:15], data.y_test[:15]

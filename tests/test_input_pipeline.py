@@ -13,7 +13,7 @@ from helpers import digits, trained_classifier
 from torch import nn
 
 from art_malleability import MalleabilityEstimator
-from art_malleability.input_pipeline import PreprocessedModel, pipeline_operations, with_input_pipeline
+from art_malleability.data.input_pipeline import PreprocessedModel, pipeline_operations, with_input_pipeline
 
 MEAN, STD = 0.3, 0.4
 

@@ -9,10 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from art_malleability.datasets import load_dataset
-from art_malleability.models import REFERENCE_MODELS, MLPAttn, MLPAttnQKV, build_reference_model
+from art_malleability.data import load_dataset
+from art_malleability.models import REFERENCE_MODELS, MLPAttn, MLPAttnQKV, build_reference_model, train_model
 from art_malleability.ntk.empirical import JacobianGram, empirical_ntk
-from art_malleability.training import train_model
 
 INPUT_SHAPE = (1, 8, 8)
 D = 64

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from art_malleability.datasets import load_dataset
+from art_malleability.data import load_dataset
 from art_malleability.models import MLPAttn, TwoLayerReLU
 from art_malleability.ntk.analytic import analytic_ntk, relu_ntk, unit_angle
 from art_malleability.ntk.empirical import empirical_ntk

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from art_malleability.cli import main
-from art_malleability.datasets import load_dataset
+from art_malleability.data import load_dataset
 from art_malleability.influence.ridge import kernel_ridge_predict
 from art_malleability.models import build_reference_model
 from art_malleability.ntk.analytic import analytic_ntk

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from art_malleability.datasets import load_dataset
+from art_malleability.data import load_dataset
 from art_malleability.models import MLPAttn
 from art_malleability.ntk.spectral import (
     SpectralReport,

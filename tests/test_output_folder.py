@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from art_malleability._output_folder import (
+from art_malleability._utils.output_folder import (
     LOCK_NAME,
     MANIFEST_NAME,
     OutputFolder,
@@ -67,7 +67,7 @@ def test_a_failed_rerun_leaves_the_previous_report_exactly_as_it_was(tmp_path):
 
 
 def test_an_interrupted_run_leaves_the_previous_report(tmp_path, monkeypatch):
-    import art_malleability.report as report
+    import art_malleability.audit.report as report
 
     out = tmp_path / "audit"
     assert main(["audit", *TINY, "--model", "2l-relu", "--output", str(out)]) == 0
@@ -144,7 +144,7 @@ def test_a_stale_lock_of_a_killed_run_is_taken_over(tmp_path, caplog):
     out = tmp_path / "audit"
     script = textwrap.dedent(f"""
         import time
-        from art_malleability._output_folder import OutputFolder
+        from art_malleability._utils.output_folder import OutputFolder
         folder = OutputFolder({str(out)!r}, writer="audit")
         folder.open()
         folder.write("summary.md", "half-done")
@@ -201,7 +201,7 @@ def test_a_conflict_at_commit_keeps_the_staged_files_and_changes_nothing(tmp_pat
 
 
 def test_an_interrupted_commit_never_costs_a_file_that_is_not_ours(tmp_path, monkeypatch):
-    import art_malleability._output_folder as module
+    import art_malleability._utils.output_folder as module
 
     with OutputFolder(tmp_path, writer="w") as out:
         out.write_all({"a.txt": "a1", "b.txt": "b1"})
@@ -254,7 +254,7 @@ def test_the_same_process_cannot_open_a_folder_twice(tmp_path):
 
 
 def test_an_interrupt_during_the_commit_waits_for_it(tmp_path, monkeypatch):
-    import art_malleability._output_folder as module
+    import art_malleability._utils.output_folder as module
 
     real = module.os.replace
 

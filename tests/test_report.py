@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from art_malleability.report import AttackResult, MalleabilityReport, comparison_table
+from art_malleability.audit.report import AttackResult, MalleabilityReport, comparison_table
 
 
 def _report(n_queries: int = 10) -> MalleabilityReport:
@@ -129,7 +129,7 @@ def test_a_reproduction_rerun_drops_its_stale_files(tmp_path):
 
 
 def test_markdown_table():
-    from art_malleability._report_base import markdown_table
+    from art_malleability._utils.report_base import markdown_table
 
     assert markdown_table(["a", "b"], [[1, "x"], ["y", 2.5]]) == "| a | b |\n|---|---|\n| 1 | x |\n| y | 2.5 |"
 
@@ -140,7 +140,7 @@ def _visible(folder):
 
 
 def test_an_interrupted_save_leaves_the_old_report_intact(tmp_path, monkeypatch):
-    import art_malleability._output_folder as io_module
+    import art_malleability._utils.output_folder as io_module
 
     report = _report()
     report.save(tmp_path)

@@ -93,7 +93,7 @@ def test_open_choices_study_on_tiny_sizes(tmp_path):
 
 
 def test_table1_points_cover_every_class_of_a_class_sorted_source(tmp_path):
-    from art_malleability.datasets import load_dataset
+    from art_malleability.data import load_dataset
     from art_malleability.paper.reproduce import _ntk_points
 
     rng = np.random.default_rng(0)
@@ -108,7 +108,7 @@ def test_table1_points_cover_every_class_of_a_class_sorted_source(tmp_path):
 
 
 def test_a_rerun_without_table1_removes_the_stale_sweep_and_nothing_else(tmp_path):
-    from art_malleability._output_folder import OutputFolder
+    from art_malleability._utils.output_folder import OutputFolder
 
     sweep = tmp_path / "table1_ntk"
     with OutputFolder(tmp_path, writer="reproduce") as out:  # what an earlier run with Table 1 left

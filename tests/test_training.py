@@ -10,10 +10,9 @@ from art.attacks.evasion import FastGradientMethod
 from art.estimators.classification import PyTorchClassifier
 from art.utils import to_categorical
 
-from art_malleability._torch_utils import resolve_device
-from art_malleability.datasets import load_dataset
-from art_malleability.models import MLPAttn, build_reference_model
-from art_malleability.training import make_classifier, train_classifier, train_model
+from art_malleability._utils.torch_utils import resolve_device
+from art_malleability.data import load_dataset
+from art_malleability.models import MLPAttn, build_reference_model, make_classifier, train_classifier, train_model
 
 # Settings that reach > 85 % digits test accuracy in about a second (2L-ReLU) or a few seconds (MLP-Attn). The
 # linearised attention collapses all digits features onto nearly one direction (pairwise cosines > 0.99), so

@@ -11,11 +11,10 @@ from dattri.metric import lds as dattri_lds
 from helpers import digits
 from scipy.stats import binomtest, spearmanr
 
+from art_malleability.audit.estimator import weights_digest
 from art_malleability.cli import main
-from art_malleability.estimator import weights_digest
 from art_malleability.influence import GradientInfluence, NTKInfluence
-from art_malleability.models import build_reference_model
-from art_malleability.training import train_model
+from art_malleability.models import build_reference_model, train_model
 from art_malleability.validation import (
     ValidationReport,
     linear_datamodeling_score,

@@ -19,7 +19,7 @@ import signal
 import sys
 from collections.abc import Iterator, Sequence
 
-from art_malleability._output_folder import OutputFolder
+from art_malleability._utils.output_folder import OutputFolder
 from art_malleability.cli.audit import add_audit, run_audit
 from art_malleability.cli.checks import UsageError, message_of, output_claims, preflight
 from art_malleability.cli.options import add_output_options

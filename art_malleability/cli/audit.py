@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from art_malleability.attacks import ATTACK_NAMES, STRATEGIES
+from art_malleability.audit.attacks import ATTACK_NAMES, STRATEGIES
 from art_malleability.cli.checks import build_model, load_data, load_weights, model_names, validation_for
 from art_malleability.cli.options import (
     Runner,
@@ -26,9 +26,9 @@ from art_malleability.metrics import RANK_BY
 if TYPE_CHECKING:
     import torch
 
-    from art_malleability.datasets import Dataset
+    from art_malleability.audit.report import MalleabilityReport
+    from art_malleability.data.datasets import Dataset
     from art_malleability.distributed import Shard
-    from art_malleability.report import MalleabilityReport
 
 
 def add_audit(sub: argparse._SubParsersAction, run: Runner) -> None:
@@ -106,8 +106,8 @@ def _add_distributed_options(audit: argparse.ArgumentParser) -> None:
 def run_audit(args: argparse.Namespace) -> int:
     """Run ``art-malleability audit`` with the parsed ``args``, sharded over the processes of a ``torchrun`` launch;
     return the exit status. The lead process stages its reports in ``args.out`` (the open ``--output`` folder)."""
+    from art_malleability.audit.report import comparison_table
     from art_malleability.distributed import init_from_env
-    from art_malleability.report import comparison_table
 
     shard = init_from_env(args.dist_backend, args.dist_timeout)
     lead = shard is None or shard.rank == 0
@@ -127,9 +127,9 @@ def run_audit(args: argparse.Namespace) -> int:
 
 def _audit_model(args: argparse.Namespace, name: str, data: Dataset, shard: Shard | None) -> MalleabilityReport:
     """Train (or load) one model, audit it, and on the lead process stage and print its report."""
-    from art_malleability.estimator import MalleabilityEstimator
-    from art_malleability.report import slugify
-    from art_malleability.training import make_classifier
+    from art_malleability.audit.estimator import MalleabilityEstimator
+    from art_malleability.audit.report import slugify
+    from art_malleability.models.training import make_classifier
 
     lead = shard is None or shard.rank == 0
     start = time.perf_counter()
@@ -155,7 +155,7 @@ def _train_or_load(
     args: argparse.Namespace, name: str, data: Dataset, shard: Shard | None, lead: bool
 ) -> tuple[torch.nn.Module, str]:
     """:return: The model of ``--model name`` with ``--weights`` loaded or trained on rank 0, and what was done."""
-    from art_malleability.training import train_model
+    from art_malleability.models.training import train_model
 
     module = build_model(name, data.input_shape, data.nb_classes, args.width, args.seed)
     if args.weights is not None:

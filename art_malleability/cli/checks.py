@@ -18,20 +18,20 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from art_malleability._torch_utils import eval_mode, model_device_dtype
+from art_malleability._utils.torch_utils import eval_mode, model_device_dtype
 from art_malleability.cli.options import DEFAULT_MODELS, estimator_params
 
 if TYPE_CHECKING:
-    from art_malleability.datasets import Dataset
+    from art_malleability.data.datasets import Dataset
 
-#: Parameters of :func:`~art_malleability.datasets.load_dataset` and the options that set them.
+#: Parameters of :func:`~art_malleability.data.datasets.load_dataset` and the options that set them.
 _DATA_OPTIONS = {
     "name_or_path": "--dataset", "root": "--data-root", "n_train": "--n-train", "n_test": "--n-test",
     "classes": "--classes",
 }
 #: The arguments a ``--model package.module:factory`` is given, when it takes them.
 _FACTORY_ARGUMENTS = ("input_shape", "nb_classes")
-_DATA_MODULES = ("art_malleability.datasets", "art_malleability._dataset_loaders")
+_DATA_MODULES = ("art_malleability.data.datasets", "art_malleability.data._loaders")
 
 
 class UsageError(ValueError):
@@ -46,7 +46,7 @@ def preflight(args: argparse.Namespace) -> None:
     :class:`UsageError` (exit status 2). The ``--output`` folder is checked when the command opens it, also before
     any data is read.
     """
-    from art_malleability.datasets import resolve_source
+    from art_malleability.data.datasets import resolve_source
 
     try:
         if getattr(args, "dataset", None) is not None:
@@ -116,8 +116,8 @@ def _check_estimator_params(args: argparse.Namespace) -> None:
     """
     from types import SimpleNamespace
 
-    from art_malleability._estimator_params import PARAM_NAMES, check_params
-    from art_malleability.estimator import MalleabilityEstimator
+    from art_malleability.audit._params import PARAM_NAMES, check_params
+    from art_malleability.audit.estimator import MalleabilityEstimator
 
     defaults = inspect.signature(MalleabilityEstimator.__init__).parameters
     params = {name: defaults[name].default for name in PARAM_NAMES} | estimator_params(args)
@@ -134,7 +134,7 @@ def _check_estimator_params(args: argparse.Namespace) -> None:
 def message_of(err: BaseException) -> str:
     """
     The first line of an error's message; in one raised by the data loaders, a leading parameter of
-    :func:`~art_malleability.datasets.load_dataset` becomes the option that sets it (``root`` → ``--data-root``).
+    :func:`~art_malleability.data.datasets.load_dataset` becomes the option that sets it (``root`` → ``--data-root``).
     """
     message = str(err).splitlines()[0] if str(err) else type(err).__name__
     frame = err.__traceback__
@@ -151,8 +151,8 @@ def message_of(err: BaseException) -> str:
 
 
 def load_data(args: argparse.Namespace) -> Dataset:
-    """:return: The :class:`~art_malleability.datasets.Dataset` of the data options."""
-    from art_malleability.datasets import load_dataset
+    """:return: The :class:`~art_malleability.data.datasets.Dataset` of the data options."""
+    from art_malleability.data.datasets import load_dataset
 
     return load_dataset(
         args.dataset, root=args.data_root, n_train=args.n_train, n_test=args.n_test, classes=args.classes,
@@ -173,10 +173,10 @@ def model_names(args: argparse.Namespace) -> list[str]:
 def output_claims(args: argparse.Namespace) -> list[str]:
     """
     What a subcommand will write at the top of ``--output``, checked before any work
-    (:meth:`~art_malleability._output_folder.OutputFolder.claim`): ``summary.md`` and one folder per model for
+    (:meth:`~art_malleability._utils.output_folder.OutputFolder.claim`): ``summary.md`` and one folder per model for
     ``audit`` and ``validate``, the report's JSON and Markdown for the others.
     """
-    from art_malleability.report import slugify
+    from art_malleability.audit.report import slugify
 
     if args.command in ("audit", "validate"):
         return ["summary.md", *(slugify(name) for name in model_names(args))]
@@ -190,7 +190,7 @@ def output_claims(args: argparse.Namespace) -> list[str]:
 
 def validation_for(folder: str | None, name: str) -> Path | None:
     """The ``validation.json`` of one model in a ``validate`` output folder (``None`` without a folder)."""
-    from art_malleability.report import slugify
+    from art_malleability.audit.report import slugify
 
     if folder is None:
         return None
@@ -213,8 +213,8 @@ def build_model(name: str, input_shape: tuple[int, ...], nb_classes: int, width:
     Build the model of ``--model name``: a reference model, an architecture or a factory's model, checked on two
     zero inputs against the data's input shape and number of classes (unless it is transductive).
     """
-    from art_malleability.architectures import build_architecture
-    from art_malleability.models import build_reference_model, is_transductive
+    from art_malleability.models.architectures import build_architecture
+    from art_malleability.models.reference import build_reference_model, is_transductive
 
     factory = _model_factory(name)
     if factory == "reference":
@@ -304,8 +304,8 @@ def load_weights(module: torch.nn.Module, path: str, name: str) -> None:
 
 def _model_factory(name: str) -> object:
     """``"reference"``, ``"architecture"`` or the imported factory of ``--model name``."""
-    from art_malleability.architectures import ARCHITECTURES
-    from art_malleability.models import REFERENCE_MODELS
+    from art_malleability.models.architectures import ARCHITECTURES
+    from art_malleability.models.reference import REFERENCE_MODELS
 
     if name in REFERENCE_MODELS:
         return "reference"

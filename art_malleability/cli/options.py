@@ -14,7 +14,7 @@ DEFAULT_MODELS = ("2l-relu", "mlp-attn")
 
 _MODEL_HELP = (
     "reference model name ('2l-relu', 'mlp-attn'), architecture ('cnn', 'resnet20': see "
-    "art_malleability.architectures) or 'package.module:factory' returning an nn.Module (called with "
+    "art_malleability.models.architectures) or 'package.module:factory' returning an nn.Module (called with "
     "input_shape= and nb_classes= when it takes them); repeat for several; default: both reference models"
 )
 
@@ -150,7 +150,7 @@ def projection_dim(text: str) -> int | str | None:
 
 
 def estimator_params(args: argparse.Namespace) -> dict[str, Any]:
-    """:return: The :class:`~art_malleability.estimator.MalleabilityEstimator` parameters the audit options set."""
+    """:return: The :class:`~art_malleability.audit.MalleabilityEstimator` parameters the audit options set."""
     return dict(
         attacks=args.attacks, eps=args.eps, influence=args.influence, top_fraction=args.top_fraction,
         strategy=args.strategy, ridge=args.ridge, n_queries=args.n_queries, rank_by=args.rank_by,

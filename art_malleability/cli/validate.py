@@ -13,7 +13,7 @@ from art_malleability.influence import INFLUENCE_NAMES, InfluenceEstimator
 from art_malleability.validation import OUTCOMES
 
 if TYPE_CHECKING:
-    from art_malleability.datasets import Dataset
+    from art_malleability.data.datasets import Dataset
     from art_malleability.validation.lds import TrainFn
 
 #: ``art-malleability validate``'s line in the command's help and its own help.
@@ -69,7 +69,7 @@ def run_validate(args: argparse.Namespace) -> int:
     ``summary.md``, staged in ``args.out`` (the open ``--output`` folder); return the exit status."""
     import numpy as np
 
-    from art_malleability.report import slugify
+    from art_malleability.audit.report import slugify
     from art_malleability.validation import validate
 
     start = time.perf_counter()
@@ -117,7 +117,7 @@ def _estimators(args: argparse.Namespace) -> list[InfluenceEstimator]:
 
 def _train_fn(args: argparse.Namespace, name: str, data: Dataset) -> TrainFn:
     """``train_fn(x, y, seed)`` of :func:`~art_malleability.validation.validate`: a fresh ``--model name``, trained."""
-    from art_malleability.training import train_model
+    from art_malleability.models.training import train_model
 
     def train_fn(x, y, seed):
         module = build_model(name, data.input_shape, data.nb_classes, args.width, seed)

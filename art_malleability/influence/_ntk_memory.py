@@ -12,7 +12,7 @@ import time
 import numpy as np
 import torch
 
-from art_malleability._torch_utils import available_memory
+from art_malleability._utils.torch_utils import available_memory
 from art_malleability.distributed import Shard
 from art_malleability.ntk.empirical import DEFAULT_CHUNK_MB, JacobianGram
 

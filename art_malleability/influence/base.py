@@ -17,21 +17,21 @@ import numpy as np
 import torch
 from torch import nn
 
-from art_malleability._torch_utils import (
-    check_dtype,
-    resolve_device,
-    trainable_parameters,
-    working_copy,
-)
-from art_malleability._validation import (  # noqa: F401 - labels_to_indices: public path of the influence package
+from art_malleability._utils.checks import (  # noqa: F401 - labels_to_indices: public path of the influence package
     LOSS_NAMES,
     check_labels,
     check_loss,
     check_positive_int,
     labels_to_indices,
 )
-from art_malleability.models import is_transductive
-from art_malleability.streaming import ExampleSource, is_torch_data
+from art_malleability._utils.torch_utils import (
+    check_dtype,
+    resolve_device,
+    trainable_parameters,
+    working_copy,
+)
+from art_malleability.data.streaming import ExampleSource, is_torch_data
+from art_malleability.models.reference import is_transductive
 
 logger = logging.getLogger(__name__)
 
@@ -236,7 +236,7 @@ class InfluenceEstimator(abc.ABC):
         :param model: The trained PyTorch model (outputs ``(n, C)``); it is copied, never modified.
         :param x_train: Training inputs, shape ``(n_train, *input_shape)``, float32 (ART convention),
             or a map-style ``torch.utils.data.Dataset`` / ``DataLoader`` of ``(x, y)`` pairs (see
-            :mod:`art_malleability.streaming`; estimators that do not stream read it into an array).
+            :mod:`art_malleability.data.streaming`; estimators that do not stream read it into an array).
         :param y_train: Training labels, class indices ``(n_train,)`` or one-hot ``(n_train, C)``;
             ``None`` for a dataset.
         :param warm_start: Keep the random choices of the previous fit where they still apply (the
@@ -287,7 +287,7 @@ class InfluenceEstimator(abc.ABC):
         logger.debug("%s fitted on %d training examples", type(self).__name__, self.n_train_)
         return self
 
-    #: Whether the estimator fits from an :class:`~art_malleability.streaming.ExampleSource` read in
+    #: Whether the estimator fits from an :class:`~art_malleability.data.streaming.ExampleSource` read in
     #: batches (:meth:`_fit_source`) instead of from arrays (:meth:`_fit`, a dataset read whole).
     streams: bool = False
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from art_malleability._torch_utils import frozen_parameters_to_buffers
+from art_malleability._utils.torch_utils import frozen_parameters_to_buffers
 from art_malleability.influence.base import InfluenceEstimator, KMostInfluential, per_example_loss
 from art_malleability.influence.gradient import check_checkpoints, snapshot_state, validate_checkpoints
 

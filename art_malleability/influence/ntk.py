@@ -55,8 +55,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from art_malleability._io import progress_bar
-from art_malleability._torch_utils import tensor_digest
+from art_malleability._utils.io import progress_bar
+from art_malleability._utils.torch_utils import tensor_digest
+from art_malleability.data.streaming import ExampleSource
 from art_malleability.distributed import Shard, current_shard, raise_if_any
 from art_malleability.influence._ntk_memory import (  # noqa: F401 - MEMORY_SHARE: its public path
     _GIB,
@@ -76,7 +77,6 @@ from art_malleability.influence.ridge import DualRidge, PrimalRidge, loo_scores
 from art_malleability.influence.ridge_choice import DEFAULT_RIDGE, RIDGE_RULES, check_ridge, choose_ridge
 from art_malleability.ntk.empirical import NTK_METHODS, JacobianGram, KeptFactors
 from art_malleability.ntk.projection import ProjectedNTK, check_projection_dim
-from art_malleability.streaming import ExampleSource
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, jacrev, vmap
 
-from art_malleability._torch_utils import model_device_dtype, trainable_parameters
+from art_malleability._utils.torch_utils import model_device_dtype, trainable_parameters
 
 OutputFn = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 

@@ -1,4 +1,7 @@
-"""Argument checks shared by the NTK tools (counts through :func:`art_malleability._validation.check_positive_int`)."""
+"""
+Argument checks shared by the NTK tools (counts through
+:func:`art_malleability._utils.checks.check_positive_int`).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +9,7 @@ import math
 
 import numpy as np
 
-from art_malleability._validation import check_positive_int
+from art_malleability._utils.checks import check_positive_int
 
 
 def check_batch_size(batch_size: int) -> int:

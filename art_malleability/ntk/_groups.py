@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, vmap
 
-from art_malleability._torch_utils import trainable_parameters
+from art_malleability._utils.torch_utils import trainable_parameters
 from art_malleability.ntk._autograd import plain_layers, probe_calls
 
 # (name, module, weight trained, bias trained) of a Kronecker-factored layer

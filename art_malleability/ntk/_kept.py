@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from art_malleability._torch_utils import eval_mode, no_tf32, tensor_digest, to_tensor
+from art_malleability._utils.torch_utils import eval_mode, no_tf32, tensor_digest, to_tensor
 from art_malleability.ntk._memory import Features, place_block
 from art_malleability.ntk._rank_one import ClassDirections, RankChange
 

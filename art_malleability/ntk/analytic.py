@@ -37,8 +37,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from art_malleability._torch_utils import model_device_dtype, to_tensor, working_copy
-from art_malleability.models import MLPAttn, TwoLayerReLU
+from art_malleability._utils.torch_utils import model_device_dtype, to_tensor, working_copy
+from art_malleability.models.reference import MLPAttn, TwoLayerReLU
 
 logger = logging.getLogger(__name__)
 
@@ -241,7 +241,7 @@ def analytic_ntk(
 ) -> torch.Tensor:
     """
     Infinite-width limit of ``empirical_ntk(model, x1, x2)`` for the reference models
-    (:class:`~art_malleability.models.TwoLayerReLU`, :class:`~art_malleability.models.MLPAttn`).
+    (:class:`~art_malleability.models.reference.TwoLayerReLU`, :class:`~art_malleability.models.reference.MLPAttn`).
 
     The first-layer inputs :math:`z = ` ``model.features(x)`` (unit-norm inputs for 2L-ReLU; attention features
     :math:`\\mathrm{normalise}(C \\, \\mathrm{normalise}(x))` with the training-set context for MLP-Attn, so

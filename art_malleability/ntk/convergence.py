@@ -25,7 +25,7 @@ over seeds) and a percentile bootstrap interval over seeds:
 Protocols: ``"gd"``, full-batch gradient descent on ``½ Σ‖f(x) − onehot(y)‖²`` with learning rate
 ``η = lr_scale / λ_max(K_∞ / C)`` (the per-output limit kernel, so the linearised dynamics are stable
 and every width uses the same step); ``"adam"``, the paper's protocol (Adam, lr 1e-3, batch 128,
-L2 1e-3, cross-entropy), through :func:`art_malleability.training.train_model`.
+L2 1e-3, cross-entropy), through :func:`art_malleability.models.training.train_model`.
 
 Verdict per metric and per level (from the level's primary metric: ``kernel_error``,
 ``lambda_min_error``, ``kernel_movement`` per protocol): ``"converges"`` when the whole interval of the
@@ -47,13 +47,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from art_malleability._io import json_ready, progress_bar
-from art_malleability._torch_utils import no_tf32, resolve_device
-from art_malleability._validation import labels_to_indices
+from art_malleability._utils.checks import labels_to_indices
+from art_malleability._utils.io import json_ready, progress_bar
+from art_malleability._utils.torch_utils import no_tf32, resolve_device
 from art_malleability.influence.ridge import kernel_ridge_predict
 from art_malleability.metrics import percentile_interval
 from art_malleability.metrics._bootstrap import check_confidence
-from art_malleability.models import REFERENCE_MODELS, build_reference_model, is_transductive
+from art_malleability.models.reference import REFERENCE_MODELS, build_reference_model, is_transductive
 from art_malleability.ntk.analytic import analytic_ntk
 from art_malleability.ntk.convergence_report import LEVELS as LEVELS  # public path
 from art_malleability.ntk.convergence_report import PRIMARY as PRIMARY  # public path
@@ -297,7 +297,7 @@ class NTKConvergenceChecker:
                 optimizer.step()
             trained.eval()
         else:
-            from art_malleability.training import train_model
+            from art_malleability.models.training import train_model
 
             x_np = x_tr.detach().cpu().numpy()
             trained = train_model(trained, x_np, y_train, loss="cross_entropy", epochs=self.adam_epochs,

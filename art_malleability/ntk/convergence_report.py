@@ -11,8 +11,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from art_malleability._io import json_ready
-from art_malleability._report_base import SavedReport, markdown_table, text_table
+from art_malleability._utils.io import json_ready
+from art_malleability._utils.report_base import SavedReport, markdown_table, text_table
 
 LEVELS = ("static", "spectral", "dynamic")
 PRIMARY = {"static": "kernel_error", "spectral": "lambda_min_error", "dynamic": "kernel_movement"}

@@ -75,7 +75,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from art_malleability._torch_utils import eval_mode, no_tf32, to_tensor, trainable_parameters
+from art_malleability._utils.torch_utils import eval_mode, no_tf32, to_tensor, trainable_parameters
 from art_malleability.ntk._autograd import (
     OutputFn,
     check_model,

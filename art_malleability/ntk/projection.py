@@ -55,7 +55,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from art_malleability._torch_utils import eval_mode, no_tf32, to_tensor
+from art_malleability._utils.torch_utils import eval_mode, no_tf32, to_tensor
 from art_malleability.ntk._autograd import check_model, class_gradients, forward_capturing, per_example_jacobian
 from art_malleability.ntk._checks import check_batch_size, check_chunk_mb, check_projection_dim
 from art_malleability.ntk._groups import Group, find_groups, layer_positions, module_gradients

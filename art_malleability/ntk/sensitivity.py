@@ -2,7 +2,7 @@
 Sensitivity of the linearised-attention kernel :math:`G^3` to a perturbation of one training example, and the
 first-order bound against which the paper's Proposition 4.5 is checked.
 
-Setting (as in :mod:`art_malleability.ntk.spectral` and :class:`art_malleability.models.MLPAttn`): the rows of
+Setting (as in :mod:`art_malleability.ntk.spectral` and :class:`art_malleability.models.reference.MLPAttn`): the rows of
 :math:`X` (`n x d`, float64) are the training inputs in the space where the Gram matrix is formed (flattened and
 scaled to unit :math:`\\ell_2` norm for MLP-Attn; the functions here take that matrix as given and do not
 normalise it), :math:`C = X^\\top X` and :math:`G = X X^\\top`. Linearised attention maps :math:`x \\mapsto C x`,
@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from art_malleability._validation import check_positive_int
+from art_malleability._utils.checks import check_positive_int
 
 logger = logging.getLogger(__name__)
 

@@ -385,7 +385,7 @@ def spectral_analysis_of_dataset(
 ) -> SpectralReport:
     """
     :func:`spectral_analysis` of a dataset's training subset, loaded with
-    :func:`~art_malleability.datasets.load_dataset` (``n_train=n``, with that function's defaults for the test
+    :func:`~art_malleability.data.datasets.load_dataset` (``n_train=n``, with that function's defaults for the test
     part and for `n=None`).
 
     - ``model="2l-relu"`` (default, as in the paper): the rows are the flattened, unit-normalised inputs, so
@@ -396,7 +396,7 @@ def spectral_analysis_of_dataset(
       :math:`D = \\mathrm{diag}(1 / \\lVert C x_i \\rVert)`: the spectrum the attention model actually trains
       on, whose condition number is about :math:`\\kappa(G)^3` up to the diagonal rescaling.
 
-    :param name_or_path: Dataset name or ``.npz`` path (see :func:`~art_malleability.datasets.load_dataset`).
+    :param name_or_path: Dataset name or ``.npz`` path (see :func:`~art_malleability.data.datasets.load_dataset`).
     :param root: Data folder for the torchvision datasets.
     :param n: Size of the training subset.
     :param seed: Seed of the subset selection.
@@ -407,7 +407,7 @@ def spectral_analysis_of_dataset(
     :return: The report, named after the dataset, subset size and features.
     :raises ValueError: On an unknown `model` (and whatever :func:`load_dataset` raises).
     """
-    from art_malleability.datasets import load_dataset
+    from art_malleability.data.datasets import load_dataset
 
     if not isinstance(model, str):
         raise TypeError(f"model must be a str, one of {_FEATURE_MODELS}, got {type(model).__name__}")

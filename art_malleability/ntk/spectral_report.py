@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from art_malleability._report_base import SavedReport, markdown_table
+from art_malleability._utils.report_base import SavedReport, markdown_table
 
 _TOP_EIGENVALUES = 10
 SPECTRUM_JSON = "spectrum.json"

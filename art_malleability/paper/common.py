@@ -9,12 +9,12 @@ import numpy as np
 import torch
 from scipy import stats
 
-from art_malleability._io import progress_bar
-from art_malleability.datasets import Dataset
-from art_malleability.estimator import MalleabilityEstimator, near_chance_warnings
+from art_malleability._utils.io import progress_bar
+from art_malleability.audit.estimator import MalleabilityEstimator, near_chance_warnings
+from art_malleability.data.datasets import Dataset
 from art_malleability.metrics import seed_interval
-from art_malleability.models import build_reference_model
-from art_malleability.training import make_classifier, train_model
+from art_malleability.models.reference import build_reference_model
+from art_malleability.models.training import make_classifier, train_model
 
 ATTACKS = ("fgsm", "pgd", "mim")
 

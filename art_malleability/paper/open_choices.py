@@ -39,12 +39,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from art_malleability._output_folder import OutputFolder, staged_output
-from art_malleability._report_base import markdown_table
-from art_malleability._state import preserved_rng
-from art_malleability.datasets import Dataset, load_dataset
+from art_malleability._utils.output_folder import OutputFolder, staged_output
+from art_malleability._utils.report_base import markdown_table
+from art_malleability._utils.state import preserved_rng
+from art_malleability.data.datasets import Dataset, load_dataset
 from art_malleability.influence import NTKInfluence
-from art_malleability.models import is_transductive
+from art_malleability.models.reference import is_transductive
 from art_malleability.paper.common import ATTACKS, audit, flip_rows, fmt_ci, pooled, progress, train
 from art_malleability.paper.reproduce import PAPER, Reproduction, ReproductionConfig
 
@@ -130,7 +130,7 @@ def run_open_choices(
     ``reproduction.json`` and ``reproduction.md``.
 
     :param config: Settings (data, sizes, seeds, training protocol) shared with the reproduction.
-    :param output: Output folder, or an open :class:`~art_malleability._output_folder.OutputFolder` to stage in.
+    :param output: Output folder, or an open :class:`~art_malleability._utils.output_folder.OutputFolder` to stage in.
     :param folder: Subfolder of ``output`` for the study's files (``""``: ``output`` itself).
     :return: A :class:`~art_malleability.paper.reproduce.Reproduction` holding the rows and the table.
     """

@@ -41,13 +41,14 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from art_malleability._io import figure_png, json_ready
-from art_malleability._output_folder import OutputFolder, staged_output
-from art_malleability._report_base import SavedReport, markdown_table
-from art_malleability._state import preserved_rng
-from art_malleability._validation import one_hot
-from art_malleability.datasets import Dataset, load_dataset, subsample
-from art_malleability.models import build_reference_model, is_transductive
+from art_malleability._utils.checks import one_hot
+from art_malleability._utils.io import figure_png, json_ready
+from art_malleability._utils.output_folder import OutputFolder, staged_output
+from art_malleability._utils.report_base import SavedReport, markdown_table
+from art_malleability._utils.state import preserved_rng
+from art_malleability.data.datasets import Dataset, load_dataset, subsample
+from art_malleability.models.reference import build_reference_model, is_transductive
+from art_malleability.models.training import make_classifier
 from art_malleability.paper.common import (
     ATTACKS,
     audit,
@@ -62,7 +63,6 @@ from art_malleability.paper.common import (
 )
 from art_malleability.paper.numbers import BINARY_CLASSES, BINARY_NAMES, PAPER
 from art_malleability.paper.tables import ablation_figure, accuracy_cell, direction, flip_table, mean_of
-from art_malleability.training import make_classifier
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class ReproductionConfig:
     Settings of a reproduction run. Defaults: the paper's training protocol on the embedded digits,
     five seeds, sizes that finish on two CPU cores in under 15 minutes.
 
-    :param dataset: Data set name or ``.npz`` path (see :func:`~art_malleability.datasets.load_dataset`).
+    :param dataset: Data set name or ``.npz`` path (see :func:`~art_malleability.data.datasets.load_dataset`).
     :param data_root: Local torchvision root.
     :param n_train: Training examples of the flip-rate tables.
     :param n_test: Test examples (queries are drawn from them).
@@ -202,7 +202,7 @@ def run_reproduction(config: ReproductionConfig, output: str | Path | OutputFold
     Run the chosen tables and write ``reproduction.json``, ``reproduction.md`` and figures to ``output``.
 
     :param config: Settings.
-    :param output: Output folder, or an open :class:`~art_malleability._output_folder.OutputFolder` to stage in
+    :param output: Output folder, or an open :class:`~art_malleability._utils.output_folder.OutputFolder` to stage in
         (the files appear when its run succeeds; a failed run leaves the folder as it was).
     :return: The :class:`Reproduction`.
     """

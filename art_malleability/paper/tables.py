@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from art_malleability._report_base import markdown_table
+from art_malleability._utils.report_base import markdown_table
 from art_malleability.paper.common import ATTACKS, fmt_ci, paired_gap, pooled
 
 

@@ -12,11 +12,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from art_malleability._io import progress_bar
-from art_malleability._state import preserved_rng
-from art_malleability._torch_utils import eval_mode, model_device_dtype
-from art_malleability._validation import check_loss
-from art_malleability.estimator import library_versions, near_chance_warnings, weights_digest
+from art_malleability._utils.checks import check_loss
+from art_malleability._utils.io import progress_bar
+from art_malleability._utils.state import preserved_rng
+from art_malleability._utils.torch_utils import eval_mode, model_device_dtype
+from art_malleability.audit.estimator import library_versions, near_chance_warnings, weights_digest
 from art_malleability.influence import InfluenceEstimator, get_influence, per_example_loss
 from art_malleability.influence.base import check_data
 from art_malleability.influence.ridge_choice import DEFAULT_RIDGE
@@ -58,7 +58,7 @@ def validate(
     on the arrays it is given (float32 inputs ``(n, *input_shape)``, ``int64`` class indices) and return the
     trained :class:`torch.nn.Module` mapping inputs to ``(n, C)`` logits; the same ``seed`` must give the same
     model (initialisation and data order). A transductive model (with ``set_context``) must carry its
-    training subset as context (:func:`art_malleability.training.train_model` sets it). It gets private
+    training subset as context (:func:`art_malleability.models.training.train_model` sets it). It gets private
     copies of the arrays; the global random state is restored after the run. It is called
     ``1 + n_models + (loo_seeds − 1) + loo_seeds · |removed|`` times (``|removed|`` ≤ ``loo_queries · loo_top
     · len(estimators)``, the union of the estimators' top examples).

@@ -122,7 +122,7 @@ def perturb_training_set(
     Perturb the chosen rows of a training set with an attack; the other rows stay clean.
 
     numpy's global generator (which ART's random starts use) is seeded with ``seed`` for the call;
-    the caller restores the global state (see :func:`art_malleability._state.preserved`).
+    the caller restores the global state (see :func:`art_malleability._utils.state.preserved`).
 
     :param attack: A ready ART evasion attack.
     :param x: Training inputs (n, ...), float32; not modified.

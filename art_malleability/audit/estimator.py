@@ -16,19 +16,19 @@ from art.attacks import EvasionAttack
 from art.estimators.classification import PyTorchClassifier
 from torch.utils.data import DataLoader, Dataset
 
-from art_malleability._audit import AuditRun, timed
-from art_malleability._classifier import ESTIMATOR_REQUIREMENTS, as_classifier
-from art_malleability._estimator_params import PARAM_NAMES, build_attacks, build_influence, check_params
-from art_malleability._state import preserved
-from art_malleability._torch_utils import model_device_dtype
-from art_malleability._validation import check_features, check_labels, check_range
-from art_malleability.attacks import ATTACK_NAMES, attack_label
+from art_malleability._utils.checks import check_features, check_labels, check_range
+from art_malleability._utils.state import preserved
+from art_malleability._utils.torch_utils import model_device_dtype
+from art_malleability.audit._classifier import ESTIMATOR_REQUIREMENTS, as_classifier
+from art_malleability.audit._params import PARAM_NAMES, build_attacks, build_influence, check_params
+from art_malleability.audit._run import AuditRun, timed
+from art_malleability.audit.attacks import ATTACK_NAMES, attack_label
+from art_malleability.audit.report import MalleabilityReport
+from art_malleability.data.input_pipeline import pipeline_operations
+from art_malleability.data.streaming import ExampleSource, is_torch_data
 from art_malleability.distributed import Shard, current_shard
 from art_malleability.influence import InfluenceEstimator
-from art_malleability.input_pipeline import pipeline_operations
 from art_malleability.metrics import top_k_count
-from art_malleability.report import MalleabilityReport
-from art_malleability.streaming import ExampleSource, is_torch_data
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class MalleabilityEstimator:
         """
         :param classifier: An ART :class:`PyTorchClassifier`, or a raw :class:`torch.nn.Module` together
                with ``input_shape`` and ``nb_classes`` (then wrapped with ``loss`` and ``clip_values``).
-        :param attacks: Attack names (``"fgsm"``, ``"pgd"``, ``"mim"``; see :mod:`art_malleability.attacks`
+        :param attacks: Attack names (``"fgsm"``, ``"pgd"``, ``"mim"``; see :mod:`art_malleability.audit.attacks`
                for their steps) or ready ART ``EvasionAttack`` instances.
         :param eps: ℓ∞ budget of the named attacks, in input units (0.3 for pixels in [0, 1]).
         :param influence: ``"ntk"`` (kernel ridge leave-one-out on the empirical NTK, the paper's),
@@ -122,8 +122,8 @@ class MalleabilityEstimator:
         :param distributed: ``"auto"`` (shard the audit over an initialised ``torch.distributed`` group of several
                processes, see :mod:`art_malleability.distributed`), ``True`` (require one) or ``False``.
         :param controls: Beside every ℓ∞ attack, perturb the same training examples by random signs at the same
-               budget (:func:`~art_malleability.attacks.random_sign_perturbation`), recompute the influence and report
-               the control's metrics and the attack's *excess* flip rate (attack minus control, paired bootstrap
+               budget (:func:`~art_malleability.audit.attacks.random_sign_perturbation`), recompute the influence and
+               report the control's metrics and the attack's *excess* flip rate (attack minus control, paired bootstrap
                interval). ``control_draws`` extra influence passes per distinct budget.
         :param control_draws: Independent draws of the random signs of each control; the control's statistics are
                their means, and the spread between draws enters the excess flip rate's interval.
@@ -193,7 +193,7 @@ class MalleabilityEstimator:
         object.__setattr__(self, "_configured", True)
 
     def _check_params(self) -> None:
-        """ART's parameter check (see :func:`~art_malleability._estimator_params.check_params`)."""
+        """ART's parameter check (see :func:`~art_malleability.audit._params.check_params`)."""
         check_params(self)
 
     def evaluate(
@@ -210,7 +210,7 @@ class MalleabilityEstimator:
 
         :param x: Training inputs whose influence is audited, ``(n, *input_shape)``, in the classifier's input space;
                or a map-style ``torch.utils.data.Dataset`` / ``DataLoader`` of ``(x, y)`` pairs, read in batches
-               (see :mod:`art_malleability.streaming`).
+               (see :mod:`art_malleability.data.streaming`).
         :param y: Their labels: class indices (n,) or one-hot (n, nb_classes); ``None`` for a dataset.
         :param x_test: Query points (array or dataset); when omitted, a seeded sample of ``n_queries`` training
                examples is used and each query's score on itself is excluded.

@@ -1,5 +1,5 @@
 """
-The sources behind :func:`art_malleability.datasets.load_dataset`: scikit-learn's digits, the MNIST and
+The sources behind :func:`art_malleability.data.datasets.load_dataset`: scikit-learn's digits, the MNIST and
 Fashion-MNIST IDX files, the CIFAR-10 batches of a torchvision folder and ``.npz`` files, each read into its
 available splits (train and/or test) as ``(x, y)`` pools of float32 images in `[0, 1]` and int64 labels.
 :func:`check_folder` says, without reading any file, whether a folder holds one split of a dataset.

@@ -37,8 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from art_malleability._attention import _NORM_EPS, LinearizedAttention, _flatten_normalise
-from art_malleability._validation import check_input_shape
+from art_malleability._utils.checks import check_input_shape
+from art_malleability.models._attention import _NORM_EPS, LinearizedAttention, _flatten_normalise
 
 __all__ = [
     "Transductive",

@@ -38,7 +38,7 @@ def as_classifier(
                 "input_shape and nb_classes must be given with a raw torch.nn.Module, got "
                 f"input_shape={input_shape!r}, nb_classes={nb_classes!r}; they are needed to wrap it"
             )
-        from art_malleability.training import make_classifier
+        from art_malleability.models.training import make_classifier
 
         return make_classifier(
             classifier, tuple(input_shape), int(nb_classes), loss=loss, clip_values=clip_values, device=device

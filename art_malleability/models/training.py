@@ -31,10 +31,10 @@ import torch.nn.functional as F
 from art.estimators.classification import PyTorchClassifier
 from torch import nn
 
-from art_malleability._io import progress_bar
-from art_malleability._torch_utils import resolve_device
-from art_malleability._validation import check_input_shape, check_loss, labels_to_indices
-from art_malleability.models import is_transductive
+from art_malleability._utils.checks import check_input_shape, check_loss, labels_to_indices
+from art_malleability._utils.io import progress_bar
+from art_malleability._utils.torch_utils import resolve_device
+from art_malleability.models.reference import is_transductive
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def train_model(
     mini-batches.
 
     The model is trained in place (meant for models built by this package, e.g. with
-    :func:`art_malleability.models.build_reference_model`) and returned in eval mode on the training device. A
+    :func:`art_malleability.models.reference.build_reference_model`) and returned in eval mode on the training device. A
     model with ``set_context`` (transductive, e.g. MLP-Attn) first gets the training inputs `x` as its
     context. Only parameters with ``requires_grad`` are trained. The shuffling uses a local generator seeded
     by `seed`; the global random state and the arrays passed are left unchanged.

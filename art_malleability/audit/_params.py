@@ -1,5 +1,5 @@
 """
-The parameters of :class:`~art_malleability.estimator.MalleabilityEstimator`: their names, their validation, and
+The parameters of :class:`~art_malleability.audit.estimator.MalleabilityEstimator`: their names, their validation, and
 the attacks and the influence estimator built from them.
 """
 
@@ -10,16 +10,16 @@ from typing import Any
 import numpy as np
 from art.attacks import EvasionAttack
 
-from art_malleability._torch_utils import resolve_device
-from art_malleability._validation import check_positive_int, loss_name
-from art_malleability.attacks import ATTACK_NAMES, STRATEGIES, attack_label, make_attack
+from art_malleability._utils.checks import check_positive_int, loss_name
+from art_malleability._utils.torch_utils import resolve_device
+from art_malleability.audit.attacks import ATTACK_NAMES, STRATEGIES, attack_label, make_attack
 from art_malleability.influence import INFLUENCE_NAMES, InfluenceEstimator, get_influence
 from art_malleability.influence.ridge_choice import check_ridge
 from art_malleability.metrics import RANK_BY
 from art_malleability.metrics._bootstrap import check_confidence
 from art_malleability.ntk.projection import check_projection_dim
 
-#: The parameters of :class:`~art_malleability.estimator.MalleabilityEstimator` (its ``estimator_params``).
+#: The parameters of :class:`~art_malleability.audit.estimator.MalleabilityEstimator` (its ``estimator_params``).
 PARAM_NAMES = (
     "attacks",
     "eps",
@@ -47,7 +47,7 @@ def check_params(est: Any) -> None:
     """
     Validate the parameters of an estimator; ``attacks`` becomes a tuple and ``eps`` a float.
 
-    :param est: A :class:`~art_malleability.estimator.MalleabilityEstimator` being configured.
+    :param est: A :class:`~art_malleability.audit.estimator.MalleabilityEstimator` being configured.
     :raises ValueError: On an invalid value (``TypeError`` for a value of the wrong type).
     """
     est.attacks = _check_attacks(est.attacks)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from art_malleability._validation import check_input_shape
+from art_malleability._utils.checks import check_input_shape
 
 logger = logging.getLogger(__name__)
 

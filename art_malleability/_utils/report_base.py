@@ -3,7 +3,7 @@ What every report shares: one Markdown table formatter, one JSON policy and one 
 report's ``to_dict``, ``to_markdown`` and figures.
 
 A report folder holds the files of one report class: its JSON, its Markdown and its figures (and any further
-files the class declares). A save goes through an :class:`~art_malleability._output_folder.OutputFolder`: the
+files the class declares). A save goes through an :class:`~art_malleability._utils.output_folder.OutputFolder`: the
 folder is locked, everything is rendered and staged first, then put in place; the files that the same class wrote
 before and does not write now (the figure of an attack that this run no longer has) are removed, and only while
 they are unchanged. Nothing else in the folder is touched.
@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-from art_malleability._io import figure_png, read_report_json
-from art_malleability._output_folder import OutputFolder
+from art_malleability._utils.io import figure_png, read_report_json
+from art_malleability._utils.output_folder import OutputFolder
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def text_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str
 
 def report_json(data: Any, indent: int) -> str:
     """
-    :param data: A report's ``to_dict``, already JSON-ready (:func:`~art_malleability._io.json_ready`: non-finite
+    :param data: A report's ``to_dict``, already JSON-ready (:func:`~art_malleability._utils.io.json_ready`: non-finite
         numbers as ``null``).
     :return: ``data`` as strict JSON: a non-finite number or a numpy value left in it is an error, not converted.
     """
@@ -100,8 +100,8 @@ class SavedReport:
 
     def stage(self, out: OutputFolder, folder: str = "") -> None:
         """
-        Stage the report's files in an open :class:`~art_malleability._output_folder.OutputFolder` (they appear when
-        its run succeeds).
+        Stage the report's files in an open :class:`~art_malleability._utils.output_folder.OutputFolder`
+        (they appear when its run succeeds).
 
         :param out: The open output folder.
         :param folder: Subfolder of the output folder (``""``: the folder itself).
@@ -114,7 +114,7 @@ class SavedReport:
         the files are rendered and staged, and they replace the previous report only once all are ready (an
         interrupted save leaves it intact). Only files this package wrote are ever replaced or removed: the files
         an earlier save of this class wrote and this one does not are removed, and a file of the same name that
-        this package did not write is an error (see :mod:`art_malleability._output_folder`).
+        this package did not write is an error (see :mod:`art_malleability._utils.output_folder`).
 
         :param directory: Output folder (created if missing).
         :return: The folder.

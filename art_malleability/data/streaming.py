@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset
 
-from art_malleability._validation import check_features, check_labels, check_range
+from art_malleability._utils.checks import check_features, check_labels, check_range
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class ExampleSource:
     :param nb_classes: Number of classes, the bound of a dataset's labels (default: no bound).
     :param name: Argument name of ``x`` (for error messages); the labels are ``y`` + its suffix.
     :param clip_values: The classifier's valid input range: every batch read from a dataset must lie in it, as
-        arrays must (:func:`~art_malleability._validation.check_range`); ``None``: any range.
+        arrays must (:func:`~art_malleability._utils.checks.check_range`); ``None``: any range.
     """
 
     def __init__(

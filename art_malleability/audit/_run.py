@@ -1,6 +1,7 @@
 """
-The steps of one audit once its inputs are checked (:meth:`~art_malleability.estimator.MalleabilityEstimator.evaluate`):
-the clean influence and its projection noise, the random-sign controls, and each attack with the influence after it.
+The steps of one audit once its inputs are checked
+(:meth:`~art_malleability.audit.estimator.MalleabilityEstimator.evaluate`): the clean influence and its
+projection noise, the random-sign controls, and each attack with the influence after it.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import torch
 from art.attacks import EvasionAttack
 from art.utils import compute_success_array
 
-from art_malleability._io import progress_bar
-from art_malleability._validation import one_hot
-from art_malleability.attacks import (
+from art_malleability._utils.checks import one_hot
+from art_malleability._utils.io import progress_bar
+from art_malleability.audit.attacks import (
     CONTROL_LABEL,
     attack_config,
     attack_label,
@@ -27,9 +28,11 @@ from art_malleability.attacks import (
     perturb_training_set,
     random_sign_perturbation,
 )
+from art_malleability.audit.report import AttackResult
+from art_malleability.data.input_pipeline import with_input_pipeline
+from art_malleability.data.streaming import ExampleSource, is_torch_data
 from art_malleability.distributed import Shard, raise_if_any
 from art_malleability.influence import InfluenceEstimator, NTKInfluence
-from art_malleability.input_pipeline import with_input_pipeline
 from art_malleability.metrics import (
     _aggregate_jaccard,
     aggregate_scores,
@@ -39,9 +42,7 @@ from art_malleability.metrics import (
     top_indices,
 )
 from art_malleability.metrics._flip_posterior import projection_noise
-from art_malleability.models import is_transductive
-from art_malleability.report import AttackResult
-from art_malleability.streaming import ExampleSource, is_torch_data
+from art_malleability.models.reference import is_transductive
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ class AuditRun:
     One audit of an estimator's classifier on a training source: the working copy of the model the influence
     sees, the queries, and what the steps find (clean scores, top set, controls, attack results).
 
-    :param est: The :class:`~art_malleability.estimator.MalleabilityEstimator` (its parameters and classifier).
+    :param est: The :class:`~art_malleability.audit.estimator.MalleabilityEstimator` (its parameters and classifier).
     :param source: The training examples.
     :param x_q: Query inputs.
     :param y_q: Query labels.

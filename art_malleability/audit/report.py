@@ -15,9 +15,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from art_malleability._io import json_ready
-from art_malleability._report_base import SavedReport, markdown_table, text_table
-from art_malleability._report_nulls import null_reasons
+from art_malleability._utils.io import json_ready
+from art_malleability._utils.report_base import SavedReport, markdown_table, text_table
+from art_malleability.audit._report_nulls import null_reasons
 
 logger = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from art.preprocessing.standardisation_mean_std.pytorch import StandardisationMe
 from art.preprocessing.standardisation_mean_std.utils import broadcastable_mean_std
 from torch import nn
 
-from art_malleability.models import is_transductive
+from art_malleability.models.reference import is_transductive
 
 
 def pipeline_operations(classifier: Any) -> list[Any]:

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 from sklearn.model_selection import train_test_split
 
-from art_malleability._dataset_loaders import (
+from art_malleability.data._loaders import (
     Source,
     check_folder,
     check_npz,
