@@ -10,10 +10,13 @@ audit shards itself over the initialised group.
 Each process owns a contiguous block of the training examples (:meth:`Shard.bounds`) and runs the attack on
 them. The projected NTK influence computes the block's features, sums ``ΦᵀΦ`` and ``ΦᵀY`` with ``all_reduce``
 and gathers influence columns with ``all_gather``; the exact one deals the tile rows of its kernel and factor out
-over the processes (:mod:`art_malleability.influence._tiles`). Every process ends with the same report (rank 0
-alone writes it). :meth:`Shard.solo` is the group of one process, whose collectives are identities.
-Collectives carry the process group's
-timeout, so a process that dies makes the others fail with an error instead of hanging (and
+over the processes (``art_malleability.influence._tiles``). Every process ends with the same report (rank 0
+alone writes it).
+
+One object stands for the group in one process and in many: a run without a process group (or with
+``distributed=False``) gets :data:`ONE_PROCESS`, the group of one process, whose collectives are identities, so
+the audit, the estimators and the solvers run the same code whatever the number of processes. Collectives carry
+the process group's timeout, so a process that dies makes the others fail with an error instead of hanging (and
 ``torchrun`` stops the remaining workers when one exits with an error).
 """
 
@@ -38,21 +41,17 @@ DEFAULT_TIMEOUT_S = 600.0
 @dataclass(frozen=True)
 class Shard:
     """
-    This process's place in an initialised ``torch.distributed`` process group.
+    This process's place in its process group: an initialised ``torch.distributed`` group, or the group of this
+    process alone (:data:`ONE_PROCESS`, whose collectives are identities and need no ``torch.distributed``).
 
     :param rank: Rank of this process.
     :param world_size: Number of processes.
-    :param backend: Backend of the default process group (``"gloo"``, ``"nccl"``).
+    :param backend: Backend of the default process group (``"gloo"``, ``"nccl"``), ``None`` without one.
     """
 
     rank: int
     world_size: int
-    backend: str
-
-    @classmethod
-    def solo(cls) -> Shard:
-        """:return: The group of one process (rank 0 of 1): every collective is the identity, no group needed."""
-        return cls(rank=0, world_size=1, backend="none")
+    backend: str | None
 
     def bounds(self, n: int) -> tuple[int, int]:
         """
@@ -70,10 +69,11 @@ class Shard:
         """
         :param t: A tensor of the same shape on every rank.
         :param op: ``"sum"`` or ``"max"``.
-        :return: The reduction over ranks, on ``t``'s device (``t`` itself is not modified).
+        :return: The reduction over ranks, on ``t``'s device: a new tensor, or ``t`` itself in a group of one process
+            (``t`` is never modified).
         """
         if self.world_size == 1:
-            return t.detach().clone()
+            return t
         work = t.detach().to(self._device(t), copy=True).contiguous()
         dist.all_reduce(work, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
         return work.to(t.device)
@@ -81,10 +81,10 @@ class Shard:
     def all_gather_rows(self, t: torch.Tensor) -> torch.Tensor:
         """
         :param t: ``(n_rank, ...)`` rows of this rank (row counts may differ between ranks).
-        :return: The rows of all ranks stacked in rank order.
+        :return: The rows of all ranks stacked in rank order (``t`` itself in a group of one process).
         """
         if self.world_size == 1:
-            return t.detach().clone()
+            return t
         device = self._device(t)
         count = torch.tensor([t.shape[0]], dtype=torch.int64, device=device)
         counts = [torch.zeros_like(count) for _ in range(self.world_size)]
@@ -100,8 +100,11 @@ class Shard:
     def all_gather_columns(self, t: torch.Tensor) -> torch.Tensor:
         """
         :param t: ``(rows, n_rank)`` columns of this rank.
-        :return: ``(rows, n)``: the columns of all ranks side by side in rank order.
+        :return: ``(rows, n)``: the columns of all ranks side by side in rank order (``t`` itself in a group of one
+            process).
         """
+        if self.world_size == 1:
+            return t
         return self.all_gather_rows(t.T.contiguous()).T.contiguous()
 
     def broadcast(self, t: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, src: int,
@@ -164,33 +167,23 @@ class Shard:
             raise ValueError(f"{what} must be the same on every process, got different values between the ranks")
 
 
-def raise_if_any(shard: Shard | None, error: BaseException | None) -> None:
-    """
-    Raise ``error`` here, and in a sharded run make every other process fail too
-    (:meth:`Shard.raise_if_any`); without a shard, raise ``error`` if there is one.
-
-    :param shard: The process group, or ``None`` in a single process.
-    :param error: This process's error, or ``None``.
-    """
-    if shard is not None:
-        shard.raise_if_any(error)
-    elif error is not None:
-        raise error
+#: The group of one process: rank 0 of 1, every collective the identity.
+ONE_PROCESS = Shard(rank=0, world_size=1, backend=None)
 
 
-def current_shard(distributed: bool | str = "auto") -> Shard | None:
+def current_shard(distributed: bool | str = "auto") -> Shard:
     """
-    The shard of this process, or ``None`` for a single-process run.
+    The process group of this process: the initialised ``torch.distributed`` group, or :data:`ONE_PROCESS`.
 
     :param distributed: ``"auto"`` (shard when a ``torch.distributed`` default group with more than
         one process is initialised), ``True`` (require one) or ``False`` (never shard).
-    :return: A :class:`Shard` or ``None``.
+    :return: A :class:`Shard` (:data:`ONE_PROCESS` for a single-process run).
     :raises ValueError: With ``distributed=True`` and no initialised group.
     """
     if distributed not in ("auto", True, False):
         raise ValueError(f"distributed must be 'auto', True or False, got {distributed!r}")
     if distributed is False:
-        return None
+        return ONE_PROCESS
     ready = dist.is_available() and dist.is_initialized()
     if not ready:
         if distributed is True:
@@ -199,10 +192,10 @@ def current_shard(distributed: bool | str = "auto") -> Shard | None:
                 "launch with torchrun and call torch.distributed.init_process_group (or "
                 "art_malleability.distributed.init_from_env)"
             )
-        return None
+        return ONE_PROCESS
     world = dist.get_world_size()
     if world == 1 and distributed == "auto":
-        return None
+        return ONE_PROCESS
     return Shard(rank=dist.get_rank(), world_size=world, backend=str(dist.get_backend()))
 
 
@@ -239,7 +232,7 @@ def launched_by_torchrun() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
 
 
-def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Shard | None:
+def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Shard:
     """
     Join the process group described by the ``torchrun`` environment (``env://`` rendezvous),
     unless one is initialised already; do nothing outside a multi-process launch.
@@ -248,13 +241,13 @@ def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT
         ``gloo`` otherwise.
     :param timeout_s: Timeout of every collective, in seconds: a process that stops answering
         makes the others fail after this long.
-    :return: This process's :class:`Shard`, or ``None`` in a single-process run.
+    :return: This process's :class:`Shard` (:data:`ONE_PROCESS` in a single-process run).
     """
     if not (timeout_s > 0):
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     if not dist.is_initialized():
         if not launched_by_torchrun():
-            return None
+            return ONE_PROCESS
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
-from art_malleability.distributed import Shard, current_shard
+from art_malleability.distributed import ONE_PROCESS, Shard, current_shard
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 LAUNCH_TIMEOUT = 240
@@ -139,11 +140,26 @@ def test_shard_bounds_cover_the_training_set_and_single_process_is_not_sharded()
         assert blocks[0][0] == 0 and blocks[-1][1] == 20
         assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:], strict=False))
         assert max(b - a for a, b in blocks) - min(b - a for a, b in blocks) <= 1
-    assert current_shard("auto") is None and current_shard(False) is None
+    assert current_shard("auto") == ONE_PROCESS and current_shard(False) == ONE_PROCESS
+    assert (ONE_PROCESS.rank, ONE_PROCESS.world_size, ONE_PROCESS.bounds(20)) == (0, 1, (0, 20))
     with pytest.raises(ValueError, match="initialised torch.distributed process group"):
         current_shard(True)
     with pytest.raises(ValueError, match="distributed must be"):
         current_shard("yes")
+
+
+def test_the_group_of_one_process_has_identity_collectives():
+    t = torch.arange(6, dtype=torch.float64).reshape(2, 3)
+    assert ONE_PROCESS.all_reduce(t) is t and ONE_PROCESS.all_reduce(t, "max") is t
+    assert ONE_PROCESS.all_gather_rows(t) is t and ONE_PROCESS.all_gather_columns(t) is t
+    assert ONE_PROCESS.broadcast(t, (2, 3), torch.float64, 0) is t
+    payload = {"a": [1, 2]}
+    assert ONE_PROCESS.broadcast_object(payload) is payload
+    ONE_PROCESS.agree(object(), "anything")  # nothing to disagree with
+    ONE_PROCESS.raise_if_any(None)
+    with pytest.raises(KeyError, match="own"):
+        ONE_PROCESS.raise_if_any(KeyError("own"))
+    assert torch.equal(t, torch.arange(6, dtype=torch.float64).reshape(2, 3))
 
 
 @pytest.mark.parametrize(

@@ -468,7 +468,7 @@ def _validation(digest: str, names=("ntk-exact", "gradient")):
 
 
 def test_audit_states_the_validated_fidelity_of_its_estimator(relu_clf, tmp_path):
-    from art_malleability.audit.estimator import weights_digest
+    from art_malleability._utils.provenance import weights_digest
     from art_malleability.audit.report import MalleabilityReport
 
     data = digits()

@@ -11,7 +11,7 @@ from dattri.metric import lds as dattri_lds
 from helpers import digits
 from scipy.stats import binomtest, spearmanr
 
-from art_malleability.audit.estimator import weights_digest
+from art_malleability._utils.provenance import weights_digest
 from art_malleability.cli import main
 from art_malleability.influence import GradientInfluence, NTKInfluence
 from art_malleability.models import build_reference_model, train_model

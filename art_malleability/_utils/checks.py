@@ -224,3 +224,20 @@ def check_positive_int(value: object, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return int(value)
+
+
+def near_chance_warnings(accuracy: float, y: np.ndarray, source: str) -> list[str]:
+    """
+    Flag a model close to chance: one that closes less than a quarter of the gap between the
+    majority-class rate and perfect accuracy. Its influence scores describe a model that has learnt
+    little, so its flip rates say little about a working model.
+    """
+    chance = float(np.bincount(y).max() / len(y))
+    if accuracy - chance >= 0.25 * (1.0 - chance):
+        return []
+    message = (
+        f"clean accuracy {100 * accuracy:.1f}% on the {source} set is close to chance "
+        f"({100 * chance:.1f}% by always predicting the majority class); treat these flip rates with care"
+    )
+    logger.warning(message)
+    return [message]

@@ -143,3 +143,38 @@ class SavedReport:
                 f"path must hold a {cls.__name__} written by save(), got {str(path)!r}, whose {cls.json_name} does not "
                 f"describe one ({type(err).__name__}: {err})"
             ) from err
+
+
+def format_percent(v: float | None) -> str:
+    """:return: A share as ``"12.3%"`` (``"n/a"`` for ``None``)."""
+    return value_ci(v, [None, None], 100.0, ".1f", "%")
+
+
+def format_percent_ci(v: float | None, ci: list[float | None]) -> str:
+    """:return: A share with its interval, ``"12.3% [8.0, 17.1]"`` (``"n/a"`` for ``None``)."""
+    return value_ci(v, ci, 100.0, ".1f", "%")
+
+
+def format_number_ci(v: float | None, ci: list[float | None]) -> str:
+    """:return: A number with its interval, ``"0.123 [0.080, 0.171]"`` (``"n/a"`` for ``None``)."""
+    return value_ci(v, ci, 1.0, ".3f", "")
+
+
+def value_ci(v: float | None, ci: list[float | None], scale: float, spec: str, unit: str) -> str:
+    """``scale · v`` in format ``spec`` with ``unit``, then ``[low, high]`` when both ends are known."""
+    if v is None:
+        return "n/a"
+    text = f"{scale * v:{spec}}{unit}"
+    if ci[0] is None or ci[1] is None:
+        return text
+    return f"{text} [{scale * ci[0]:{spec}}, {scale * ci[1]:{spec}}]"
+
+
+def nan_if_none(v: float | None) -> float:
+    """:return: ``v`` as a float, ``NaN`` for ``None`` (values of a JSON-ready report, for plotting)."""
+    return float("nan") if v is None else float(v)
+
+
+def slugify(name: str) -> str:
+    """:return: ``name`` with every character outside letters, digits, ``-`` and ``_`` replaced by ``_``."""
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in name)

@@ -31,7 +31,7 @@ from art_malleability.audit.attacks import (
 from art_malleability.audit.report import AttackResult
 from art_malleability.data.input_pipeline import with_input_pipeline
 from art_malleability.data.streaming import ExampleSource, is_torch_data
-from art_malleability.distributed import Shard, raise_if_any
+from art_malleability.distributed import Shard
 from art_malleability.influence import InfluenceEstimator, NTKInfluence
 from art_malleability.metrics import (
     _aggregate_jaccard,
@@ -74,7 +74,7 @@ class AuditRun:
     :param y_q: Query labels.
     :param self_pairs: Training row of every query drawn from the training set (its self-score is excluded),
         or ``None`` for test queries.
-    :param shard: The process group, or ``None``.
+    :param shard: The process group (:data:`~art_malleability.distributed.ONE_PROCESS` in one process).
     """
 
     def __init__(
@@ -84,13 +84,13 @@ class AuditRun:
         x_q: np.ndarray,
         y_q: np.ndarray,
         self_pairs: np.ndarray | None,
-        shard: Shard | None,
+        shard: Shard,
     ) -> None:
         self.est, self.source, self.shard = est, source, shard
         self.x_q, self.y_q, self.self_pairs = x_q, y_q, self_pairs
         self.influence: InfluenceEstimator = est._influence
         self.work, self.transductive = _working_model(est.classifier, self.influence)
-        if shard is not None and not isinstance(self.influence, NTKInfluence):
+        if shard.world_size > 1 and not isinstance(self.influence, NTKInfluence):
             raise ValueError(
                 "influence must be the NTK influence (influence='ntk') in a sharded audit, got "
                 f"{type(self.influence).__name__}, which runs in one process"
@@ -114,9 +114,7 @@ class AuditRun:
         scores = estimator.scores(self.x_q, self.y_q)
         if self.self_pairs is not None:
             scores[np.arange(len(self.self_pairs)), self.self_pairs] = np.nan
-        if self.shard is not None:  # rank 0's copy everywhere: every process then takes the same top set
-            scores = self.shard.broadcast_object(scores)
-        return scores
+        return self.shard.broadcast_object(scores)  # rank 0's copy everywhere: every process takes the same top set
 
     def _fit_on(self, estimator: InfluenceEstimator, x_train: Any, warm_start: bool = False) -> None:
         if self.transductive:
@@ -125,7 +123,7 @@ class AuditRun:
             estimator.fit(self.work, x_train, warm_start=warm_start)
         else:
             estimator.fit(self.work, x_train, self.y, warm_start=warm_start)
-        if self.shard is not None and getattr(estimator, "shard_", None) != self.shard:
+        if getattr(estimator, "shard_", self.shard) != self.shard:
             raise ValueError(
                 f"distributed of the influence estimator must be 'auto' or True in a sharded audit, got "
                 f"{getattr(estimator, 'distributed', None)!r}; it did not shard over the process group"
@@ -135,10 +133,8 @@ class AuditRun:
         """Influence with this process's perturbed training rows ``local`` replaced by ``x_new``."""
         rows, influence = self.local, self.influence
         if self.transductive:
-            rows_all, new_all = rows, x_new
-            if self.shard is not None:
-                rows_all = self.shard.all_gather_rows(torch.as_tensor(rows)).numpy()
-                new_all = self.shard.all_gather_rows(torch.as_tensor(x_new)).numpy()
+            rows_all = self.shard.all_gather_rows(torch.as_tensor(rows)).numpy()
+            new_all = self.shard.all_gather_rows(torch.as_tensor(x_new)).numpy()
             x_full = self.x_all.copy()
             x_full[rows_all] = new_all
             self._fit_on(influence, x_full, warm_start=True)  # the same random projection as the clean fit
@@ -194,12 +190,12 @@ class AuditRun:
                 "top_k_jaccard": _aggregate_jaccard(twins[0], self.top, k, self.est.rank_by),
             }
         self.perturbed = self.top if self.est.strategy == "top" else np.arange(self.source.n)
-        lo, hi = self.shard.bounds(self.source.n) if self.shard is not None else (0, self.source.n)
+        lo, hi = self.shard.bounds(self.source.n)
         self.local = np.sort(self.perturbed[(self.perturbed >= lo) & (self.perturbed < hi)])
 
     def _metrics_of(self, after: np.ndarray, control: dict | None = None) -> dict:
         est, result = self.est, None
-        if self.shard is None or self.shard.rank == 0:
+        if self.shard.rank == 0:
             result = malleability_metrics(
                 self.before,
                 after,
@@ -213,7 +209,7 @@ class AuditRun:
                 control=control,
                 keep_draws=True,
             )
-        return self.shard.broadcast_object(result) if self.shard is not None else result
+        return self.shard.broadcast_object(result)
 
     def _everywhere(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)``; a failure on any process is raised on every process (nobody waits in a collective)."""
@@ -222,7 +218,7 @@ class AuditRun:
             result = fn(*args)
         except Exception as failure:  # noqa: BLE001 - handed to every process below
             error = failure
-        raise_if_any(self.shard, error)
+        self.shard.raise_if_any(error)
         return result
 
     # ------------------------------------------------------------------ controls and attacks
@@ -375,8 +371,7 @@ class AuditRun:
             details["projection_dim"] = influence.projection_dim_
             details["projection_seed"] = influence.projection_seed
             details["projection_groups"] = influence.projector_.describe()
-        details["world_size"] = 1 if shard is None else shard.world_size
-        details["backend"] = None if shard is None else shard.backend
+        details["world_size"], details["backend"] = shard.world_size, shard.backend
         return details
 
 
@@ -395,11 +390,10 @@ def _working_model(classifier: Any, influence: InfluenceEstimator) -> tuple[torc
     return with_input_pipeline(work, classifier), transductive  # what classifier.predict feeds the model
 
 
-def _combine_attack_stats(changed: int, linf: float, total: int, shard: Shard | None) -> tuple[float, float]:
+def _combine_attack_stats(changed: int, linf: float, total: int, shard: Shard) -> tuple[float, float]:
     """Attack success (share of perturbed examples whose prediction changed) and ℓ∞ over all processes."""
-    if shard is not None:
-        changed = int(shard.all_reduce(torch.tensor([changed], dtype=torch.int64))[0])
-        linf = float(shard.all_reduce(torch.tensor([linf], dtype=torch.float64), "max")[0])
+    changed = int(shard.all_reduce(torch.tensor([changed], dtype=torch.int64))[0])
+    linf = float(shard.all_reduce(torch.tensor([linf], dtype=torch.float64), "max")[0])
     return changed / total, linf
 
 

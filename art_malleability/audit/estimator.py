@@ -4,10 +4,8 @@ The audit: influence on clean training data, ART attacks on that data, influence
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Sequence
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import numpy as np
@@ -16,7 +14,8 @@ from art.attacks import EvasionAttack
 from art.estimators.classification import PyTorchClassifier
 from torch.utils.data import DataLoader, Dataset
 
-from art_malleability._utils.checks import check_features, check_labels, check_range
+from art_malleability._utils.checks import check_features, check_labels, check_range, near_chance_warnings
+from art_malleability._utils.provenance import library_versions, weights_digest
 from art_malleability._utils.state import preserved
 from art_malleability._utils.torch_utils import model_device_dtype
 from art_malleability.audit._classifier import ESTIMATOR_REQUIREMENTS, as_classifier
@@ -29,6 +28,7 @@ from art_malleability.data.streaming import ExampleSource, is_torch_data
 from art_malleability.distributed import Shard, current_shard
 from art_malleability.influence import InfluenceEstimator
 from art_malleability.metrics import top_k_count
+from art_malleability.validation import ValidationReport, estimator_label
 
 logger = logging.getLogger(__name__)
 
@@ -238,13 +238,12 @@ class MalleabilityEstimator:
             given = "x_test" if y_test is None else "y_test"
             raise ValueError(f"x_test and y_test must be given together (both or neither), got {given} alone")
         shard = current_shard(self.distributed)
-        if shard is not None and shard.world_size > source.n:
+        if shard.world_size > source.n:
             raise ValueError(
                 f"x must hold at least one example per process, got {source.n} examples for the "
                 f"{shard.world_size} processes of the process group"
             )
-        if shard is not None:
-            shard.agree((source.n, weights_digest(clf.model)), "the classifier's weights and the size of x")
+        shard.agree((source.n, weights_digest(clf.model)), "the classifier's weights and the size of x")
         rng = np.random.default_rng(self.seed)
         if x_test is not None:
             test = self._source(x_test, y_test, "x_test", shape, nb_classes)
@@ -266,8 +265,6 @@ class MalleabilityEstimator:
             input_warnings.append(message)
 
         if validation is not None and not hasattr(validation, "fidelity"):
-            from art_malleability.validation import ValidationReport
-
             validation = ValidationReport.load(validation)
         with preserved(clf.model, clf.loss):
             report = self._audit(source, queries, x_q, y_q, self_pairs, k, dataset, shard)
@@ -278,8 +275,6 @@ class MalleabilityEstimator:
 
     def _state_fidelity(self, report: MalleabilityReport, validation: Any) -> None:
         """Put the validated fidelity of the estimator that ran into the report (or a warning why not)."""
-        from art_malleability.validation import estimator_label
-
         label = estimator_label(self._influence)
         if validation.model_digest != weights_digest(self.classifier.model):
             report.warnings.append(
@@ -354,18 +349,17 @@ class MalleabilityEstimator:
             return [message]
         return []
 
-    def _accuracy(self, data: ExampleSource, shard: Shard | None) -> tuple[float, np.ndarray]:
+    def _accuracy(self, data: ExampleSource, shard: Shard) -> tuple[float, np.ndarray]:
         """Clean accuracy on a source (each process its shard) and the source's labels."""
-        start, stop = shard.bounds(data.n) if shard is not None else (0, data.n)
+        start, stop = shard.bounds(data.n)
         correct = 0
         for _, xb, yb in data.batches(self.batch_size * 8, start, stop):
             correct += int(np.sum(self.classifier.predict(xb, batch_size=self.batch_size).argmax(axis=1) == yb))
-        if shard is not None:
-            correct = int(shard.all_reduce(torch.tensor([correct], dtype=torch.int64))[0])
+        correct = int(shard.all_reduce(torch.tensor([correct], dtype=torch.int64))[0])
         return correct / data.n, data.labels(self.batch_size * 8)
 
     def _audit(self, source: ExampleSource, queries: ExampleSource, x_q: np.ndarray, y_q: np.ndarray,
-               self_pairs: np.ndarray | None, k: int, dataset: str | None, shard: Shard | None) -> MalleabilityReport:
+               self_pairs: np.ndarray | None, k: int, dataset: str | None, shard: Shard) -> MalleabilityReport:
         """The audit proper, on checked inputs: accuracy, clean influence, controls, attacks, then the report."""
         run = AuditRun(self, source, x_q, y_q, self_pairs, shard)
         query_source = "test" if self_pairs is None else "train"
@@ -428,40 +422,3 @@ def influence_flip_rate(
     report = MalleabilityEstimator(classifier, attacks=(attack,), **kwargs).evaluate(x, y, x_test, y_test)
     rate = report.results[0].flip_rate
     return float("nan") if rate is None else rate
-
-
-def near_chance_warnings(accuracy: float, y: np.ndarray, source: str) -> list[str]:
-    """
-    Flag a model close to chance: one that closes less than a quarter of the gap between the
-    majority-class rate and perfect accuracy. Its influence scores describe a model that has learnt
-    little, so its flip rates say little about a working model.
-    """
-    chance = float(np.bincount(y).max() / len(y))
-    if accuracy - chance >= 0.25 * (1.0 - chance):
-        return []
-    message = (
-        f"clean accuracy {100 * accuracy:.1f}% on the {source} set is close to chance "
-        f"({100 * chance:.1f}% by always predicting the majority class); treat these flip rates with care"
-    )
-    logger.warning(message)
-    return [message]
-
-
-def weights_digest(model: torch.nn.Module) -> str:
-    """SHA-256 of a model's parameters and buffers (to check that every process audits the same model)."""
-    digest = hashlib.sha256()
-    for name, tensor in model.state_dict().items():
-        digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
-
-
-def library_versions() -> dict[str, str]:
-    names = ["art-malleability", "adversarial-robustness-toolbox", "torch", "captum", "numpy", "scipy"]
-    found = {}
-    for name in names:
-        try:
-            found[name] = version(name)
-        except PackageNotFoundError:
-            found[name] = "unknown"
-    return found

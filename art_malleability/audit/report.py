@@ -16,7 +16,17 @@ from typing import Any, ClassVar
 import numpy as np
 
 from art_malleability._utils.io import json_ready
-from art_malleability._utils.report_base import SavedReport, markdown_table, text_table
+from art_malleability._utils.report_base import (
+    SavedReport,
+    format_number_ci,
+    format_percent,
+    format_percent_ci,
+    markdown_table,
+    nan_if_none,
+    slugify,
+    text_table,
+    value_ci,
+)
 from art_malleability.audit._report_nulls import null_reasons
 
 logger = logging.getLogger(__name__)
@@ -420,42 +430,7 @@ def _flip_and_excess(r: AttackResult) -> str:
 
 def _points_ci(v: float | None, ci: list[float | None]) -> str:
     """A difference of rates in percentage points, signed, with its interval."""
-    return _value_ci(v, ci, 100.0, "+.1f", " pts")
-
-
-def format_percent(v: float | None) -> str:
-    """:return: A share as ``"12.3%"`` (``"n/a"`` for ``None``)."""
-    return _value_ci(v, [None, None], 100.0, ".1f", "%")
-
-
-def format_percent_ci(v: float | None, ci: list[float | None]) -> str:
-    """:return: A share with its interval, ``"12.3% [8.0, 17.1]"`` (``"n/a"`` for ``None``)."""
-    return _value_ci(v, ci, 100.0, ".1f", "%")
-
-
-def format_number_ci(v: float | None, ci: list[float | None]) -> str:
-    """:return: A number with its interval, ``"0.123 [0.080, 0.171]"`` (``"n/a"`` for ``None``)."""
-    return _value_ci(v, ci, 1.0, ".3f", "")
-
-
-def _value_ci(v: float | None, ci: list[float | None], scale: float, spec: str, unit: str) -> str:
-    """``scale · v`` in format ``spec`` with ``unit``, then ``[low, high]`` when both ends are known."""
-    if v is None:
-        return "n/a"
-    text = f"{scale * v:{spec}}{unit}"
-    if ci[0] is None or ci[1] is None:
-        return text
-    return f"{text} [{scale * ci[0]:{spec}}, {scale * ci[1]:{spec}}]"
-
-
-def nan_if_none(v: float | None) -> float:
-    """:return: ``v`` as a float, ``NaN`` for ``None`` (values of a JSON-ready report, for plotting)."""
-    return float("nan") if v is None else float(v)
-
-
-def slugify(name: str) -> str:
-    """:return: ``name`` with every character outside letters, digits, ``-`` and ``_`` replaced by ``_``."""
-    return "".join(c if c.isalnum() or c in "-_" else "_" for c in name)
+    return value_ci(v, ci, 100.0, "+.1f", " pts")
 
 
 def _axes(ax: Any, size: tuple[float, float]) -> Any:

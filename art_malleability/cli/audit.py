@@ -110,13 +110,13 @@ def run_audit(args: argparse.Namespace) -> int:
     from art_malleability.distributed import init_from_env
 
     shard = init_from_env(args.dist_backend, args.dist_timeout)
-    lead = shard is None or shard.rank == 0
+    lead = shard.rank == 0
     start = time.perf_counter()
     data = load_data(args)
     if lead:
         say(args, f"data: {data.name}, {len(data.x_train)} train / {len(data.x_test)} test, input {data.input_shape}, "
                   f"{data.nb_classes} classes ({time.perf_counter() - start:.1f} s)"
-                  + (f"; {shard.world_size} processes ({shard.backend})" if shard is not None else ""))
+                  + (f"; {shard.world_size} processes ({shard.backend})" if shard.world_size > 1 else ""))
     reports = [_audit_model(args, name, data, shard) for name in model_names(args)]
     if lead:
         table = comparison_table(reports)
@@ -125,13 +125,13 @@ def run_audit(args: argparse.Namespace) -> int:
     return 0
 
 
-def _audit_model(args: argparse.Namespace, name: str, data: Dataset, shard: Shard | None) -> MalleabilityReport:
+def _audit_model(args: argparse.Namespace, name: str, data: Dataset, shard: Shard) -> MalleabilityReport:
     """Train (or load) one model, audit it, and on the lead process stage and print its report."""
+    from art_malleability._utils.report_base import slugify
     from art_malleability.audit.estimator import MalleabilityEstimator
-    from art_malleability.audit.report import slugify
     from art_malleability.models.training import make_classifier
 
-    lead = shard is None or shard.rank == 0
+    lead = shard.rank == 0
     start = time.perf_counter()
     module, what = _train_or_load(args, name, data, shard, lead)
     trained = time.perf_counter() - start
@@ -152,7 +152,7 @@ def _audit_model(args: argparse.Namespace, name: str, data: Dataset, shard: Shar
 
 
 def _train_or_load(
-    args: argparse.Namespace, name: str, data: Dataset, shard: Shard | None, lead: bool
+    args: argparse.Namespace, name: str, data: Dataset, shard: Shard, lead: bool
 ) -> tuple[torch.nn.Module, str]:
     """:return: The model of ``--model name`` with ``--weights`` loaded or trained on rank 0, and what was done."""
     from art_malleability.models.training import train_model
@@ -166,6 +166,6 @@ def _train_or_load(
             module, data.x_train, data.y_train, loss=args.loss, epochs=args.epochs, batch_size=args.batch_size,
             lr=args.lr, weight_decay=args.weight_decay, seed=args.seed, device=args.device, verbose=not args.quiet,
         )
-    if shard is not None:  # every process audits rank 0's weights
+    if shard.world_size > 1:  # every process audits rank 0's weights
         module.load_state_dict(shard.broadcast_object({k: v.cpu() for k, v in module.state_dict().items()}))
     return module, f"trained {args.epochs} epochs"

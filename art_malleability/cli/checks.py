@@ -176,7 +176,7 @@ def output_claims(args: argparse.Namespace) -> list[str]:
     (:meth:`~art_malleability._utils.output_folder.OutputFolder.claim`): ``summary.md`` and one folder per model for
     ``audit`` and ``validate``, the report's JSON and Markdown for the others.
     """
-    from art_malleability.audit.report import slugify
+    from art_malleability._utils.report_base import slugify
 
     if args.command in ("audit", "validate"):
         return ["summary.md", *(slugify(name) for name in model_names(args))]
@@ -190,7 +190,7 @@ def output_claims(args: argparse.Namespace) -> list[str]:
 
 def validation_for(folder: str | None, name: str) -> Path | None:
     """The ``validation.json`` of one model in a ``validate`` output folder (``None`` without a folder)."""
-    from art_malleability.audit.report import slugify
+    from art_malleability._utils.report_base import slugify
 
     if folder is None:
         return None

@@ -69,7 +69,7 @@ def run_validate(args: argparse.Namespace) -> int:
     ``summary.md``, staged in ``args.out`` (the open ``--output`` folder); return the exit status."""
     import numpy as np
 
-    from art_malleability.audit.report import slugify
+    from art_malleability._utils.report_base import slugify
     from art_malleability.validation import validate
 
     start = time.perf_counter()

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from art_malleability._utils.torch_utils import available_memory
-from art_malleability.distributed import Shard
+from art_malleability.distributed import ONE_PROCESS, Shard
 from art_malleability.ntk.empirical import DEFAULT_CHUNK_MB, JacobianGram
 
 #: Share of the available memory the large matrices may take when no ``memory_limit_gb`` is set.
@@ -110,7 +110,7 @@ def projected_bytes(n_local: int, n_total: int, k: int) -> int:
     return 8 * n_local * k + 32 * k * k + 8 * 8192 * k + int(DEFAULT_CHUNK_MB * 2**20)
 
 
-def memory_budget(memory_limit_gb: float | None, device: torch.device, shard: Shard | None = None) -> int:
+def memory_budget(memory_limit_gb: float | None, device: torch.device, shard: Shard = ONE_PROCESS) -> int:
     """
     Bytes the large matrices may take: ``memory_limit_gb``, or 80 % of the memory available on
     the device when the fit starts. In a sharded run the processes of one machine share it
@@ -118,17 +118,16 @@ def memory_budget(memory_limit_gb: float | None, device: torch.device, shard: Sh
 
     :param memory_limit_gb: The estimator's ``memory_limit_gb`` (GiB), or ``None``.
     :param device: The compute device.
-    :param shard: The process group, or ``None``.
+    :param shard: The process group.
     :return: The budget in bytes.
     """
     if memory_limit_gb is not None:
         budget = int(float(memory_limit_gb) * _GIB)
     else:
         budget = int(MEMORY_SHARE * available_memory(device))
-    if shard is not None:
+    if shard.world_size > 1:  # the processes of a machine share its memory
         budget //= max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        budget = -int(shard.all_reduce(torch.tensor([-budget], dtype=torch.int64), "max")[0])
-    return budget
+    return -int(shard.all_reduce(torch.tensor([-budget], dtype=torch.int64), "max")[0])
 
 
 #: Share of the fp64 GEMM rate the exact kernel reaches as a whole, where the time of the Jacobian factors is not
@@ -146,14 +145,14 @@ SOLVE_EFFICIENCY = 0.5
 _RATES: dict[str, float] = {}
 
 
-def gemm_rate(device: torch.device, shard: Shard | None = None) -> float:
+def gemm_rate(device: torch.device, shard: Shard = ONE_PROCESS) -> float:
     """
     Floating-point operations per second of one float64 matrix product (``torch.mm``, 1024², best of three) on
     ``device`` with this process's threads, measured once per process and device; in a group the slowest process's
     rate, so that every process takes the same decisions.
 
     :param device: The compute device.
-    :param shard: The process group, or ``None``.
+    :param shard: The process group.
     :return: Operations per second.
     """
     key = str(device)
@@ -170,10 +169,7 @@ def gemm_rate(device: torch.device, shard: Shard | None = None) -> float:
                 torch.cuda.synchronize(device)
             best = min(best, time.perf_counter() - start)
         _RATES[key] = 2.0 * 1024**3 / max(best, 1e-9)
-    rate = _RATES[key]
-    if shard is not None:
-        rate = -float(shard.all_reduce(torch.tensor([-rate], dtype=torch.float64), "max")[0])
-    return rate
+    return -float(shard.all_reduce(torch.tensor([-_RATES[key]], dtype=torch.float64), "max")[0])
 
 
 def factor_passes(n: int, panel: int, block: int | None = None) -> float:
@@ -195,7 +191,7 @@ def factor_passes(n: int, panel: int, block: int | None = None) -> float:
     return float(panels * n - panel * panels * (panels - 1) / 2)
 
 
-def example_seconds(engine: JacobianGram, probe: np.ndarray, shard: Shard | None = None) -> float:
+def example_seconds(engine: JacobianGram, probe: np.ndarray, shard: Shard = ONE_PROCESS) -> float:
     """
     Seconds of one example's Jacobian factors: the kernel of the probe examples, timed the second time it is computed
     (the first one pays the engine's one-time costs), per example; in a group the slowest process's, so that every
@@ -204,7 +200,7 @@ def example_seconds(engine: JacobianGram, probe: np.ndarray, shard: Shard | None
 
     :param engine: The kernel engine, planned.
     :param probe: A few training inputs.
-    :param shard: The process group, or ``None``.
+    :param shard: The process group.
     :return: Seconds per example.
     """
     engine.gram(probe)
@@ -215,9 +211,7 @@ def example_seconds(engine: JacobianGram, probe: np.ndarray, shard: Shard | None
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
     seconds = (time.perf_counter() - start) / len(probe)
-    if shard is not None:
-        seconds = float(shard.all_reduce(torch.tensor([seconds], dtype=torch.float64), "max")[0])
-    return seconds
+    return float(shard.all_reduce(torch.tensor([seconds], dtype=torch.float64), "max")[0])
 
 
 def exact_seconds(

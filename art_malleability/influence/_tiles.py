@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from art_malleability.distributed import Shard
+from art_malleability.distributed import ONE_PROCESS, Shard
 
 #: ``tile(rows, cols) -> tensor``: one block of a matrix, rows and columns given as index arrays.
 TileFn = Callable[[np.ndarray, np.ndarray], torch.Tensor]
@@ -71,17 +71,17 @@ class TileStore:
     :param dtype: Dtype of the tiles.
     :param device: Device the tiles are handed out on.
     :param folder: ``None``: tiles in memory; a folder: tiles in a new temporary subfolder of it (removed on close).
-    :param group: The process group (a :class:`~art_malleability.distributed.Shard`), or ``None`` for one process.
+    :param group: The process group (a :class:`~art_malleability.distributed.Shard`; one process by default).
     """
 
     def __init__(
         self, n: int, block: int, dtype: torch.dtype = torch.float64, device: torch.device | str = "cpu",
-        folder: str | os.PathLike | None = None, group: Shard | None = None,
+        folder: str | os.PathLike | None = None, group: Shard = ONE_PROCESS,
     ) -> None:
         if block < 1:
             raise ValueError(f"block must be a positive integer, got {block!r}")
         self.n, self.block, self.dtype, self.device = int(n), int(block), dtype, torch.device(device)
-        self.group = group if group is not None else Shard.solo()
+        self.group = group
         self.count = -(-self.n // self.block)
         self._memory: dict[tuple[int, int], torch.Tensor] | None = None
         self.path: Path | None = None
@@ -269,7 +269,7 @@ def lower_matmul(store: TileStore, v: torch.Tensor) -> torch.Tensor:
     out = torch.zeros((store.n, v.shape[1]), dtype=store.dtype, device=v.device)
     for i, j in store.lower():
         out[store.rows(i)] += store.get(i, j).to(v.device) @ v[store.rows(j)]
-    return _sum(store, out)
+    return store.group.all_reduce(out)
 
 
 def lower_t_matmul(store: TileStore, u: torch.Tensor) -> torch.Tensor:
@@ -277,7 +277,7 @@ def lower_t_matmul(store: TileStore, u: torch.Tensor) -> torch.Tensor:
     out = torch.zeros((store.n, u.shape[1]), dtype=store.dtype, device=u.device)
     for i, j in store.lower():
         out[store.rows(j)] += store.get(i, j).to(u.device).T @ u[store.rows(i)]
-    return _sum(store, out)
+    return store.group.all_reduce(out)
 
 
 def column_sq_norms(store: TileStore) -> torch.Tensor:
@@ -286,7 +286,7 @@ def column_sq_norms(store: TileStore) -> torch.Tensor:
     for i, j in store.lower():
         tile = store.get(i, j)
         out[store.rows(j)] += (tile * tile).sum(dim=0)
-    return _sum(store, out)
+    return store.group.all_reduce(out)
 
 
 def lower_matmul_rows(store: TileStore, b: RowBlocks, width: int) -> RowBlocks:
@@ -323,7 +323,7 @@ def lower_t_matmul_rows(store: TileStore, u: RowBlocks, width: int,
         for i, u_i in u.items():
             if i >= j:
                 part.addmm_(store.get(i, j).T, u_i)
-        part = _sum(store, part)
+        part = store.group.all_reduce(part)
         if store.owns(j):
             out[j] = then(part)
         del part
@@ -344,26 +344,21 @@ class ColumnBlocks:
         out = torch.zeros((self.rows, v.shape[1]), dtype=self.store.dtype, device=v.device)
         for j, x_j in self.blocks.items():
             out.addmm_(x_j, v[self.store.rows(j)])
-        return _sum(self.store, out)
+        return self.store.group.all_reduce(out)
 
     def t_matmul(self, u: torch.Tensor) -> torch.Tensor:
         """:return: ``Xᵀ u`` for ``u`` of shape ``(rows, r)`` (on every process)."""
         out = torch.zeros((self.store.n, u.shape[1]), dtype=self.store.dtype, device=u.device)
         for j, x_j in self.blocks.items():
             out[self.store.rows(j)] = x_j.T @ u
-        return _sum(self.store, out)
+        return self.store.group.all_reduce(out)
 
     def column_sq_norms(self) -> torch.Tensor:
         """:return: The squared column norms of ``X`` (on every process)."""
         out = torch.zeros(self.store.n, dtype=self.store.dtype, device=self.store.device)
         for j, x_j in self.blocks.items():
             out[self.store.rows(j)] = (x_j * x_j).sum(dim=0)
-        return _sum(self.store, out)
-
-
-def _sum(store: TileStore, out: torch.Tensor) -> torch.Tensor:
-    """The sum of ``out`` over the processes (``out`` itself in one process: no copy of an ``n × r`` result)."""
-    return out if store.group.world_size == 1 else store.group.all_reduce(out)
+        return self.store.group.all_reduce(out)
 
 
 class TiledInverseFactor:
@@ -379,11 +374,11 @@ class TiledInverseFactor:
     :param dtype: Dtype of the tiles.
     :param device: Their device.
     :param group: The process group over which the tile rows are dealt out (each process computes its own tiles of
-        ``K``), or ``None`` for one process.
+        ``K``; one process by default).
     """
 
     def __init__(self, tile_fn: TileFn, n: int, ridge: float, block: int, folder: str | os.PathLike | None,
-                 dtype: torch.dtype, device: torch.device | str, group: Shard | None = None) -> None:
+                 dtype: torch.dtype, device: torch.device | str, group: Shard = ONE_PROCESS) -> None:
         self.store = TileStore(n, block, dtype, device, folder, group)
         try:
             error = None
@@ -444,7 +439,7 @@ class TiledInverseFactor:
         gram = torch.zeros((width, width), dtype=store.dtype, device=store.device)
         for l_i in l_qp.values():
             gram.addmm_(l_i.T, l_i)
-        y_p = invert(a_pp - _sum(store, gram))
+        y_p = invert(a_pp - store.group.all_reduce(gram))
         x = lower_t_matmul_rows(store, l_qp, width, lambda w_j: -(y_p @ w_j.T))
         return ColumnBlocks(store, x, width), y_p
 

@@ -58,7 +58,7 @@ from torch import nn
 from art_malleability._utils.io import progress_bar
 from art_malleability._utils.torch_utils import tensor_digest
 from art_malleability.data.streaming import ExampleSource
-from art_malleability.distributed import Shard, current_shard, raise_if_any
+from art_malleability.distributed import Shard, current_shard
 from art_malleability.influence._ntk_memory import (  # noqa: F401 - MEMORY_SHARE: its public path
     _GIB,
     MEMORY_SHARE,
@@ -75,7 +75,8 @@ from art_malleability.influence._ntk_memory import (  # noqa: F401 - MEMORY_SHAR
 from art_malleability.influence.base import InfluenceEstimator, regression_targets
 from art_malleability.influence.ridge import DualRidge, PrimalRidge, loo_scores
 from art_malleability.influence.ridge_choice import DEFAULT_RIDGE, RIDGE_RULES, check_ridge, choose_ridge
-from art_malleability.ntk.empirical import NTK_METHODS, JacobianGram, KeptFactors
+from art_malleability.ntk._kept import KeptFactors
+from art_malleability.ntk.empirical import NTK_METHODS, JacobianGram
 from art_malleability.ntk.projection import ProjectedNTK, check_projection_dim
 
 logger = logging.getLogger(__name__)
@@ -131,8 +132,8 @@ class NTKInfluence(InfluenceEstimator):
     ``k``, ``None`` when exact), ``solver_`` (:class:`~art_malleability.influence.ridge.DualRidge`
     or :class:`~art_malleability.influence.ridge.PrimalRidge`), ``projector_`` (projected mode),
     ``ridge_`` (the ridge used), ``ridge_criteria_`` (with a rule: the grid and its criteria),
-    ``shard_`` (the :class:`~art_malleability.distributed.Shard` or ``None``), ``kernel_`` (exact
-    mode: the ``n × n`` eNTK of the fitted training set), ``model_`` (working copy), ``seconds_``
+    ``shard_`` (the process group, a :class:`~art_malleability.distributed.Shard`: ``ONE_PROCESS`` in one process),
+    ``kernel_`` (exact mode: the ``n × n`` eNTK of the fitted training set), ``model_`` (working copy), ``seconds_``
     (wall time since :meth:`fit` per phase: ``features`` (the kernel in the exact mode), ``solve``,
     ``communication`` (collectives of a sharded run), ``scores``; :meth:`refit` and :meth:`scores`
     add to it).
@@ -206,8 +207,8 @@ class NTKInfluence(InfluenceEstimator):
             raise ValueError(f"tile_folder must be an existing folder or None, got {str(self.tile_folder)!r}")
 
     # ------------------------------------------------------------------ mode and memory
-    def _choose_mode(self, n: int, shard: Shard | None, model: nn.Module, probe: np.ndarray) -> str:
-        budget, world = self._budget, 1 if shard is None else shard.world_size
+    def _choose_mode(self, n: int, shard: Shard, model: nn.Module, probe: np.ndarray) -> str:
+        budget, world = self._budget, shard.world_size
         plan = exact_plan(n, budget, self.device_, world)
         self._plan, self.auto_note_ = plan, None
         if self.projection_dim is None:
@@ -266,7 +267,7 @@ class NTKInfluence(InfluenceEstimator):
             where = "tiles on disk" if self._plan[1] else "tiles"
             raise ValueError(
                 f"ridge must be a number for the exact solve in {where} ({n} training examples, "
-                f"{1 if self.shard_ is None else self.shard_.world_size} process(es)), got {self.ridge!r}: the rule "
+                f"{self.shard_.world_size} process(es)), got {self.ridge!r}: the rule "
                 "needs the kernel's eigendecomposition, which only the dense solve in one process holds; choose the "
                 "ridge on a subset, or raise memory_limit_gb"
             )
@@ -309,7 +310,7 @@ class NTKInfluence(InfluenceEstimator):
     def _fit_source(self, model: nn.Module, source: ExampleSource) -> None:
         n = source.n
         shard = current_shard(self.distributed)
-        if shard is not None and shard.world_size > n:
+        if shard.world_size > n:
             raise ValueError(
                 f"x_train must hold at least one example per process, got {n} examples for the "
                 f"{shard.world_size} processes of the process group"
@@ -364,21 +365,19 @@ class NTKInfluence(InfluenceEstimator):
         The kernel between ``x_rows`` and the whole training set ``x_train``, ``(len(x_rows), n)``; over a group each
         process computes the columns of its block and the blocks are gathered.
         """
-        if self.shard_ is None:
-            return self._kernel(self.model_, x_rows, x_train).to(torch.float64)
         start, stop = self.shard_.bounds(self.n_train_)
         local, error = None, None
         try:
             local = self._kernel(self.model_, x_rows, x_train[start:stop]).to(torch.float64)
         except Exception as failure:  # noqa: BLE001 - handed to every process below
             error = failure
-        raise_if_any(self.shard_, error)
+        self.shard_.raise_if_any(error)
         return self._comm(self.shard_.all_gather_columns, local)
 
     def _fit_projected(self, model: nn.Module, source: ExampleSource, probe: np.ndarray) -> None:
         """The projected mode: this process's block of the features ``Φ``, then the primal or dual solve."""
         n, shard = source.n, self.shard_
-        start, stop = shard.bounds(n) if shard is not None else (0, n)
+        start, stop = shard.bounds(n)
         previous = getattr(self, "projector_", None) if self._warm_start else None
         self.projector_, self.projection_dim_, self.x_train_ = None, None, None
         error: BaseException | None = None
@@ -386,23 +385,22 @@ class NTKInfluence(InfluenceEstimator):
             projector, phi, y = self._projected_features(model, source, probe, previous, start, stop)
         except Exception as failure:  # noqa: BLE001 - handed to every process below
             error = failure
-        raise_if_any(shard, error)
+        shard.raise_if_any(error)
         dim = projector.dim
         self.projector_, self.projection_dim_ = projector, dim
         self.y_train_ = y
         self._bounds = (start, stop)
         if n <= dim:  # dual on ΦΦᵀ: stable when the regression nearly interpolates, and no larger
-            if shard is not None:
-                phi = self._comm(shard.all_gather_rows, phi)
-                y = self._comm(shard.all_gather_rows, torch.as_tensor(y)).numpy()
-                self.y_train_ = y
-                self._bounds = (0, n)
+            phi = self._comm(shard.all_gather_rows, phi)
+            y = self._comm(shard.all_gather_rows, torch.as_tensor(y)).numpy()
+            self.y_train_ = y
+            self._bounds = (0, n)
             self._phi_base, self._phi = phi, phi
             with self._clock("solve"):
                 gram = phi @ phi.T
                 self.solver_ = DualRidge(self._ridge_for(gram, y)).fit(gram, self._targets(y))
         else:
-            reduce = partial(self._comm, shard.all_reduce) if shard is not None else None
+            reduce = partial(self._comm, shard.all_reduce)
             with self._clock("solve"):
                 self.solver_ = PrimalRidge(self.ridge_, reduce=reduce).fit(phi, self._targets(y))
         logger.debug(
@@ -493,11 +491,11 @@ class NTKInfluence(InfluenceEstimator):
         order = np.argsort(changed, kind="stable")
         changed, x_changed = changed[order], x_changed[order]
         if self.mode_ == "exact":
-            if self.shard_ is not None:  # every process passed its own rows, or all: gather each block's once
-                start, stop = self.shard_.bounds(self.n_train_)
-                here = (changed >= start) & (changed < stop)
-                changed = self._comm(self.shard_.all_gather_rows, torch.as_tensor(changed[here])).numpy()
-                x_changed = self._comm(self.shard_.all_gather_rows, torch.as_tensor(x_changed[here])).numpy()
+            # every process passed its own rows, or all: gather each block's once
+            start, stop = self.shard_.bounds(self.n_train_)
+            here = (changed >= start) & (changed < stop)
+            changed = self._comm(self.shard_.all_gather_rows, torch.as_tensor(changed[here])).numpy()
+            x_changed = self._comm(self.shard_.all_gather_rows, torch.as_tensor(x_changed[here])).numpy()
             x = np.array(self._x_base, copy=True)
             x[changed] = x_changed
             with self._clock("features"):
@@ -518,14 +516,13 @@ class NTKInfluence(InfluenceEstimator):
             self.x_train_ = x
             return
         # every process may pass the whole change: each takes the rows of its own block
-        start, stop = self.shard_.bounds(self.n_train_) if self.shard_ is not None else (0, self.n_train_)
+        start, stop = self.shard_.bounds(self.n_train_)
         here = (changed >= start) & (changed < stop)
         mine, x_mine = changed[here], x_changed[here]
         feats = self._features(x_mine)
         if isinstance(self.solver_, DualRidge):  # every process holds all of Φ
-            if self.shard_ is not None:
-                mine = self._comm(self.shard_.all_gather_rows, torch.as_tensor(mine)).numpy()
-                feats = self._comm(self.shard_.all_gather_rows, feats)
+            mine = self._comm(self.shard_.all_gather_rows, torch.as_tensor(mine)).numpy()
+            feats = self._comm(self.shard_.all_gather_rows, feats)
             phi = self._phi_base.clone()
             phi[torch.as_tensor(mine, device=phi.device)] = feats
             with self._clock("solve"):
@@ -609,8 +606,8 @@ class NTKInfluence(InfluenceEstimator):
         return self.solver_.loo_parts(phi_q)
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
-        """Columns of every shard side by side (primal solve in a sharded run), else ``t``."""
-        if self.shard_ is not None and isinstance(self.solver_, PrimalRidge):
+        """Columns of every process side by side (the primal solve holds each process's own), else ``t``."""
+        if isinstance(self.solver_, PrimalRidge):
             return self._comm(self.shard_.all_gather_columns, t)
         return t
 
@@ -635,7 +632,7 @@ class NTKInfluence(InfluenceEstimator):
         """
         self._check_fitted("loo_predictions")
         f, b, beta = self._query_parts(np.asarray(x_query))
-        if self.shard_ is not None and isinstance(self.solver_, PrimalRidge):
+        if isinstance(self.solver_, PrimalRidge):
             b, beta = self.shard_.all_gather_columns(b), self.shard_.all_gather_rows(beta)
         return (f[:, None, :] - b[:, :, None] * beta[None, :, :]).cpu().numpy()
 

@@ -51,7 +51,7 @@ import torch
 from scipy.linalg import lapack
 from threadpoolctl import threadpool_limits
 
-from art_malleability.distributed import Shard
+from art_malleability.distributed import ONE_PROCESS, Shard
 from art_malleability.influence._tiles import (
     ColumnFn,
     TiledInverseFactor,
@@ -236,7 +236,7 @@ class DualRidge:
     :param block: ``None`` (one matrix) or the tile size.
     :param folder: With ``block``: ``None`` (tiles in memory) or a folder for the tiles' temporary files.
     :param group: With ``block``: the process group (:class:`~art_malleability.distributed.Shard`) over which the
-        tile rows are dealt out, or ``None`` (one process). Every process calls every method together with the same
+        tile rows are dealt out (one process by default). Every process calls every method together with the same
         arguments and gets the same results; each computes and holds only its own tiles of the kernel and the factor,
         and its own blocks of an update.
 
@@ -246,7 +246,7 @@ class DualRidge:
     """
 
     def __init__(self, ridge: float, block: int | None = None, folder: str | os.PathLike | None = None,
-                 group: Shard | None = None) -> None:
+                 group: Shard = ONE_PROCESS) -> None:
         self.ridge = float(ridge)
         self.block = block
         self.folder = folder
@@ -374,9 +374,7 @@ class DualRidge:
 
     def _changed_block(self, columns: ColumnFn, p: np.ndarray) -> torch.Tensor:
         """``A'_PP`` without the ridge; over a process group each process computes its share of the columns."""
-        group = self.group if self.block is not None else None
-        if group is None or group.world_size == 1:
-            return columns(p)
+        group = self.group if self.block is not None else ONE_PROCESS  # the dense solve runs whole in every process
         start, stop = group.bounds(len(p))
         local, error = None, None
         try:  # fewer changed rows than processes: some have no columns to compute

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -17,9 +16,7 @@ import torch
 from art_malleability._utils.torch_utils import eval_mode, no_tf32, tensor_digest, to_tensor
 from art_malleability.ntk._memory import Features, place_block
 from art_malleability.ntk._rank_one import ClassDirections, RankChange
-
-if TYPE_CHECKING:
-    from art_malleability.ntk.empirical import JacobianGram
+from art_malleability.ntk.empirical import JacobianGram
 
 logger = logging.getLogger(__name__)
 

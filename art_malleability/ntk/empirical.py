@@ -86,7 +86,6 @@ from art_malleability.ntk._autograd import (
     probe_calls,
 )
 from art_malleability.ntk._checks import check_batch_size, check_chunk_mb
-from art_malleability.ntk._kept import KeptFactors
 from art_malleability.ntk._memory import (
     DEFAULT_CHUNK_MB,
     Features,
@@ -103,7 +102,6 @@ __all__ = [
     "DEFAULT_CHUNK_MB",
     "NTK_METHODS",
     "JacobianGram",
-    "KeptFactors",
     "OutputFn",
     "check_batch_size",
     "check_chunk_mb",

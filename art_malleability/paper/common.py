@@ -9,8 +9,9 @@ import numpy as np
 import torch
 from scipy import stats
 
+from art_malleability._utils.checks import near_chance_warnings
 from art_malleability._utils.io import progress_bar
-from art_malleability.audit.estimator import MalleabilityEstimator, near_chance_warnings
+from art_malleability.audit.estimator import MalleabilityEstimator
 from art_malleability.data.datasets import Dataset
 from art_malleability.metrics import seed_interval
 from art_malleability.models.reference import build_reference_model

@@ -10,8 +10,14 @@ from typing import Any, ClassVar
 import numpy as np
 
 from art_malleability._utils.io import json_ready
-from art_malleability._utils.report_base import SavedReport, markdown_table
-from art_malleability.audit.report import format_number_ci, format_percent, format_percent_ci, nan_if_none
+from art_malleability._utils.report_base import (
+    SavedReport,
+    format_number_ci,
+    format_percent,
+    format_percent_ci,
+    markdown_table,
+    nan_if_none,
+)
 from art_malleability.metrics import t_interval
 
 logger = logging.getLogger(__name__)
@@ -68,7 +74,7 @@ class ValidationReport(SavedReport):
     :param model: Name of the validated model.
     :param dataset: Name of the data set, where known.
     :param model_digest: SHA-256 of the weights of the full-data model whose influence was validated
-        (:func:`art_malleability.audit.estimator.weights_digest`).
+        (``weights_digest`` of the package's report provenance).
     :param config: The run's settings (``n_models``, ``alpha``, ``outcome``, ``loss``, LOO sizes, ``seed``, …).
     :param results: Per estimator name, an :class:`EstimatorFidelity`.
     :param n_train: Training examples.

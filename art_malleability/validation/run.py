@@ -12,11 +12,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from art_malleability._utils.checks import check_loss
+from art_malleability._utils.checks import check_loss, near_chance_warnings
 from art_malleability._utils.io import progress_bar
+from art_malleability._utils.provenance import library_versions, weights_digest
 from art_malleability._utils.state import preserved_rng
 from art_malleability._utils.torch_utils import eval_mode, model_device_dtype
-from art_malleability.audit.estimator import library_versions, near_chance_warnings, weights_digest
 from art_malleability.influence import InfluenceEstimator, get_influence, per_example_loss
 from art_malleability.influence.base import check_data
 from art_malleability.influence.ridge_choice import DEFAULT_RIDGE

@@ -1,0 +1,84 @@
+"""The package's layout: no import circles, few top-level modules, shared helpers that import nothing above them."""
+
+from __future__ import annotations
+
+import ast
+import graphlib
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "art_malleability"
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """Every module of the package that ``path`` imports, at any depth (functions and ``TYPE_CHECKING`` included)."""
+    targets = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{a.name}" for a in node.names]
+            targets.update(n if n in modules else node.module for n in names)
+        elif isinstance(node, ast.Import):
+            targets.update(a.name for a in node.names)
+    found = set()
+    for target in targets:
+        while target not in modules and "." in target:
+            target = target.rsplit(".", 1)[0]
+        if target in modules:
+            found.add(target)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    """Module → the modules importing it runs first: its imports and, for a submodule, the packages above them."""
+    modules = _modules()
+    graph = {}
+    for name, path in modules.items():
+        deps = set()
+        for target in _imports(path, modules) - {name}:
+            deps.add(target)
+            parts = target.split(".")
+            deps.update(".".join(parts[:i]) for i in range(2, len(parts)) if not name.startswith(".".join(parts[:i])))
+        graph[name] = deps - {"art_malleability"}
+    return graph
+
+
+def test_the_package_has_no_import_circles():
+    graph = _graph()
+    try:
+        order = list(graphlib.TopologicalSorter(graph).static_order())
+    except graphlib.CycleError as err:
+        pytest.fail(f"import circle: {' -> '.join(err.args[1])}")
+    assert set(order) >= set(graph)
+
+
+def test_the_check_finds_a_circle():
+    graph = _graph()
+    graph["art_malleability._utils.checks"].add("art_malleability.audit.estimator")
+    with pytest.raises(graphlib.CycleError):
+        list(graphlib.TopologicalSorter(graph).static_order())
+
+
+def test_at_most_eight_top_level_modules():
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= 8, top
+
+
+def test_the_shared_helpers_import_nothing_above_them():
+    graph = _graph()
+    above = {
+        (name, dep)
+        for name, deps in graph.items()
+        if name.startswith("art_malleability._utils")
+        for dep in deps
+        if not dep.startswith("art_malleability._utils")
+    }
+    assert not above
