@@ -23,8 +23,7 @@ import argparse
 import time
 
 import torch
-from bench_influence import gemm_rate  # the same GEMM reference as the other benchmarks (4096², best of three)
-from bench_ntk import PeakMemory
+from _common import PeakMemory, gemm_rate
 
 from art_malleability.influence._ntk_memory import engine_chunk_mb
 from art_malleability.models import TwoLayerReLU, build_architecture

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -43,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from bench_influence import gemm_rate  # the same GEMM reference as the other benchmarks (4096², best of three)
+from _common import gemm_rate, peak_rss_bytes
 
 CASES = ("dense", "tiles-memory", "tiles-disk", "sharded")
 RANK = 256
@@ -64,11 +63,11 @@ def problem(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, np.ndarr
 
 def run_case(case: str, n: int, out: Path, block: int | None) -> None:
     """One case in this process (every rank of the sharded case calls it); rank 0 writes ``out/<case>.json``."""
-    from art_malleability.distributed import init_from_env
+    from art_malleability.distributed import ONE_PROCESS, init_from_env
     from art_malleability.influence.ridge import DualRidge
 
-    shard = init_from_env("gloo") if case == "sharded" else None
-    world = 1 if shard is None else shard.world_size
+    shard = init_from_env("gloo") if case == "sharded" else ONE_PROCESS
+    world = shard.world_size
     phi, targets, changed, new_rows, queries = problem(n)
     new_phi = phi.clone()
     new_phi[torch.as_tensor(changed)] = new_rows
@@ -101,10 +100,10 @@ def run_case(case: str, n: int, out: Path, block: int | None) -> None:
     solver.close()
     if case == "tiles-disk":
         os.rmdir(folder)  # the solver removed its own subfolder
-    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], dtype=torch.int64)
-    peaks = [int(peak)] if shard is None else shard.all_gather_rows(peak).tolist()
-    if shard is None or shard.rank == 0:
-        name = case if shard is None else f"{case}-{world}"
+    peak = torch.tensor([peak_rss_bytes()], dtype=torch.int64)
+    peaks = shard.all_gather_rows(peak).tolist()
+    if shard.rank == 0:
+        name = case if case != "sharded" else f"{case}-{world}"
         np.savez(out / f"{name}.npz", alpha=alpha, b=b.numpy())
         record = {"case": case, "world": world, "seconds": seconds, "peak_rss": peaks, "gemm": gemm_rate(torch.float64)}
         (out / f"{name}.json").write_text(json.dumps(record))

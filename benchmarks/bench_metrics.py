@@ -14,10 +14,10 @@ benchmark also checks that the batched path computes the reference's numbers.
 from __future__ import annotations
 
 import argparse
-import resource
 import time
 
 import numpy as np
+from _common import mib, peak_rss_bytes
 
 from art_malleability import metrics
 
@@ -66,7 +66,7 @@ def main() -> None:
             float(np.nanmax(np.abs(result["draws"][name][: len(rows)] - reference[name]))) for name in reference
         )
         print(f"| {n:,} | {batched:.1f} | {loop:.1f} | {loop / batched:.1f}x | {diff:.1e} |")
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = mib(peak_rss_bytes())
     print(f"\npeak resident memory {peak:.0f} MiB; {args.n_queries} queries, {args.resamples} resamples")
 
 

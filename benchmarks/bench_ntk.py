@@ -38,12 +38,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
-import threading
 import time
 from collections.abc import Callable
 
 import torch
+from _common import PeakMemory
 from torch.func import functional_call, jacrev, vmap
 
 from art_malleability.models import MLPAttn, TwoLayerReLU
@@ -53,62 +52,6 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
 
 # --------------------------------------------------------------------------- measurement
-class PeakMemory:
-    """
-    Peak memory of a block of code: CUDA allocator peak on a CUDA device, otherwise the
-    resident set size sampled every millisecond (Linux ``/proc``), relative to the start.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.peak_mib: float | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._start = 0
-        self._max = 0
-        self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-    def _rss(self) -> int | None:
-        try:
-            with open("/proc/self/statm") as f:
-                return int(f.read().split()[1]) * self._page
-        except (OSError, ValueError, IndexError):
-            return None
-
-    def _poll(self) -> None:
-        while not self._stop.is_set():
-            rss = self._rss()
-            if rss is not None:
-                self._max = max(self._max, rss)
-            time.sleep(0.001)
-
-    def __enter__(self) -> PeakMemory:
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self._start = torch.cuda.memory_allocated(self.device)
-        else:
-            rss = self._rss()
-            if rss is not None:
-                self._start = self._max = rss
-                self._thread = threading.Thread(target=self._poll, daemon=True)
-                self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.peak_mib = (torch.cuda.max_memory_allocated(self.device) - self._start) / 2**20
-        elif self._thread is not None:
-            self._stop.set()
-            self._thread.join()
-            rss = self._rss()
-            if rss is not None:
-                self._max = max(self._max, rss)
-            self.peak_mib = (self._max - self._start) / 2**20
-
-
 def timed(
     fn: Callable[[], torch.Tensor], device: torch.device, repeats: int
 ) -> tuple[torch.Tensor, float, float | None]:

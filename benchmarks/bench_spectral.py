@@ -12,11 +12,11 @@ dataset at ``n = 1,000``.
 from __future__ import annotations
 
 import argparse
-import resource
 import time
 from pathlib import Path
 
 import numpy as np
+from _common import mib, peak_rss_bytes
 
 from art_malleability.data import load_dataset
 from art_malleability.ntk.spectral import spectral_analysis_of_dataset
@@ -55,7 +55,7 @@ def main() -> None:
         verdict = "met" if ours < TARGET_S else "MISSED"
         print(f"| {name} | {report.n} | {report.d} | {ours:.2f} | {ref:.2f} | {ours / ref:.2f} | {verdict} | "
               f"{diff:.1e} |")
-    print(f"\npeak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
+    print(f"\npeak RSS {mib(peak_rss_bytes()):.0f} MiB")
 
 
 if __name__ == "__main__":

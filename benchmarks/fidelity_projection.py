@@ -57,52 +57,43 @@ from __future__ import annotations
 
 import argparse
 import copy
-import hashlib
 import json
-import math
 import platform
-import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import matplotlib
 import numpy as np
 import torch
+from _common import library_state, to_json
+from _fidelity_modes import (
+    LOSS,
+    TOP_FRACTION,
+    IdealSketch,
+    compare,
+    exact_scores_from_kernel,
+    projected_vs_exact,
+    run_mode,
+)
+from _fidelity_report import figure, markdown
 from torch import nn
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (after the backend choice)
-
-from art_malleability.audit.attacks import ATTACK_NAMES, make_attack, perturb_training_set  # noqa: E402
-from art_malleability.data import Dataset, load_dataset  # noqa: E402
-from art_malleability.influence import NTKInfluence  # noqa: E402
-from art_malleability.influence.base import regression_targets  # noqa: E402
-from art_malleability.influence.ridge import DualRidge, loo_scores  # noqa: E402
-from art_malleability.metrics import (  # noqa: E402
-    aggregate_scores,
-    flip_mask,
-    flip_rate,
-    spearman,
-    top_indices,
-    top_k_count,
-    top_k_jaccard,
-)
-from art_malleability.models import (  # noqa: E402
+from art_malleability.audit.attacks import ATTACK_NAMES, make_attack, perturb_training_set
+from art_malleability.data import Dataset, load_dataset
+from art_malleability.metrics import spearman
+from art_malleability.models import (
     SmallCNN,
     build_reference_model,
     make_classifier,
     train_model,
 )
-from art_malleability.ntk.empirical import empirical_ntk  # noqa: E402
+from art_malleability.ntk.empirical import empirical_ntk
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO.parent / "shared" / "data"
 DEFAULT_FIGURE = REPO / "docs" / "figures" / "projection_fidelity.png"
 SETTING_NAMES = ("mnist-2l-relu", "mnist-cnn", "cifar10-cnn")
-TOP_FRACTION = 0.1
-LOSS = "mse"  # NTKInfluence's default loss, the one the audit uses
 
 
 @dataclass
@@ -192,22 +183,6 @@ def one_hot(y: np.ndarray, c: int) -> np.ndarray:
     return out
 
 
-def pearson(a: np.ndarray, b: np.ndarray) -> float:
-    keep = np.isfinite(a) & np.isfinite(b)
-    return float(np.corrcoef(a[keep].ravel(), b[keep].ravel())[0, 1])
-
-
-def compare(ref: np.ndarray, other: np.ndarray) -> dict[str, float]:
-    """Agreement of two influence matrices (query × train): all entries, aggregates and top sets."""
-    agg_ref, agg_other = aggregate_scores(ref), aggregate_scores(other)
-    return {
-        "spearman_all": spearman(ref, other),
-        "pearson_all": pearson(ref, other),
-        "spearman_aggregate": spearman(agg_ref[None, :], agg_other[None, :]),
-        "jaccard_top": top_k_jaccard(ref, other, TOP_FRACTION, "abs"),
-    }
-
-
 def summarise(per_seed: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """Mean, min and max over seeds of every numeric entry (nested one level for per-attack dicts)."""
     seeds = list(per_seed)
@@ -228,136 +203,6 @@ def summarise(per_seed: dict[int, dict[str, Any]]) -> dict[str, Any]:
                 float(np.mean(vals)), float(np.min(vals)), float(np.max(vals))
             )
     return out
-
-
-# --------------------------------------------------------------------------- ideal Gaussian sketch
-class IdealSketch:
-    """
-    Scores of kernel ridge leave-one-out on the Gram of an ideal dense Gaussian sketch of the
-    Jacobians, simulated from the exact kernel over training and query points.
-    """
-
-    def __init__(self, kernel_all: torch.Tensor, n_train: int, y_train: np.ndarray, y_query: np.ndarray, c: int):
-        k = kernel_all.to(torch.float64)
-        k = 0.5 * (k + k.T)
-        evals, evecs = torch.linalg.eigh(k)
-        self.clipped = int((evals < 0).sum())
-        self.min_eval, self.max_eval = float(evals.min()), float(evals.max())
-        self.root = (evecs * evals.clamp_min(0.0).sqrt()).numpy()  # U Λ^{1/2}, (n_all, n_all)
-        self.n_train = n_train
-        self.targets = regression_targets(torch.as_tensor(y_train), c, torch.float64)
-        self.y_query = torch.as_tensor(y_query)
-
-    def gram(self, k: int, seed: int) -> torch.Tensor:
-        """``B (G Gᵀ / k) Bᵀ`` with ``B = U Λ^{1/2}``: the sketched kernel over all points."""
-        n = self.root.shape[0]
-        rng = np.random.default_rng(seed)
-        wishart = np.zeros((n, n))
-        for s in range(0, k, 4096):
-            g = rng.standard_normal((n, min(4096, k - s)))
-            wishart += g @ g.T
-        wishart /= k
-        gram = self.root @ wishart @ self.root.T
-        return torch.as_tensor(0.5 * (gram + gram.T))
-
-    def scores(self, gram: torch.Tensor, ridge: float) -> np.ndarray:
-        n = self.n_train
-        solver = DualRidge(ridge).fit(gram[:n, :n].contiguous().clone(), self.targets)
-        f, b, beta = solver.loo_parts(gram[n:, :n].contiguous())
-        return loo_scores(f, b, beta, self.y_query, LOSS).numpy()
-
-
-def exact_scores_from_kernel(
-    kernel_all: torch.Tensor, n: int, y: np.ndarray, yq: np.ndarray, c: int, ridge: float
-) -> np.ndarray:
-    """Exact scores from the full kernel (a cross-check of the library's exact mode)."""
-    targets = regression_targets(torch.as_tensor(y), c, torch.float64)
-    solver = DualRidge(ridge).fit(kernel_all[:n, :n].contiguous().clone(), targets)
-    f, b, beta = solver.loo_parts(kernel_all[n:, :n].contiguous())
-    return loo_scores(f, b, beta, torch.as_tensor(yq), LOSS).numpy()
-
-
-# --------------------------------------------------------------------------- one mode
-def run_mode(
-    model: nn.Module,
-    data: Dataset,
-    xq: np.ndarray,
-    yq: np.ndarray,
-    x_adv: dict[str, np.ndarray],
-    ridge: float,
-    projection_dim: int | None,
-    projection_seed: int,
-    exact_top: np.ndarray | None,
-    with_attacks: bool,
-) -> dict[str, Any]:
-    """
-    Fit one mode, score the queries and (optionally) refit on each attack's perturbed top set.
-
-    :return: Dict with ``scores``, ``top``, timings, flip rates per attack and, for the projected
-        mode, the refits on the exact top set (``after_on_exact_top``).
-    """
-    est = NTKInfluence(ridge=ridge, projection_dim=projection_dim, projection_seed=projection_seed, device="cpu")
-    start = time.perf_counter()
-    est.fit(model, data.x_train, data.y_train)
-    fit_s = time.perf_counter() - start
-    start = time.perf_counter()
-    before = est.scores(xq, yq)
-    scores_s = time.perf_counter() - start
-    k_top = top_k_count(data.n_train, TOP_FRACTION)
-    top = top_indices(aggregate_scores(before), k_top, "abs")
-    out: dict[str, Any] = {
-        "scores": before,
-        "top": top,
-        "fit_seconds": fit_s,
-        "scores_seconds": scores_s,
-        "mode": est.mode_,
-        "solver": type(est.solver_).__name__,
-        "realised_k": est.projection_dim_,
-        "phase_seconds_fit": dict(est.seconds_),
-    }
-    if projection_dim is not None:
-        out["groups"] = est.projector_.describe()
-    if not with_attacks:
-        return out
-    out["flip_rate"], out["refit_seconds"], out["after"] = {}, {}, {}
-    out["after_on_exact_top"] = {}
-    for name, adv in x_adv.items():
-        start = time.perf_counter()
-        est.refit(top, adv[top])
-        after = est.scores(xq, yq)
-        out["refit_seconds"][name] = time.perf_counter() - start
-        out["flip_rate"][name] = flip_rate(before, after, TOP_FRACTION, "abs", top=top)
-        out["after"][name] = aggregate_scores(after)
-        if exact_top is not None:
-            est.refit(exact_top, adv[exact_top])
-            out["after_on_exact_top"][name] = aggregate_scores(est.scores(xq, yq))
-    return out
-
-
-def projected_vs_exact(proj: dict[str, Any], exact: dict[str, Any]) -> dict[str, Any]:
-    """Metrics of one projected run against the exact run of the same setting and ridge."""
-    res: dict[str, Any] = compare(exact["scores"], proj["scores"])
-    res.update(
-        fit_seconds=proj["fit_seconds"], scores_seconds=proj["scores_seconds"], realised_k=proj["realised_k"]
-    )
-    if "flip_rate" not in proj:
-        return res
-    agg_e, agg_p = aggregate_scores(exact["scores"]), aggregate_scores(proj["scores"])
-    top_e = exact["top"]
-    res["clean_sign_agreement_exact_top"] = float(np.mean(np.sign(agg_e[top_e]) == np.sign(agg_p[top_e])))
-    res["flip_rate"] = dict(proj["flip_rate"])
-    res["flip_rate_diff_pp"] = {a: 100.0 * (proj["flip_rate"][a] - exact["flip_rate"][a]) for a in proj["flip_rate"]}
-    res["refit_seconds"] = dict(proj["refit_seconds"])
-    res["flip_rate_on_exact_top"], res["flip_agreement_exact_top"], res["after_sign_agreement_exact_top"] = {}, {}, {}
-    for a, after_p in proj["after_on_exact_top"].items():
-        flips_e = flip_mask(agg_e[top_e], exact["after"][a][top_e])
-        flips_p = flip_mask(agg_p[top_e], after_p[top_e])
-        res["flip_rate_on_exact_top"][a] = float(flips_p.mean())
-        res["flip_agreement_exact_top"][a] = float(np.mean(flips_e == flips_p))
-        res["after_sign_agreement_exact_top"][a] = float(
-            np.mean(np.sign(exact["after"][a][top_e]) == np.sign(after_p[top_e]))
-        )
-    return res
 
 
 # --------------------------------------------------------------------------- one setting
@@ -511,192 +356,6 @@ def run_setting(setting: Setting, cfg: Config, data_root: Path) -> dict[str, Any
     result["seconds"] = time.perf_counter() - t_setting
     log(f"=== {setting.name} done in {result['seconds'] / 60:.1f} min")
     return result
-
-
-# --------------------------------------------------------------------------- reporting
-def _fmt(x: float | None, spec: str = ".3f") -> str:
-    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
-
-
-def markdown(results: dict[str, Any]) -> str:
-    lines = ["# Projected vs exact NTK influence", ""]
-    cfg = results["config"]
-    lines.append(
-        f"n_train {cfg['n_train']}, {cfg['n_queries']} test queries, eps {cfg['eps']}, "
-        f"top {int(100 * TOP_FRACTION)} %, "
-        f"projection seeds {cfg['seeds']}; values are means over the projection seeds, `s2s` the same statistic "
-        "between the two seeds' projected scores. dFR = flip rate (projected, own top set) − flip rate (exact), "
-        "percentage points. Ideal = dense Gaussian sketch of the same k (simulation)."
-    )
-    lines.append("")
-    for name, res in results["settings"].items():
-        main = res["by_ridge"][f"{res['ridge']:g}"]
-        ex = main["exact"]
-        tr = res["train"]
-        lines.append(f"## {name} (ridge {res['ridge']:g})")
-        lines.append("")
-        lines.append(
-            f"Training: {tr['epochs']} epochs, lr {tr['lr']:g}: train accuracy {100 * tr['train_accuracy']:.1f} %, "
-            f"test accuracy {100 * tr['test_accuracy']:.1f} % ({tr['seconds']:.0f} s). "
-            f"Exact: fit {ex['fit_seconds']:.1f} s, "
-            f"scores {ex['scores_seconds']:.1f} s, refit+scores {np.mean(list(ex['refit_seconds'].values())):.1f} s "
-            "per attack; flip rates "
-            + ", ".join(f"{a.upper()} {100 * v:.1f} %" for a, v in ex["flip_rate"].items())
-            + ". Attack success on the training set: "
-            + ", ".join(f"{a.upper()} {100 * v['success_rate']:.0f} %" for a, v in res["attacks"].items())
-            + "."
-        )
-        for note in res.get("notes", []):
-            lines.append(f"Note: {note}")
-        lines.append("")
-        lines.append(
-            "| k | Spearman all (s2s) | Pearson all | ideal Spearman all | Spearman agg (s2s) | ideal Spearman agg "
-            "| Jaccard top (s2s) | ideal Jaccard | dFR FGSM | dFR PGD | dFR MIM | sign agree (exact top) "
-            "| flip agree (exact top, mean) | fit+scores s |"
-        )
-        lines.append("|" + "---|" * 14)
-        for k, entry in main["projected"].items():
-            m, s2s = entry["mean"], entry.get("seed_to_seed", {})
-            ideal = main["ideal"].get(k, {}).get("mean", {})
-            dfr = m.get("flip_rate_diff_pp", {})
-            agree = m.get("flip_agreement_exact_top", {})
-            lines.append(
-                f"| {k} | {_fmt(m['spearman_all'])} ({_fmt(s2s.get('spearman_all'))}) | {_fmt(m['pearson_all'])} "
-                f"| {_fmt(ideal.get('spearman_all'))} "
-                f"| {_fmt(m['spearman_aggregate'])} ({_fmt(s2s.get('spearman_aggregate'))}) "
-                f"| {_fmt(ideal.get('spearman_aggregate'))} "
-                f"| {_fmt(m['jaccard_top'])} ({_fmt(s2s.get('jaccard_top'))}) | {_fmt(ideal.get('jaccard_top'))} "
-                + "".join(f"| {_fmt(dfr.get(a), '+.1f')} " for a in ATTACK_NAMES)
-                + f"| {_fmt(m.get('clean_sign_agreement_exact_top'))} "
-                f"| {_fmt(float(np.mean(list(agree.values()))) if agree else None)} "
-                f"| {m['fit_seconds'] + m['scores_seconds']:.1f} |"
-            )
-        extra = [k for k in main["ideal"] if k not in main["projected"]]
-        if extra:
-            lines.append("")
-            lines.append(
-                "Ideal sketch beyond the projected k's: "
-                + "; ".join(
-                    f"k={k}: Spearman all {_fmt(main['ideal'][k]['mean']['spearman_all'])}, "
-                    f"aggregate {_fmt(main['ideal'][k]['mean']['spearman_aggregate'])}, "
-                    f"Jaccard {_fmt(main['ideal'][k]['mean']['jaccard_top'])}"
-                    for k in extra
-                )
-            )
-        lines.append("")
-        if len(res["by_ridge"]) > 1:
-            lines.append(f"### {name}: ridge sweep (Spearman of all scores, projected / ideal sketch)")
-            lines.append("")
-            ks = list(next(iter(res["by_ridge"].values()))["ideal"])
-            lines.append("| ridge | exact fit+scores s | " + " | ".join(f"k={k}" for k in ks) + " |")
-            lines.append("|" + "---|" * (2 + len(ks)))
-            for ridge, block in res["by_ridge"].items():
-                cells = []
-                for k in ks:
-                    proj = block["projected"].get(k, {}).get("mean", {}).get("spearman_all")
-                    ideal = block["ideal"][k]["mean"]["spearman_all"]
-                    cells.append(f"{_fmt(proj)} / {_fmt(ideal)}")
-                ex_s = block["exact"]["fit_seconds"] + block["exact"]["scores_seconds"]
-                lines.append(f"| {ridge} | {ex_s:.1f} | " + " | ".join(cells) + " |")
-            lines.append("")
-    lines.append(f"Total runtime: {results['total_seconds'] / 60:.1f} min.")
-    return "\n".join(lines) + "\n"
-
-
-def series(block: dict[str, Any], key: str, stat: str = "mean") -> list[float]:
-    """A statistic of a per-k block, in increasing k."""
-    return [block[str(k)][stat][key] for k in sorted(int(x) for x in block)]
-
-
-def figure(results: dict[str, Any], path: Path) -> None:
-    fig, axes = plt.subplots(2, 2, figsize=(12, 9))
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    ax_all, ax_agg, ax_fr, ax_ridge = axes.ravel()
-    for i, (name, res) in enumerate(results["settings"].items()):
-        col = colours[i % len(colours)]
-        main = res["by_ridge"][f"{res['ridge']:g}"]
-        ks = [int(k) for k in main["projected"]]
-
-        lo, hi, mean = (series(main["projected"], "spearman_all", s) for s in ("min", "max", "mean"))
-        ax_all.errorbar(ks, mean, yerr=[np.subtract(mean, lo), np.subtract(hi, mean)], color=col, marker="o",
-                        capsize=3, label=f"{name} (Kronecker)")
-        iks = sorted(int(k) for k in main["ideal"])
-        ax_all.plot(iks, series(main["ideal"], "spearman_all"), color=col, ls="--", marker="x",
-                    label=f"{name} (ideal dense sketch)")
-        ax_agg.plot(ks, series(main["projected"], "spearman_aggregate"), color=col, marker="o",
-                    label=f"{name}: Spearman aggregate")
-        ax_agg.plot(ks, series(main["projected"], "jaccard_top"), color=col, marker="s", ls=":",
-                    label=f"{name}: Jaccard top 10 %")
-        ax_agg.plot(iks, series(main["ideal"], "spearman_aggregate"), color=col, ls="--", alpha=0.5)
-        markers = {"fgsm": "o", "pgd": "s", "mim": "^"}
-        for a in ATTACK_NAMES:
-            vals = [abs(main["projected"][str(k)]["mean"]["flip_rate_diff_pp"][a]) for k in ks]
-            ax_fr.plot(ks, vals, color=col, marker=markers[a], label=f"{name} {a.upper()}")
-        if len(res["by_ridge"]) > 1:
-            styles = ["-", "-.", ":", (0, (5, 1))]
-            for j, (ridge, block) in enumerate(res["by_ridge"].items()):
-                rcol = colours[(j + 3) % len(colours)]
-                pks = sorted(int(k) for k in block["projected"])
-                ax_ridge.plot(pks, series(block["projected"], "spearman_all"), color=rcol, marker="o",
-                              ls=styles[0], label=f"{name} ridge {ridge} (Kronecker)")
-                ax_ridge.plot(sorted(int(k) for k in block["ideal"]), series(block["ideal"], "spearman_all"),
-                              color=rcol, marker="x", ls="--", label=f"{name} ridge {ridge} (ideal)")
-    for ax, title, ylabel in (
-        (ax_all, "Spearman of all (query, train) scores vs exact", "Spearman"),
-        (ax_agg, "Aggregate scores: Spearman (solid) and top-10 % Jaccard (dotted); ideal dashed", "value"),
-        (ax_fr, "|flip rate (projected, own top set) − flip rate (exact)|", "percentage points"),
-        (ax_ridge, "Ridge sweep: Spearman of all scores vs exact", "Spearman"),
-    ):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("projection dimension k")
-        ax.set_ylabel(ylabel)
-        ax.set_title(title, fontsize=10)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-    cfg = results["config"]
-    fig.suptitle(
-        f"Projected vs exact NTK influence (n_train {cfg['n_train']}, {cfg['n_queries']} queries, "
-        f"ridge {cfg['main_ridge']:g}, eps {cfg['eps']}; error bars: range over projection seeds)",
-        fontsize=11,
-    )
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-
-
-def library_state() -> dict[str, Any]:
-    """Commit, locally modified files and a digest of the library's sources (read-only git calls)."""
-    def git(*cmd: str) -> str:
-        try:
-            return subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True, timeout=30).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    digest = hashlib.sha256()
-    for path in sorted((REPO / "art_malleability").rglob("*.py")):
-        digest.update(path.relative_to(REPO).as_posix().encode())
-        digest.update(path.read_bytes())
-    return {
-        "commit": git("rev-parse", "HEAD"),
-        "modified": git("status", "--short", "--untracked-files=no").splitlines(),
-        "sources_sha256": digest.hexdigest(),
-    }
-
-
-def to_json(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {str(k): to_json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [to_json(v) for v in value]
-    if isinstance(value, np.ndarray):
-        return to_json(value.tolist())
-    if isinstance(value, (np.floating, float)):
-        v = float(value)
-        return None if math.isnan(v) else v
-    if isinstance(value, np.integer):
-        return int(value)
-    return value
 
 
 # --------------------------------------------------------------------------- main
