@@ -107,6 +107,9 @@ def run_case(case: str, n: int, out: Path, block: int | None) -> None:
         np.savez(out / f"{name}.npz", alpha=alpha, b=b.numpy())
         record = {"case": case, "world": world, "seconds": seconds, "peak_rss": peaks, "gemm": gemm_rate(torch.float64)}
         (out / f"{name}.json").write_text(json.dumps(record))
+    if shard.world_size > 1:  # leave the group together: a rank that exits alone aborts in gloo's threads
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 def launch(case: str, n: int, out: Path, threads: int, ranks: int, block: int | None) -> None:
