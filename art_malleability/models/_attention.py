@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -20,6 +21,8 @@ logger = logging.getLogger(__name__)
 
 _NORM_EPS = 1e-12
 _CONTEXT_CHUNK = 4096
+#: The contexts of :class:`LinearizedAttention`: the training set's Gram matrix, or its centred covariance.
+CONTEXTS = ("gram", "centred")
 
 
 def _flatten_normalise(x: torch.Tensor) -> torch.Tensor:
@@ -42,6 +45,13 @@ class LinearizedAttention(nn.Module):
     maps each row :math:`x` to :math:`x C`. The forward pass does not normalise its input; :class:`MLPAttn`
     does.
 
+    With ``context="centred"`` the training tokens are centred first: :math:`C = (X - 1\\mu^\top)^\top
+    (X - 1\\mu^\top)` with :math:`\\mu` the mean row of :math:`X` (buffer ``mean``), and each row maps to
+    :math:`(x - \\mu) C`: the same attention over the centred tokens. On images the Gram matrix is dominated by
+    its top eigen-direction (close to the mean image: on MNIST its features of different classes have mean cosine
+    0.99); centring removes it. A positive rescaling of :math:`C` (by :math:`1/n`, :math:`1/d` or its trace)
+    changes nothing once the features are normalised, as :class:`MLPAttn` does.
+
     :math:`C` is computed in float64 and stored in the dtype of the ``context`` buffer, which follows
     ``module.to(dtype)``.
     """
@@ -49,15 +59,20 @@ class LinearizedAttention(nn.Module):
     context: torch.Tensor
     context_size: torch.Tensor
 
-    def __init__(self, dim: int | None = None) -> None:
+    def __init__(self, dim: int | None = None, context: str = "gram") -> None:
         """
         Create the attention map without a context; call :meth:`set_context` before the forward pass.
 
         :param dim: Number of input features `d`. When given, ``context`` is allocated with shape `(d, d)` so
                     that a ``state_dict`` holding a context can be loaded; when `None`, the shape is set by
                     :meth:`set_context`.
+        :param context: ``"gram"`` (:math:`C = X^\top X`, the paper's form) or ``"centred"`` (the centred tokens'
+                        :math:`C`, applied to centred rows).
         """
         super().__init__()
+        if context not in CONTEXTS:
+            raise ValueError(f"context must be one of {CONTEXTS}, got {context!r}")
+        self.centred = context == "centred"
         if dim is not None:
             dim = math.prod(check_input_shape(dim, "dim"))
         self.dim = dim
@@ -65,6 +80,8 @@ class LinearizedAttention(nn.Module):
         self.register_buffer("context", torch.zeros(shape))
         # Number of training examples behind the context; 0 means "no context set yet".
         self.register_buffer("context_size", torch.zeros((), dtype=torch.int64))
+        if self.centred:  # only then: state_dicts of the Gram form stay as they were
+            self.register_buffer("mean", torch.zeros(shape[0]))
 
     @property
     def has_context(self) -> bool:
@@ -78,8 +95,8 @@ class LinearizedAttention(nn.Module):
     @torch.no_grad()
     def set_context(self, x_train: np.ndarray | torch.Tensor) -> None:
         """
-        Store :math:`C = X^\\top X` of the training set, with each row of :math:`X` flattened and scaled to
-        unit :math:`\\ell_2` norm. The input is not modified.
+        Store :math:`C = X^\\top X` of the training set (centred: with the mean row subtracted, and the mean), with
+        each row of :math:`X` flattened and scaled to unit :math:`\\ell_2` norm. The input is not modified.
 
         :param x_train: Training inputs of shape `(n, ...)` (numpy array or tensor).
         """
@@ -96,11 +113,22 @@ class LinearizedAttention(nn.Module):
         if self.dim is not None and d != self.dim:
             raise ValueError(f"x_train must have {self.dim} features per example (the attention's dim), got {d}")
         device = self.context.device
-        c = torch.zeros((d, d), dtype=torch.float64, device=device)
         x_flat = x_t.reshape(n, d)
-        for start in range(0, n, _CONTEXT_CHUNK):
-            rows = x_flat[start : start + _CONTEXT_CHUNK].to(device=device, dtype=torch.float64)
-            rows = F.normalize(rows, p=2.0, dim=1, eps=_NORM_EPS)
+
+        def normalised_rows() -> Iterator[torch.Tensor]:
+            for start in range(0, n, _CONTEXT_CHUNK):
+                rows = x_flat[start : start + _CONTEXT_CHUNK].to(device=device, dtype=torch.float64)
+                yield F.normalize(rows, p=2.0, dim=1, eps=_NORM_EPS)
+
+        mean = torch.zeros(d, dtype=torch.float64, device=device)
+        if self.centred:  # two passes: the mean, then the centred rows (no cancellation of a large X^T X)
+            for rows in normalised_rows():
+                mean += rows.sum(dim=0)
+            mean /= n
+            self.mean = mean.to(self.context.dtype)
+        c = torch.zeros((d, d), dtype=torch.float64, device=device)
+        for rows in normalised_rows():
+            rows = rows - mean
             c += rows.T @ rows
         self.context = c.to(self.context.dtype)
         self.context_size = torch.tensor(n, dtype=torch.int64, device=device)
@@ -108,7 +136,7 @@ class LinearizedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """
-        Map each flattened row :math:`x` to :math:`x C`.
+        Map each flattened row :math:`x` to :math:`x C` (centred: :math:`(x - \\mu) C`).
 
         :param x: Batch of shape `(b, ...)` with `d` features per example.
         :return: Tensor of shape `(b, d)`.
@@ -122,7 +150,8 @@ class LinearizedAttention(nn.Module):
             raise ValueError(
                 f"x must have {self.context.shape[0]} features per example (the context's), got {x.shape[1]}"
             )
-        return x.to(self.context.dtype) @ self.context
+        x = x.to(self.context.dtype)
+        return (x - self.mean if self.centred else x) @ self.context
 
     def extra_repr(self) -> str:
-        return f"dim={self.dim}"
+        return f"dim={self.dim}" + (", context=centred" if self.centred else "")

@@ -183,22 +183,33 @@ class MLPAttn(_TwoLayerNTK):
     The model is transductive: call :meth:`set_context` with the training inputs before the forward pass (the
     training routines of this package do). Test points are mapped with the training-set context. The context
     lives in ``attention.context`` and is part of the ``state_dict``.
+
+    With ``context="centred"`` the attention runs over the centred training tokens,
+    :math:`\\tilde{x} = \\mathrm{normalise}(C_c (\\hat{x} - \\mu))` with :math:`C_c = (X - 1\\mu^\\top)^\\top
+    (X - 1\\mu^\\top)` (:class:`LinearizedAttention`). The paper leaves the context's normalisation open; its
+    literal form, ``"gram"``, is the default. On digits the Gram form's features of different classes are nearly
+    parallel (mean cosine 0.999) and, with the command line's training settings, the model reaches 76 % test
+    accuracy where 2L-ReLU reaches 98 %; the centred form reaches 97 % (seed 0, the test
+    ``test_the_centred_mlp_attn_learns_digits_as_well_as_the_2l_relu``).
     """
 
-    def __init__(self, input_shape: int | tuple[int, ...], width: int, nb_classes: int, seed: int = 0) -> None:
+    def __init__(
+        self, input_shape: int | tuple[int, ...], width: int, nb_classes: int, seed: int = 0, context: str = "gram"
+    ) -> None:
         """
         :param input_shape: Shape of one input (e.g. `(1, 28, 28)`) or its number of features.
         :param width: Hidden width `m` (>= 1).
         :param nb_classes: Number of outputs (>= 2).
         :param seed: Seed of the local generator that draws :math:`W` and then :math:`A` (the same draws as
                      :class:`TwoLayerReLU` with this seed).
+        :param context: ``"gram"`` (:math:`C = X^\\top X`) or ``"centred"`` (see the class).
         """
         super().__init__(input_shape, width, nb_classes, seed)
-        self.attention = LinearizedAttention(dim=self.input_dim)
+        self.attention = LinearizedAttention(dim=self.input_dim, context=context)
 
     def set_context(self, x_train: np.ndarray | torch.Tensor) -> None:
         """
-        Set the attention context :math:`C = X^\\top X` from the training inputs.
+        Set the attention context (:math:`C = X^\\top X`, or centred) from the training inputs.
 
         :param x_train: Training inputs `(n, *input_shape)`; their rows are flattened and normalised.
         """
@@ -206,7 +217,8 @@ class MLPAttn(_TwoLayerNTK):
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         """
-        Attention features :math:`\\mathrm{normalise}(C \\hat{x})`.
+        Attention features :math:`\\mathrm{normalise}(C \\hat{x})` (centred:
+        :math:`\\mathrm{normalise}(C_c (\\hat{x} - \\mu))`).
 
         :param x: Batch of shape `(b, *input_shape)`.
         :return: Tensor of shape `(b, d)`.
@@ -382,7 +394,8 @@ def _check_width_classes(width: int, nb_classes: int) -> tuple[int, int]:
 
 
 def build_reference_model(
-    name: str, input_shape: int | tuple[int, ...], nb_classes: int, width: int = 512, seed: int = 0
+    name: str, input_shape: int | tuple[int, ...], nb_classes: int, width: int = 512, seed: int = 0,
+    context: str = "gram",
 ) -> nn.Module:
     """
     Build one of the reference models by name.
@@ -395,6 +408,8 @@ def build_reference_model(
     :param nb_classes: Number of classes (>= 2).
     :param width: Hidden width (>= 1).
     :param seed: Seed of the initial weights.
+    :param context: MLP-Attn's attention context, ``"gram"`` or ``"centred"`` (:class:`MLPAttn`); the other models
+                    take only ``"gram"``.
     :return: The freshly initialised model (float32, on CPU, in training mode).
     """
     if not isinstance(name, str):
@@ -404,6 +419,10 @@ def build_reference_model(
         raise ValueError(f"name must be one of {REFERENCE_MODELS}, got {name!r}")
     _check_width_classes(width, nb_classes)
     model_class = _MODEL_CLASSES[key]
+    if key == "mlp-attn":
+        return MLPAttn(input_shape, width=width, nb_classes=nb_classes, seed=seed, context=context)
+    if context != "gram":
+        raise ValueError(f"context must be 'gram' for {key} (a choice of mlp-attn only), got {context!r}")
     return model_class(input_shape, width=width, nb_classes=nb_classes, seed=seed)
 
 
