@@ -1,8 +1,14 @@
 """
 What the MNIST influence benchmarks (``bench_estimators.py``, ``bench_audit_scale.py``, ``bench_throughput.py``)
-share: the MNIST-shaped training sets and their models, every heavy case in its own subprocess (so that its peak
-resident set size is its own; ``python benchmarks/_cases.py SPEC.json`` runs the case the spec names), the load of
-other processes during a case, and the command line and driver of a benchmark made of parts.
+share: the MNIST-shaped training sets and their models, the load of other processes during a case, and the command
+line and driver of a benchmark made of parts.
+
+Every heavy case runs in its own subprocess (``python benchmarks/_cases.py SPEC.json`` runs the case the spec
+names), so that its peak resident set size (``ru_maxrss`` of that process, reported by the process itself) is
+measured separately; ratios are taken between numbers measured in the same run. Scratch files (trained weights,
+scores, logs of every case) go to ``--workdir`` (default ``$TMPDIR/bench_influence``); every subprocess has a
+timeout (``--timeout``); a case that fails or times out is reported with its error and the others still run. MNIST
+IDX files are read from ``--mnist-root`` (default ``../shared/data/mnist`` relative to the repository root).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import REPO_ROOT, fmt, library_state, peak_rss_bytes, set_threads, thread_env, to_json
+from _common import REPO_ROOT, accuracy, fmt, library_state, peak_rss_bytes, set_threads, thread_env, to_json
 
 DEFAULT_MNIST_ROOT = REPO_ROOT.parent / "shared" / "data" / "mnist"
 INPUT_SHAPE = (1, 28, 28)
@@ -158,16 +164,6 @@ def load_model(spec: dict[str, Any]) -> Any:
     model = build_model(spec["model"], spec["width"], spec["seed"])
     model.load_state_dict(torch.load(spec["model_path"], map_location="cpu"))
     return model.eval()
-
-
-def accuracy(model: Any, x: np.ndarray | None, y: np.ndarray | None) -> float | None:
-    import torch
-
-    if x is None or y is None:
-        return None
-    with torch.no_grad():
-        pred = torch.cat([model(torch.as_tensor(x[s : s + 1024])).argmax(1) for s in range(0, len(x), 1024)])
-    return float((pred.numpy() == y).mean())
 
 
 # ================================================================================================ subprocess cases

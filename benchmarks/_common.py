@@ -121,6 +121,15 @@ def thread_env(threads: int) -> dict[str, str]:
     return env
 
 
+def accuracy(model: Any, x: np.ndarray | None, y: np.ndarray | None) -> float | None:
+    """Share of ``x`` (in batches of 1,024) that ``model`` classifies as ``y``; ``None`` without data."""
+    if x is None or y is None:
+        return None
+    with torch.no_grad():
+        pred = torch.cat([model(torch.as_tensor(x[s : s + 1024])).argmax(1) for s in range(0, len(x), 1024)])
+    return float((pred.numpy() == y).mean())
+
+
 # ------------------------------------------------------------------------------------------------ reporting
 def fmt(value: Any, digits: int = 2) -> str:
     """A table cell: numbers rounded, ``None`` and NaN as a dash."""

@@ -34,12 +34,8 @@ float64 ``TracInCP`` for the gradient-type ones, plus ``max |s − s_ref| / max 
 The NTK influence (kernel ridge leave-one-out, squared loss) and TracIn (cross-entropy gradient products)
 are different estimators: the cross-family correlations are shown for information only.
 
-Every heavy case runs in its own subprocess (``_cases.py``), so that its peak resident set size (``ru_maxrss`` of
-that process, reported by the process itself) is measured separately; ratios are taken between numbers measured in
-the same run. Scratch files (trained weights, scores, logs of every case) go to ``--workdir`` (default
-``$TMPDIR/bench_influence``); every subprocess has a timeout (``--timeout``); a case that fails or times out is
-reported with its error and the others still run. MNIST IDX files are read from ``--mnist-root`` (default
-``../shared/data/mnist`` relative to the repository root).
+Every heavy case runs in its own subprocess; scratch files, timeouts, failures and the MNIST folder are as
+``_cases.py`` describes.
 
 Usage (from the repository root)::
 

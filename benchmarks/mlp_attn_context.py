@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from _common import REPO_ROOT, library_state, table, to_json
+from _common import REPO_ROOT, accuracy, library_state, table, to_json
 
 from art_malleability.data import load_dataset
 from art_malleability.models import build_reference_model, train_model
@@ -44,11 +44,6 @@ MODELS = (("2l-relu", "gram"), ("mlp-attn", "gram"), ("mlp-attn", "centred"))
 
 def label(name: str, context: str) -> str:
     return name if name == "2l-relu" else f"{name} ({context})"
-
-
-def accuracy(model: torch.nn.Module, x: np.ndarray, y: np.ndarray) -> float:
-    with torch.no_grad():
-        return float((model(torch.as_tensor(x)).argmax(1).numpy() == y).mean())
 
 
 def feature_cosines(model: torch.nn.Module, x: np.ndarray, y: np.ndarray, limit: int = 1000) -> tuple[float, float]:
