@@ -39,17 +39,18 @@ def _model(x_train: np.ndarray, **kwargs) -> MLPAttnQKV:
     return model
 
 
-def test_identity_maps_reduce_exactly_to_mlp_attn(x_train, x_query):
-    reference = MLPAttn(INPUT_SHAPE, width=32, nb_classes=4, seed=3).double()
+@pytest.mark.parametrize("context", ["centred", "gram"])
+def test_identity_maps_reduce_exactly_to_mlp_attn(x_train, x_query, context):
+    reference = MLPAttn(INPUT_SHAPE, width=32, nb_classes=4, seed=3, context=context).double()
     reference.set_context(x_train)
     x = torch.from_numpy(x_query).double()
 
-    exact = MLPAttnQKV(INPUT_SHAPE, width=32, nb_classes=4, seed=3, init_noise=0.0).double()
+    exact = MLPAttnQKV(INPUT_SHAPE, width=32, nb_classes=4, seed=3, init_noise=0.0, context=context).double()
     exact.set_context(x_train)
     for weight in (exact.query_weight, exact.key_weight, exact.value_weight):
         assert torch.equal(weight, torch.eye(D, dtype=torch.float64))
 
-    noisy = MLPAttnQKV(INPUT_SHAPE, width=32, nb_classes=4, seed=3).double()
+    noisy = MLPAttnQKV(INPUT_SHAPE, width=32, nb_classes=4, seed=3, context=context).double()
     noisy.set_context(x_train)
     assert not torch.equal(noisy(x), reference(x))
     with torch.no_grad():
@@ -60,22 +61,27 @@ def test_identity_maps_reduce_exactly_to_mlp_attn(x_train, x_query):
         assert torch.equal(model.hidden.weight, reference.hidden.weight)
         assert torch.equal(model.output_signs, reference.output_signs)
         assert torch.equal(model.attention.context, reference.attention.context)
-        assert torch.equal(model.features(x), reference.features(x))
-        assert torch.equal(model(x), reference(x))
+        if context == "centred":
+            assert torch.equal(model.attention.mean, reference.attention.mean)
+        torch.testing.assert_close(model.features(x), reference.features(x), rtol=1e-14, atol=1e-14)
+        torch.testing.assert_close(model(x), reference(x), rtol=1e-14, atol=1e-14)
 
 
-def test_matches_manual_computation(x_train, x_query):
-    model = _model(x_train, qkv_dim=24).double()
+@pytest.mark.parametrize("context", ["centred", "gram"])
+def test_matches_manual_computation(x_train, x_query, context):
+    model = _model(x_train, qkv_dim=24, context=context).double()
     model.set_context(x_train)  # recomputed in float64
     w_q, w_k, w_v = (w.detach() for w in (model.query_weight, model.key_weight, model.value_weight))
     assert w_q.shape == w_k.shape == w_v.shape == (24, D)
     assert torch.equal(w_k, model.key.weight.detach().T)
     x_hat = _normalise(torch.from_numpy(x_train).double())
+    mu = x_hat.mean(dim=0) if context == "centred" else torch.zeros(D, dtype=torch.float64)
+    x_hat = x_hat - mu  # the centred form attends over the centred tokens
     s = x_hat.T @ x_hat
     attention = w_v @ s @ w_k.T @ w_q
     with torch.no_grad():
         torch.testing.assert_close(model.attention_map(), attention, rtol=1e-12, atol=1e-12)
-    q = _normalise(torch.from_numpy(x_query).double())
+    q = _normalise(torch.from_numpy(x_query).double()) - mu
     # Linearised attention over the training rows, term by term: sum_i (W_v x_i) ((W_k x_i) . (W_q x)).
     summed = ((q @ w_q.T) @ (x_hat @ w_k.T).T) @ (x_hat @ w_v.T)
     features = _normalise(summed)
@@ -114,7 +120,7 @@ def test_trainable_parameters_and_buffers():
     assert [name for name, _ in model.named_parameters()] == names
     assert all(layer.bias is None for layer in (model.hidden, model.query, model.key, model.value))
     buffers = dict(model.named_buffers())
-    assert set(buffers) == {"output_signs", "attention.context", "attention.context_size"}
+    assert set(buffers) == {"output_signs", "attention.context", "attention.context_size", "attention.mean"}
     assert all(not b.requires_grad for b in buffers.values())
     assert set(model.output_signs.unique().tolist()) == {-1.0, 1.0}
 

@@ -157,7 +157,7 @@ def _train_or_load(
     """:return: The model of ``--model name`` with ``--weights`` loaded or trained on rank 0, and what was done."""
     from art_malleability.models.training import train_model
 
-    module = build_model(name, data.input_shape, data.nb_classes, args.width, args.seed)
+    module = build_model(name, data.input_shape, data.nb_classes, args.width, args.seed, args.attention_context)
     if args.weights is not None:
         load_weights(module, args.weights, name)
         return module, f"loaded {args.weights}"

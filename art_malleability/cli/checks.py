@@ -208,17 +208,22 @@ def validation_for(folder: str | None, name: str) -> Path | None:
 # ----------------------------------------------------------------------------------------------------
 
 
-def build_model(name: str, input_shape: tuple[int, ...], nb_classes: int, width: int, seed: int) -> torch.nn.Module:
+def build_model(
+    name: str, input_shape: tuple[int, ...], nb_classes: int, width: int, seed: int, context: str = "centred"
+) -> torch.nn.Module:
     """
-    Build the model of ``--model name``: a reference model, an architecture or a factory's model, checked on two
-    zero inputs against the data's input shape and number of classes (unless it is transductive).
+    Build the model of ``--model name``: a reference model (the attention models with ``--attention-context``), an
+    architecture or a factory's model, checked on two zero inputs against the data's input shape and number of
+    classes (unless it is transductive).
     """
     from art_malleability.models.architectures import build_architecture
     from art_malleability.models.reference import build_reference_model, is_transductive
 
     factory = _model_factory(name)
     if factory == "reference":
-        return build_reference_model(name, input_shape, nb_classes, width=width, seed=seed)
+        attention = name != "2l-relu"
+        return build_reference_model(name, input_shape, nb_classes, width=width, seed=seed,
+                                     context=context if attention else None)
     if factory == "architecture":
         return build_architecture(name, input_shape, nb_classes, seed=seed)
     try:
@@ -298,7 +303,8 @@ def load_weights(module: torch.nn.Module, path: str, name: str) -> None:
         first = str(err).splitlines()[1:2] or [str(err)]
         raise ValueError(
             f"--weights must fit --model {name} as built here, got {path!r} ({first[0].strip()}); check --model, "
-            "--width and the data's number of classes (--dataset, --classes) against the saved model"
+            "--width, --attention-context (a centred attention model stores attention.mean) and the data's number of "
+            "classes (--dataset, --classes) against the saved model"
         ) from err
 
 

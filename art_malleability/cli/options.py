@@ -67,13 +67,19 @@ def add_model_options(
     model = parser.add_argument_group("model")
     model.add_argument("--model", action="append", default=None, help=_MODEL_HELP)
     model.add_argument("--width", type=int, default=512, help="hidden width of the reference models")
+    model.add_argument(
+        "--attention-context", choices=("centred", "gram"), default="centred",
+        help="context of the attention models: the centred training tokens (default) or the paper's literal "
+        "Gram matrix X^T X, which leaves MLP-Attn's features of all classes nearly parallel (docs/reproduction.md)",
+    )
     model.add_argument("--epochs", type=int, default=300, help="training epochs of every model (Adam)")
     model.add_argument("--batch-size", type=int, default=128, help=batch_help)
     model.add_argument(
         "--lr",
         type=float,
         default=3e-2,
-        help="Adam learning rate (the paper's 1e-3 with L2 1e-3 leaves MLP-Attn near chance on digits)",
+        help="Adam learning rate (with the paper's 1e-3 and L2 1e-3 both reference models underfit digits: "
+        "docs/reproduction.md)",
     )
     model.add_argument("--weight-decay", type=float, default=0.0, help="L2 penalty (Adam weight_decay; paper 1e-3)")
     model.add_argument("--loss", choices=("cross_entropy", "mse"), default="cross_entropy", help=loss_help)

@@ -31,6 +31,8 @@ def add_ntk_check(sub: argparse._SubParsersAction, run: Runner) -> None:
     add_data_options(check, n_train=500, n_test=100)
     group = check.add_argument_group("check")
     group.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS), help="reference models")
+    group.add_argument("--attention-context", choices=("centred", "gram"), default="centred",
+                       help="MLP-Attn's attention context (gram: the paper's literal X^T X)")
     group.add_argument("--widths", type=int, nargs="+", default=[16, 64, 256, 1024, 4096], help="widths m")
     group.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="initialisation seeds")
     group.add_argument("--protocols", nargs="*", choices=("gd", "adam"), default=["gd", "adam"],
@@ -51,7 +53,8 @@ def run_ntk_check(args: argparse.Namespace) -> int:
 
     data = load_data(args)
     checker = NTKConvergenceChecker(
-        models=args.models, widths=args.widths, seeds=list(args.seeds), protocols=args.protocols,
+        models=args.models, attention_context=args.attention_context, widths=args.widths, seeds=list(args.seeds),
+        protocols=args.protocols,
         ridge=args.ridge, gd_steps=args.gd_steps, gd_lr_scale=args.gd_lr_scale, adam_epochs=args.adam_epochs,
         device=args.device, dtype=getattr(torch, args.dtype), verbose=not args.quiet,
     )
@@ -115,6 +118,8 @@ def add_reproduce(sub: argparse._SubParsersAction, run: Runner) -> None:
     )
     group.add_argument("--models", nargs="+", default=list(defaults.models), help="models of Tables 1-2")
     group.add_argument("--width", type=int, default=defaults.width, help="width of the flip-rate tables")
+    group.add_argument("--attention-context", choices=("centred", "gram"), default=defaults.attention_context,
+                       help="context of the attention models (gram: the paper's literal X^T X)")
     group.add_argument("--widths", type=int, nargs="+", default=list(defaults.widths), help="Table 1 sweep")
     group.add_argument("--seeds", type=int, nargs="+", default=list(defaults.seeds), help="seeds")
     group.add_argument("--epochs", type=int, default=defaults.epochs, help="training epochs (paper: 500)")
@@ -137,7 +142,8 @@ def run_reproduce(args: argparse.Namespace) -> int:
 
     config = ReproductionConfig(
         dataset=args.dataset, data_root=args.data_root, n_train=args.n_train, n_test=args.n_test,
-        models=tuple(args.models), width=args.width, widths=tuple(args.widths), seeds=tuple(args.seeds),
+        models=tuple(args.models), width=args.width, attention_context=args.attention_context,
+        widths=tuple(args.widths), seeds=tuple(args.seeds),
         epochs=args.epochs, lr=args.lr, weight_decay=args.weight_decay, adv_epochs=args.adv_epochs, eps=args.eps,
         eps_grid=tuple(args.eps_grid), n_queries=args.n_queries, lds_models=args.lds_models,
         ntk_n_train=args.ntk_n_train, ntk_adam_epochs=args.ntk_adam_epochs, tables=tuple(args.tables),

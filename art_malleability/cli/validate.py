@@ -81,7 +81,8 @@ def run_validate(args: argparse.Namespace) -> int:
                       f"{data.input_shape}, {data.nb_classes} classes")
     sections = []
     for name in model_names(args):
-        build_model(name, data.input_shape, data.nb_classes, args.width, args.seed)  # fail early on a bad name
+        # fail early on a bad name
+        build_model(name, data.input_shape, data.nb_classes, args.width, args.seed, args.attention_context)
         began = time.perf_counter()
         report = validate(
             _train_fn(args, name, data), data.x_train, data.y_train, x_query, y_query, estimators=estimators,
@@ -120,7 +121,7 @@ def _train_fn(args: argparse.Namespace, name: str, data: Dataset) -> TrainFn:
     from art_malleability.models.training import train_model
 
     def train_fn(x, y, seed):
-        module = build_model(name, data.input_shape, data.nb_classes, args.width, seed)
+        module = build_model(name, data.input_shape, data.nb_classes, args.width, seed, args.attention_context)
         return train_model(
             module, x, y, loss=args.loss, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
             weight_decay=args.weight_decay, seed=seed, device=args.device, verbose=False,

@@ -21,8 +21,8 @@ logger = logging.getLogger(__name__)
 
 _NORM_EPS = 1e-12
 _CONTEXT_CHUNK = 4096
-#: The contexts of :class:`LinearizedAttention`: the training set's Gram matrix, or its centred covariance.
-CONTEXTS = ("gram", "centred")
+#: The contexts of :class:`LinearizedAttention`: the training set's centred covariance, or its Gram matrix.
+CONTEXTS = ("centred", "gram")
 
 
 def _flatten_normalise(x: torch.Tensor) -> torch.Tensor:
@@ -141,6 +141,30 @@ class LinearizedAttention(nn.Module):
         :param x: Batch of shape `(b, ...)` with `d` features per example.
         :return: Tensor of shape `(b, d)`.
         """
+        return self.apply_context(self.centre(x))
+
+    def centre(self, x: torch.Tensor) -> torch.Tensor:
+        """
+        Flatten each row and, for the centred context, subtract the training tokens' mean :math:`\\mu`.
+
+        :param x: Batch of shape `(b, ...)` with `d` features per example.
+        :return: Tensor of shape `(b, d)` in the context's dtype.
+        """
+        x = self._rows(x)
+        return x - self.mean if self.centred else x
+
+    def apply_context(self, x: torch.Tensor) -> torch.Tensor:
+        """
+        Map each flattened row :math:`x` to :math:`x C`, without centring (rows already centred, or mapped by
+        query and key maps as in MLP-Attn-QKV).
+
+        :param x: Batch of shape `(b, ...)` with `d` features per example.
+        :return: Tensor of shape `(b, d)`.
+        """
+        return self._rows(x) @ self.context
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        """:return: ``x`` flattened to `(b, d)` in the context's dtype; :raises: without a context or on `d`."""
         if not self.has_context:
             raise RuntimeError(
                 "LinearizedAttention has no context: call set_context(x_train) with the training inputs first"
@@ -150,8 +174,7 @@ class LinearizedAttention(nn.Module):
             raise ValueError(
                 f"x must have {self.context.shape[0]} features per example (the context's), got {x.shape[1]}"
             )
-        x = x.to(self.context.dtype)
-        return (x - self.mean if self.centred else x) @ self.context
+        return x.to(self.context.dtype)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}" + (", context=centred" if self.centred else "")

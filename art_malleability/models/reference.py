@@ -10,14 +10,17 @@ parameters of 2L-ReLU and MLP-Attn) and a fixed output matrix :math:`A \\in \\{\
 column per class). They differ only in the features :math:`\\tilde{x}`:
 
 - **2L-ReLU**: :math:`\\tilde{x} = \\hat{x}`, the flattened input scaled to unit :math:`\\ell_2` norm.
-- **MLP-Attn**: :math:`\\tilde{x} = \\mathrm{normalise}(C \\hat{x})` with :math:`C = X^\\top X` computed over
-  the (row-normalised) training set :math:`X`. This is linearised attention with identity query/key/value maps
+- **MLP-Attn**: :math:`\\tilde{x} = \\mathrm{normalise}(C (\\hat{x} - \\mu))` with :math:`C` the centred
+  second-moment matrix of the (row-normalised) training set :math:`X` and :math:`\\mu` its mean row (the default,
+  ``context="centred"``), or the paper's literal :math:`\\tilde{x} = \\mathrm{normalise}(C \\hat{x})` with
+  :math:`C = X^\\top X` (``context="gram"``). This is linearised attention with identity query/key/value maps
   (:math:`\\exp(a) \\approx 1 + a`): attention over :math:`X` gives :math:`X X^\\top X`, whose row :math:`i`
-  is :math:`C x_i`. The model is *transductive*: it exposes ``set_context(x_train)``, and test points are
-  mapped with the training-set context.
+  is :math:`C x_i`; the centred form attends over the centred tokens :math:`X - 1\\mu^\\top`. The model is
+  *transductive*: it exposes ``set_context(x_train)``, and test points are mapped with the training-set context.
 - **MLP-Attn-QKV** (the paper's v2 extension): the same linearised attention with trained query, key and value
-  maps, :math:`\\tilde{x} = \\mathrm{normalise}(W_v S W_k^\\top W_q \\hat{x})` with :math:`S = X^\\top X`,
-  initialised near the identity so that it starts near MLP-Attn (see :class:`MLPAttnQKV`). Its attention is
+  maps, :math:`\\tilde{x} = \\mathrm{normalise}(W_v S W_k^\\top W_q (\\hat{x} - \\mu))` with :math:`S` the
+  context of MLP-Attn (centred by default), initialised near the identity so that it starts near MLP-Attn (see
+  :class:`MLPAttnQKV`). Its attention is
   trained, so the infinite-width kernel of the two-layer net on fixed features is not its limit.
 
 All models draw :math:`W` first and then :math:`A` from one local generator seeded by ``seed`` (MLP-Attn-QKV then
@@ -38,9 +41,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from art_malleability._utils.checks import check_input_shape
-from art_malleability.models._attention import _NORM_EPS, LinearizedAttention, _flatten_normalise
+from art_malleability.models._attention import _NORM_EPS, CONTEXTS, LinearizedAttention, _flatten_normalise
 
 __all__ = [
+    "CONTEXTS",
     "Transductive",
     "is_transductive",
     "REFERENCE_MODELS",
@@ -177,24 +181,31 @@ class TwoLayerReLU(_TwoLayerNTK):
 class MLPAttn(_TwoLayerNTK):
     """
     MLP-Attn: linearised attention followed by the 2L-ReLU network,
-    :math:`\\tilde{x} = \\mathrm{normalise}(C \\, \\mathrm{normalise}(x))` with :math:`C = X^\\top X` over the
-    row-normalised training set.
+    :math:`\\tilde{x} = \\mathrm{normalise}(C_c (\\hat{x} - \\mu))` with :math:`\\hat{x}` the unit-norm input,
+    :math:`\\mu` the mean of the row-normalised training set :math:`X` and :math:`C_c = (X - 1\\mu^\\top)^\\top
+    (X - 1\\mu^\\top)`: the attention over the centred training tokens (:class:`LinearizedAttention`).
 
     The model is transductive: call :meth:`set_context` with the training inputs before the forward pass (the
     training routines of this package do). Test points are mapped with the training-set context. The context
-    lives in ``attention.context`` and is part of the ``state_dict``.
+    lives in ``attention.context`` (and ``attention.mean``) and is part of the ``state_dict``.
 
-    With ``context="centred"`` the attention runs over the centred training tokens,
-    :math:`\\tilde{x} = \\mathrm{normalise}(C_c (\\hat{x} - \\mu))` with :math:`C_c = (X - 1\\mu^\\top)^\\top
-    (X - 1\\mu^\\top)` (:class:`LinearizedAttention`). The paper leaves the context's normalisation open; its
-    literal form, ``"gram"``, is the default. On digits the Gram form's features of different classes are nearly
-    parallel (mean cosine 0.999) and, with the command line's training settings, the model reaches 76 % test
-    accuracy where 2L-ReLU reaches 98 %; the centred form reaches 97 % (seed 0, the test
-    ``test_the_centred_mlp_attn_learns_digits_as_well_as_the_2l_relu``).
+    ``context="gram"`` is the paper's literal form, :math:`\\tilde{x} = \\mathrm{normalise}(C \\hat{x})` with
+    :math:`C = X^\\top X`. The paper leaves the context's normalisation open; centring is the default because the
+    Gram form does not learn: its top eigen-direction (close to the mean image) dominates, so the features of
+    different classes are nearly parallel (mean cosine 0.999 on digits, 0.993 on MNIST), and with the command
+    line's training settings it reaches 76 % test accuracy on digits where the 2L-ReLU reaches 97 %; the centred
+    form reaches 97 % (docs/reproduction.md, and the test
+    ``test_the_centred_mlp_attn_learns_digits_as_well_as_the_2l_relu``). A ``state_dict`` of one form does not load
+    into the other (the centred form also stores the mean).
     """
 
     def __init__(
-        self, input_shape: int | tuple[int, ...], width: int, nb_classes: int, seed: int = 0, context: str = "gram"
+        self,
+        input_shape: int | tuple[int, ...],
+        width: int,
+        nb_classes: int,
+        seed: int = 0,
+        context: str = "centred",
     ) -> None:
         """
         :param input_shape: Shape of one input (e.g. `(1, 28, 28)`) or its number of features.
@@ -202,14 +213,15 @@ class MLPAttn(_TwoLayerNTK):
         :param nb_classes: Number of outputs (>= 2).
         :param seed: Seed of the local generator that draws :math:`W` and then :math:`A` (the same draws as
                      :class:`TwoLayerReLU` with this seed).
-        :param context: ``"gram"`` (:math:`C = X^\\top X`) or ``"centred"`` (see the class).
+        :param context: ``"centred"`` (the default) or ``"gram"`` (:math:`C = X^\\top X`, the paper's literal form;
+                        see the class).
         """
         super().__init__(input_shape, width, nb_classes, seed)
         self.attention = LinearizedAttention(dim=self.input_dim, context=context)
 
     def set_context(self, x_train: np.ndarray | torch.Tensor) -> None:
         """
-        Set the attention context (:math:`C = X^\\top X`, or centred) from the training inputs.
+        Set the attention context (centred, or :math:`C = X^\\top X`) from the training inputs.
 
         :param x_train: Training inputs `(n, *input_shape)`; their rows are flattened and normalised.
         """
@@ -217,8 +229,8 @@ class MLPAttn(_TwoLayerNTK):
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         """
-        Attention features :math:`\\mathrm{normalise}(C \\hat{x})` (centred:
-        :math:`\\mathrm{normalise}(C_c (\\hat{x} - \\mu))`).
+        Attention features :math:`\\mathrm{normalise}(C_c (\\hat{x} - \\mu))` (Gram form:
+        :math:`\\mathrm{normalise}(C \\hat{x})`).
 
         :param x: Batch of shape `(b, *input_shape)`.
         :return: Tensor of shape `(b, d)`.
@@ -240,11 +252,13 @@ class MLPAttnQKV(_TwoLayerNTK):
               \\qquad S = X^\\top X,
 
     so only the `d x d` second-moment matrix :math:`S` of the training set is stored (the buffer
-    ``attention.context``, exactly the context :math:`C` of :class:`MLPAttn`), never the training matrix
-    itself. The features are :math:`\\tilde{x} = \\mathrm{normalise}(W_v S W_k^\\top W_q \\,
-    \\mathrm{normalise}(x))` (dimension `qkv_dim`), fed to the same NTK-parametrised two-layer ReLU network as
-    the other reference models. With :math:`W_q = W_k = W_v = I` the model is exactly :class:`MLPAttn` (with the
-    same seed, the same :math:`W` and :math:`A` are drawn).
+    ``attention.context``, exactly the context of :class:`MLPAttn` with the same ``context``), never the training
+    matrix itself. With the default ``context="centred"`` the tokens are centred as in :class:`MLPAttn`: :math:`S`
+    is the centred second-moment matrix and the map is applied to :math:`\\hat{x} - \\mu`. The features are
+    :math:`\\tilde{x} = \\mathrm{normalise}(W_v S W_k^\\top W_q (\\hat{x} - \\mu))` (Gram form: without
+    :math:`\\mu`; dimension `qkv_dim`), fed to the same NTK-parametrised two-layer ReLU network as the other
+    reference models. With :math:`W_q = W_k = W_v = I` the model is exactly :class:`MLPAttn` with the same
+    ``context`` (with the same seed, the same :math:`W` and :math:`A` are drawn).
 
     Trained parameters: ``hidden.weight`` (:math:`W`, shape `(width, qkv_dim)`, i.i.d. :math:`\\mathcal{N}(0,
     1)` at initialisation), ``query.weight`` (:math:`W_q`, shape `(qkv_dim, d)`), ``key.weight``
@@ -281,6 +295,7 @@ class MLPAttnQKV(_TwoLayerNTK):
         qkv_dim: int | None = None,
         *,
         init_noise: float = 0.1,
+        context: str = "centred",
     ) -> None:
         """
         :param input_shape: Shape of one input (e.g. `(1, 28, 28)`) or its number of features `d`.
@@ -294,6 +309,7 @@ class MLPAttnQKV(_TwoLayerNTK):
         :param init_noise: Scale (>= 0) of the :math:`\\mathcal{N}(0, 1/d)` noise added to the identity in the
                            initial query, key and value maps; 0 gives exactly the identity (the model is then
                            :class:`MLPAttn` at initialisation).
+        :param context: ``"centred"`` (the default) or ``"gram"``, as for :class:`MLPAttn`.
         """
         d = math.prod(check_input_shape(input_shape))
         _check_int(seed, "seed")
@@ -319,7 +335,7 @@ class MLPAttnQKV(_TwoLayerNTK):
             self.query.weight.copy_(w_q)
             self.key.weight.copy_(w_k.T)
             self.value.weight.copy_(w_v)
-        self.attention = LinearizedAttention(dim=d)
+        self.attention = LinearizedAttention(dim=d, context=context)
 
     @property
     def has_context(self) -> bool:
@@ -328,8 +344,8 @@ class MLPAttnQKV(_TwoLayerNTK):
 
     def set_context(self, x_train: np.ndarray | torch.Tensor) -> None:
         """
-        Set the attention context :math:`S = X^\\top X` from the training inputs; the query, key and value maps
-        are not touched.
+        Set the attention context :math:`S` (centred, or :math:`X^\\top X`) from the training inputs; the query,
+        key and value maps are not touched.
 
         :param x_train: Training inputs `(n, *input_shape)`; their rows are flattened and normalised.
         """
@@ -352,9 +368,9 @@ class MLPAttnQKV(_TwoLayerNTK):
 
     def attention_map(self) -> torch.Tensor:
         """
-        The linear map :math:`M = W_v S W_k^\\top W_q` applied by the attention (before the second
-        normalisation), with the current weights and context. Differentiable; wrap in ``torch.no_grad`` for a
-        plain value.
+        The linear map :math:`M = W_v S W_k^\\top W_q` applied by the attention (to :math:`\\hat{x} - \\mu` in the
+        centred form, before the second normalisation), with the current weights and context. Differentiable; wrap
+        in ``torch.no_grad`` for a plain value.
 
         :return: Tensor of shape `(qkv_dim, d)`.
         """
@@ -365,14 +381,15 @@ class MLPAttnQKV(_TwoLayerNTK):
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         """
-        Attention features :math:`\\mathrm{normalise}(W_v S W_k^\\top W_q \\hat{x})`, computed row-wise as
-        :math:`\\hat{x} W_q^\\top W_k S W_v^\\top`.
+        Attention features :math:`\\mathrm{normalise}(W_v S W_k^\\top W_q (\\hat{x} - \\mu))` (Gram form: without
+        :math:`\\mu`), computed row-wise as :math:`(\\hat{x} - \\mu) W_q^\\top W_k S W_v^\\top`.
 
         :param x: Batch of shape `(b, *input_shape)`.
         :return: Tensor of shape `(b, qkv_dim)`.
         """
-        keyed = self.key(self.query(_flatten_normalise(x.to(self.query.weight.dtype))))
-        attended = self.value(self.attention(keyed))
+        x_hat = _flatten_normalise(x.to(self.query.weight.dtype))
+        keyed = self.key(self.query(self.attention.centre(x_hat).to(x_hat.dtype)))
+        attended = self.value(self.attention.apply_context(keyed))
         return F.normalize(attended, p=2.0, dim=1, eps=_NORM_EPS)
 
     def extra_repr(self) -> str:
@@ -395,7 +412,7 @@ def _check_width_classes(width: int, nb_classes: int) -> tuple[int, int]:
 
 def build_reference_model(
     name: str, input_shape: int | tuple[int, ...], nb_classes: int, width: int = 512, seed: int = 0,
-    context: str = "gram",
+    context: str | None = None,
 ) -> nn.Module:
     """
     Build one of the reference models by name.
@@ -408,8 +425,9 @@ def build_reference_model(
     :param nb_classes: Number of classes (>= 2).
     :param width: Hidden width (>= 1).
     :param seed: Seed of the initial weights.
-    :param context: MLP-Attn's attention context, ``"gram"`` or ``"centred"`` (:class:`MLPAttn`); the other models
-                    take only ``"gram"``.
+    :param context: The attention context of the two attention models, ``"centred"`` or ``"gram"``
+                    (:class:`MLPAttn`); `None` (the only value the 2L-ReLU takes) means the model's default,
+                    ``"centred"``.
     :return: The freshly initialised model (float32, on CPU, in training mode).
     """
     if not isinstance(name, str):
@@ -419,11 +437,11 @@ def build_reference_model(
         raise ValueError(f"name must be one of {REFERENCE_MODELS}, got {name!r}")
     _check_width_classes(width, nb_classes)
     model_class = _MODEL_CLASSES[key]
-    if key == "mlp-attn":
-        return MLPAttn(input_shape, width=width, nb_classes=nb_classes, seed=seed, context=context)
-    if context != "gram":
-        raise ValueError(f"context must be 'gram' for {key} (a choice of mlp-attn only), got {context!r}")
-    return model_class(input_shape, width=width, nb_classes=nb_classes, seed=seed)
+    if context is None:
+        return model_class(input_shape, width=width, nb_classes=nb_classes, seed=seed)
+    if key == "2l-relu":
+        raise ValueError(f"context must be None for 2l-relu (it has no attention), got {context!r}")
+    return model_class(input_shape, width=width, nb_classes=nb_classes, seed=seed, context=context)
 
 
 _MODEL_CLASSES: dict[str, type[_TwoLayerNTK]] = {

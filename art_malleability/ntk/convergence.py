@@ -41,6 +41,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -53,7 +54,7 @@ from art_malleability._utils.torch_utils import no_tf32, resolve_device
 from art_malleability.influence.ridge import kernel_ridge_predict
 from art_malleability.metrics import percentile_interval
 from art_malleability.metrics._bootstrap import check_confidence
-from art_malleability.models.reference import REFERENCE_MODELS, build_reference_model, is_transductive
+from art_malleability.models.reference import CONTEXTS, REFERENCE_MODELS, build_reference_model, is_transductive
 from art_malleability.ntk.analytic import analytic_ntk
 from art_malleability.ntk.convergence_report import LEVELS as LEVELS  # public path
 from art_malleability.ntk.convergence_report import PRIMARY as PRIMARY  # public path
@@ -91,6 +92,9 @@ class NTKConvergenceChecker:
 
     :param models: Mapping of a model name to a factory ``(width, seed) -> nn.Module``, or reference model
            names (``"2l-relu"``, ``"mlp-attn"``) built for the data's shape.
+    :param attention_context: The attention context of MLP-Attn when ``models`` names it: ``"centred"`` (the
+           model's default) or ``"gram"`` (the paper's literal :math:`C = X^\\top X`). The paper's non-convergence
+           belongs to the Gram form; the centred form converges like the 2L-ReLU (docs/ntk.md).
     :param widths: Widths to test (at least two).
     :param seeds: Initialisation seeds (at least two, for the intervals).
     :param protocols: Training protocols of the dynamic level: ``"gd"`` and/or ``"adam"``; empty skips training.
@@ -112,6 +116,7 @@ class NTKConvergenceChecker:
     def __init__(
         self,
         models: Mapping[str, ModelFactory] | Sequence[str] = ("2l-relu", "mlp-attn"),
+        attention_context: str = "centred",
         widths: Sequence[int] = (16, 64, 256, 1024, 4096),
         seeds: Sequence[int] = (0, 1, 2, 3, 4),
         protocols: Sequence[str] = ("gd", "adam"),
@@ -130,6 +135,7 @@ class NTKConvergenceChecker:
         verbose: bool = True,
     ) -> None:
         self.models = models
+        self.attention_context = attention_context
         self.widths = [int(w) for w in widths]
         self.seeds = [int(s) for s in seeds]
         self.protocols = tuple(protocols)
@@ -167,6 +173,8 @@ class NTKConvergenceChecker:
         check_confidence(self.confidence)
         if self.dtype not in (torch.float32, torch.float64):
             raise ValueError(f"dtype must be torch.float32 or torch.float64, got {self.dtype!r}")
+        if self.attention_context not in CONTEXTS:
+            raise ValueError(f"attention_context must be one of {CONTEXTS}, got {self.attention_context!r}")
         if not isinstance(self.models, Mapping):
             for name in self.models:
                 if name not in REFERENCE_MODELS:
@@ -178,7 +186,8 @@ class NTKConvergenceChecker:
         """:return: The checker's settings, JSON-ready."""
         names = list(self.models) if not isinstance(self.models, Mapping) else list(self.models.keys())
         return {
-            "models": names, "widths": self.widths, "seeds": self.seeds, "protocols": list(self.protocols),
+            "models": names, "attention_context": self.attention_context, "widths": self.widths, "seeds": self.seeds,
+            "protocols": list(self.protocols),
             "ridge": self.ridge, "gd_steps": self.gd_steps, "gd_lr_scale": self.gd_lr_scale,
             "adam_epochs": self.adam_epochs, "adam_lr": self.adam_lr, "adam_weight_decay": self.adam_weight_decay,
             "adam_batch_size": self.adam_batch_size, "n_bootstrap": self.n_bootstrap,
@@ -254,10 +263,12 @@ class NTKConvergenceChecker:
         if isinstance(self.models, Mapping):
             return dict(self.models)
         return {
-            name: (lambda width, seed, _n=name: build_reference_model(_n, input_shape, nb_classes, width=width,
-                                                                      seed=seed))
-            for name in self.models
+            name: partial(self._reference_model, name, input_shape, nb_classes) for name in self.models
         }
+
+    def _reference_model(self, name: str, input_shape, nb_classes: int, width: int, seed: int) -> nn.Module:
+        context = None if name == "2l-relu" else self.attention_context
+        return build_reference_model(name, input_shape, nb_classes, width=width, seed=seed, context=context)
 
     def _measure(self, name, model, width, seed, limit, x_tr, x_te, y_train, y_test) -> list[dict[str, Any]]:
         base = {"model": name, "width": width, "seed": seed}

@@ -180,11 +180,13 @@ class ProjectedNTK:
         x = to_tensor(x_probe[: self.probe_size], self.device, self.dtype)
         with eval_mode(self.model), no_tf32(self.device):
             groups = self._find_groups(x[:2])
-            earlier = self.like
+            earlier, splits = self.like, None
             if self.projection_dim >= sum(g.full_dim for g in groups):
                 ks = [g.full_dim for g in groups]  # nothing to share: every group unprojected
             elif earlier is not None and earlier.groups is not None and self._signature(groups) == earlier.signature:
-                ks = [g.k for g in earlier.groups]  # the same random features as the earlier projection
+                # the same random features as the earlier projection: its budgets and their Kronecker splits (a split
+                # of k_out * k_in need not give k_out, k_in again)
+                ks, splits = [g.k for g in earlier.groups], [(g.k_out, g.k_in) for g in earlier.groups]
             else:
                 # pilot: small projections estimate each group's squared Jacobian norm
                 for g_idx, g in enumerate(groups):
@@ -197,7 +199,7 @@ class ProjectedNTK:
         self.groups = groups
         self._check_matrix_memory(ks)
         for g_idx, (g, k) in enumerate(zip(groups, ks, strict=True)):
-            self._draw(g, g_idx, k, pilot=False)
+            self._draw(g, g_idx, k, pilot=False, split=None if splits is None else splits[g_idx])
         self._offsets()
         logger.debug(
             "projected NTK: %d dimensions of %d; groups %s",
@@ -257,7 +259,7 @@ class ProjectedNTK:
         )
         return groups
 
-    def _draw(self, g: Group, index: int, k: int, pilot: bool) -> None:
+    def _draw(self, g: Group, index: int, k: int, pilot: bool, split: tuple[int, int] | None = None) -> None:
         seed = seed_of(self.seed, index, 1 if pilot else 0)
         if not g.kronecker:
             g.k = g.k_out = min(k, g.full_dim)
@@ -271,7 +273,7 @@ class ProjectedNTK:
         if pilot:
             k_out, k_in = min(g.d_out, _PILOT_SIDE), min(g.d_in, _PILOT_SIDE)
         else:
-            k_out, k_in = kronecker_split(k, g.d_out, g.d_in)
+            k_out, k_in = kronecker_split(k, g.d_out, g.d_in) if split is None else split
         g.k_out, g.k_in, g.k = k_out, k_in, k_out * k_in
         g.p_out = orthogonal_projection(g.d_out, k_out, seed_of(seed, 0), self.dtype, self.device)
         g.p_in = orthogonal_projection(g.d_in, k_in, seed_of(seed, 1), self.dtype, self.device)

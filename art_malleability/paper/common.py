@@ -20,10 +20,17 @@ from art_malleability.models.training import make_classifier, train_model
 ATTACKS = ("fgsm", "pgd", "mim")
 
 
+def build_module(config, model: str, input_shape, nb_classes: int, seed: int, width: int | None = None):
+    """A fresh reference model of the run: ``config.width`` unless ``width``, its attention context for MLP-Attn."""
+    context = None if model == "2l-relu" else config.attention_context
+    return build_reference_model(model, input_shape, nb_classes, width=width or config.width, seed=seed,
+                                 context=context)
+
+
 def train_module(
     config, model: str, x: np.ndarray, y: np.ndarray, seed: int, loss: str, input_shape, nb_classes, transform=None
 ) -> torch.nn.Module:
-    module = build_reference_model(model, input_shape, nb_classes, width=config.width, seed=seed)
+    module = build_module(config, model, input_shape, nb_classes, seed)
     if transform is not None:
         module = transform(module)
     return train_model(

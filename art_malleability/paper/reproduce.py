@@ -47,11 +47,12 @@ from art_malleability._utils.output_folder import OutputFolder, staged_output
 from art_malleability._utils.report_base import SavedReport, markdown_table
 from art_malleability._utils.state import preserved_rng
 from art_malleability.data.datasets import Dataset, load_dataset, subsample
-from art_malleability.models.reference import build_reference_model, is_transductive
+from art_malleability.models.reference import CONTEXTS, is_transductive
 from art_malleability.models.training import make_classifier
 from art_malleability.paper.common import (
     ATTACKS,
     audit,
+    build_module,
     flip_rows,
     fmt_ci,
     held_out_accuracy,
@@ -86,6 +87,8 @@ class ReproductionConfig:
     :param n_test: Test examples (queries are drawn from them).
     :param models: Models of Tables 1–2 (Tables 3–4 use the first two).
     :param width: Hidden width of the flip-rate tables.
+    :param attention_context: The attention context of MLP-Attn and MLP-Attn-QKV: ``"centred"`` (default) or
+                              ``"gram"``, the paper's literal form (:class:`~art_malleability.models.MLPAttn`).
     :param seeds: Seeds (training initialisation, data order, queries).
     :param epochs: Training epochs (paper: 500).
     :param lr: Adam learning rate (paper: 1e-3).
@@ -119,6 +122,7 @@ class ReproductionConfig:
     n_test: int = 300
     models: tuple[str, ...] = ("2l-relu", "mlp-attn", "mlp-attn-qkv")
     width: int = 512
+    attention_context: str = "centred"
     seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
     epochs: int = 500
     lr: float = 1e-3
@@ -148,6 +152,8 @@ class ReproductionConfig:
                 raise ValueError(f"tables must be drawn from {TABLES + STUDIES}, got {t!r}")
         if len(self.seeds) < 1:
             raise ValueError(f"seeds must hold at least one seed, got {self.seeds!r}")
+        if self.attention_context not in CONTEXTS:
+            raise ValueError(f"attention_context must be one of {CONTEXTS}, got {self.attention_context!r}")
         for w in (16, 1024, 4096):
             if "table1" in self.tables and w not in self.widths:
                 logger.info("Table 1 reports widths 16/1024/4096; width %d is not in the sweep", w)
@@ -244,7 +250,8 @@ def _table1(config, data: Dataset, family: str, result: Reproduction, out: Outpu
     n_tr, n_te = len(tr), len(te)
     models = [m for m in config.models if m != "mlp-attn-qkv"]  # no analytic limit for trained attention
     checker = NTKConvergenceChecker(
-        models=models, widths=config.widths, seeds=config.seeds if len(config.seeds) > 1 else (0, 1),
+        models=models, attention_context=config.attention_context, widths=config.widths,
+        seeds=config.seeds if len(config.seeds) > 1 else (0, 1),
         protocols=("adam", "gd"), adam_epochs=config.ntk_adam_epochs, gd_steps=config.ntk_gd_steps,
         device=config.device, verbose=config.verbose,
     )
@@ -380,7 +387,7 @@ def _table4(config, data: Dataset, family: str, result: Reproduction, trained: d
             report = audit(config, standard, data, ("pgd",), config.eps, seed)
             rows += flip_rows("table4", model, seed, base_acc, report, data, extra={"training": "standard"})
             # adversarial training starts from a fresh initialisation, with the same optimiser settings
-            module = build_reference_model(model, data.input_shape, data.nb_classes, width=config.width, seed=seed)
+            module = build_module(config, model, data.input_shape, data.nb_classes, seed)
             if is_transductive(module):
                 module.set_context(data.x_train)
             params = [p for p in module.parameters() if p.requires_grad]
