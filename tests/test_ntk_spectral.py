@@ -218,7 +218,7 @@ def test_digits_spectrum():
 def test_digits_attention_features_are_the_models_features():
     data = load_dataset("digits", n_train=300, seed=0)  # the subset spectral_analysis_of_dataset draws
     report = spectral_analysis_of_dataset("digits", n=300, model="mlp-attn")
-    model = MLPAttn(data.input_shape, width=4, nb_classes=10).double()
+    model = MLPAttn(data.input_shape, width=4, nb_classes=10, context="gram").double()  # the paper's kappa(G)^3
     model.set_context(data.x_train)
     with torch.no_grad():
         z = model.features(torch.from_numpy(data.x_train).double()).numpy()

@@ -21,18 +21,24 @@ def test_every_table_runs_on_tiny_sizes(tmp_path):
         ntk_n_train=20, ntk_n_test=10, ntk_adam_epochs=1, ntk_gd_steps=3, device="cpu", verbose=False,
     )
     result = run_reproduction(config, tmp_path)
-    assert set(result.tables) == {"table1", "table2", "table3", "table4", "ablation", "spectral"}
+    assert set(result.tables) == {"table1", "table2", "table3", "table4", "ablation", "landscape", "spectral"}
     markdown = (tmp_path / "reproduction.md").read_text()
     for needle in ("Table 1", "Table 2", "Table 3", "Table 4", "ε ablation", "Spectral numbers", "34.6", "43.4",
                    "Ratio MLP-Attn / 2L-ReLU"):
         assert needle in markdown, needle
     data = json.loads((tmp_path / "reproduction.json").read_text())
     tables = {r["table"] for r in data["rows"]}
-    assert tables == {"table1", "table2", "table3", "table4", "ablation", "spectral"}
+    assert tables == {"table1", "table2", "table3", "table4", "ablation", "landscape", "spectral"}
     adversarial = [r for r in data["rows"] if r.get("training") == "pgd-adversarial"]
     assert len(adversarial) == 2 * 2 and all(r["attack"] == "pgd" for r in adversarial)
     assert all("clean_accuracy" in r and "near_chance" in r for r in data["rows"] if r["table"] == "table2")
     assert (tmp_path / "ablation.png").exists() and (tmp_path / "table1_ntk" / "convergence.json").exists()
+    assert (tmp_path / "landscape.png").exists() and "Loss landscape" in markdown
+    landscape = {(r["model"], r["seed"]): r for r in data["rows"] if r["table"] == "landscape"}
+    assert set(landscape) == {(m, s) for m in ("2l-relu", "mlp-attn") for s in (0, 1)}
+    assert all(r["lambda_max"] > 0 and r["curvature"] > 0 and r["rise_1.0"] > r["rise_0.5"] > 0
+               for r in landscape.values())
+    assert "MLP-Attn − 2L-ReLU (paired)" in result.tables["landscape"]
     table2 = [r for r in data["rows"] if r["table"] == "table2"]
     assert all("excess_flip_rate_ci" in r and "control_flip_rate" in r and "flip_rate_null" in r for r in table2)
     assert "MLP-Attn minus 2L-ReLU, excess flip rates" in result.tables["table2"]

@@ -100,7 +100,7 @@ def add_reproduce(sub: argparse._SubParsersAction, run: Runner) -> None:
     defaults = ReproductionConfig()
     rep = add_command(
         sub, "reproduce", run,
-        "regenerate the paper's Tables 1-4, the eps ablation and spectral numbers next to its values",
+        "regenerate the paper's Tables 1-4, the eps ablation, loss landscape and spectral numbers next to its values",
         description="Reproduce the paper's comparisons with the paper's training protocol by default "
         "(Adam, lr 1e-3, batch 128, L2 1e-3, 500 epochs). Every flip rate: mean over seeds with a 95% "
         "Student-t interval over the seeds, beside its expectation by query noise, the noise-aware flip rate, the "

@@ -394,7 +394,9 @@ def spectral_analysis_of_dataset(
       :math:`z_i = \\mathrm{normalise}(C x_i)` with :math:`C = X^\\top X` over the same (unit-normalised)
       training subset, computed in float64. Their Gram matrix is :math:`D G^3 D` with
       :math:`D = \\mathrm{diag}(1 / \\lVert C x_i \\rVert)`: the spectrum the attention model actually trains
-      on, whose condition number is about :math:`\\kappa(G)^3` up to the diagonal rescaling.
+      on, whose condition number is about :math:`\\kappa(G)^3` up to the diagonal rescaling. These are the
+      features of the paper's literal MLP-Attn (``MLPAttn(context="gram")``), whose amplification the paper's
+      claim is about; the package's default, centred MLP-Attn trains on other features.
 
     :param name_or_path: Dataset name or ``.npz`` path (see :func:`~art_malleability.data.datasets.load_dataset`).
     :param root: Data folder for the torchvision datasets.

@@ -14,7 +14,9 @@ Reproduction of the paper's comparisons (Miñoza, Medina & Ibañez, 2026), side 
 * **Table 4**: PGD flip rate after PGD adversarial training through ART's
   :class:`~art.defences.trainer.AdversarialTrainer` (ratio 1: every batch replaced by its PGD
   counterpart), against standard training.
-* **ε ablation** (0.1, 0.2, 0.3, 0.5) on the Table 2 models, and the **spectral numbers**.
+* **ε ablation** (0.1, 0.2, 0.3, 0.5) on the Table 2 models, their **loss landscape** (top Hessian eigenvalue and
+  filter-normalised loss profiles: the paper's flatter-minima claim, :mod:`art_malleability.paper.landscape`), and the
+  **spectral numbers**.
 
 Every flip rate is the mean over training seeds with a Student-t interval over the seeds
 (:func:`~art_malleability.metrics.seed_interval`: each seed's estimate carries its query noise, counted once);
@@ -67,7 +69,7 @@ from art_malleability.paper.tables import ablation_figure, accuracy_cell, direct
 
 logger = logging.getLogger(__name__)
 
-TABLES = ("table1", "table2", "table3", "table4", "ablation", "spectral")
+TABLES = ("table1", "table2", "table3", "table4", "ablation", "landscape", "spectral")
 #: Runs on request only (``tables=("open_choices",)``): the sensitivity study of
 #: :mod:`art_malleability.paper.open_choices`.
 STUDIES = ("open_choices",)
@@ -225,6 +227,7 @@ def run_reproduction(config: ReproductionConfig, output: str | Path | OutputFold
             "table3": lambda: _table3(config, family, result),
             "table4": lambda: _table4(config, data, family, result, trained),
             "ablation": lambda: _ablation(config, data, result, trained),
+            "landscape": lambda: _landscape(config, data, result, trained),
             "spectral": lambda: _spectral(config, family, result),
         }
         with preserved_rng():
@@ -438,6 +441,16 @@ def _ablation(config, data: Dataset, result: Reproduction, trained: dict) -> Non
              "", "![ε ablation](ablation.png)"]
     result.tables["ablation"] = "\n".join(lines)
     result.files["ablation.png"] = figure_png(ablation_figure(rows, models, config.eps_grid))
+
+
+def _landscape(config, data: Dataset, result: Reproduction, trained: dict) -> None:
+    from art_malleability.paper.landscape import landscape_table
+
+    rows, markdown, png = landscape_table(config, data, _paper_models(config),
+                                          lambda model, seed: _standard_model(config, model, data, seed, trained))
+    result.rows += rows
+    result.tables["landscape"] = markdown
+    result.files["landscape.png"] = png
 
 
 def _spectral(config, family: str, result: Reproduction) -> None:
