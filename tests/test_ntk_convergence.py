@@ -176,6 +176,30 @@ def test_checker_leaves_global_rng_and_accepts_factories(small_digits):
     assert first["kernel_error"] == pytest.approx(float((k - k_inf).norm() / k_inf.norm()), rel=1e-10)
 
 
+def test_a_diverged_run_is_flagged_and_kept_out_of_the_exponents(small_digits, report):
+    d = small_digits
+    # a limit kernel ten times too small sizes the gradient-descent step ten times above the stable one
+    too_small = lambda model, x1, x2=None: 0.1 * analytic_ntk(model, x1, x2)  # noqa: E731
+    rep = NTKConvergenceChecker(models=["mlp-attn"], widths=[16, 64], seeds=[0, 1], protocols=["gd", "adam"],
+                                gd_steps=30, adam_epochs=1, analytic=too_small, n_bootstrap=20, device="cpu",
+                                verbose=False).run(d.x_train, d.y_train, d.x_test, d.y_test)
+    gd = [r for r in rep.records if r["protocol"] == "gd"]
+    assert all(r["diverged"] and r["train_loss_end"] > 1e10 for r in gd) and len(rep.diverged_runs()) == 4
+    assert all(not r["diverged"] for r in rep.records if r["protocol"] == "adam")
+    assert not [f for f in rep.fits if f.protocol == "gd"]  # every GD run diverged: no exponent, no verdict
+    assert [f for f in rep.fits if f.protocol == "adam"]
+    assert "mlp-attn gd m=16: seeds [0, 1]" in rep.diverged_note()
+    assert "Diverged training runs" in rep.to_markdown() and "Diverged training runs" in rep.summary()
+    # at the stable step sized for the limit kernel, the narrowest MLP-Attn's own kernel is too large for it: its GD
+    # runs diverge (the real case); every other run's loss fell, and the exponents use those only
+    flagged = {(r["model"], r["width"], r["protocol"]) for r in report.records if r.get("diverged")}
+    assert flagged == {("mlp-attn", 16, "gd")}
+    assert all(r["train_loss_end"] < r["train_loss_start"] for r in report.records
+               if r["level"] == "dynamic" and not r["diverged"])
+    fit = _fit(report, "mlp-attn", "kernel_movement", "gd")
+    assert fit.means[0] is None and fit.means[1] is not None
+
+
 def test_the_attention_context_reaches_the_named_mlp_attn():
     checker = NTKConvergenceChecker(models=["2l-relu", "mlp-attn"], attention_context="gram", verbose=False)
     factories = checker._factories((1, 8, 8), 10)

@@ -32,6 +32,11 @@ Verdict per metric and per level (from the level's primary metric: ``kernel_erro
 width exponent lies below -0.1 (the distance falls at least like ``m^(-0.1)`` over the tested widths),
 else ``"no convergence over the tested widths"``; ``lambda_min_ratio``, ``cond_empirical`` and
 ``test_accuracy`` are descriptive and get no verdict. There is never one merged verdict.
+
+A training run whose objective (without its L2 term) ends above its value at initialisation, or non-finite, is
+recorded as ``diverged``: it is listed in the report and logged, and its dynamic metrics are left out of the width
+exponents (a diverging network is not in the kernel regime, and its distances, up to 1e84 for a 16-unit net under
+a step sized for the limit kernel, would otherwise make the exponent, and the verdict, whatever they happen to be).
 """
 
 from __future__ import annotations
@@ -255,6 +260,11 @@ class NTKConvergenceChecker:
             torch.set_rng_state(rng_state)
             progress.close()
         fits = self._fits(records, list(factories))
+        diverged = [r for r in records if r.get("diverged")]
+        if diverged:
+            logger.warning("%d training run(s) diverged (training loss ended above its start or non-finite): %s; "
+                           "their dynamic metrics are left out of the width exponents", len(diverged),
+                           ", ".join(f"{r['model']} {r['protocol']} m={r['width']} seed {r['seed']}" for r in diverged))
         return ConvergenceReport(self.widths, self.seeds, self.get_params(), records, fits, seconds, dataset)
 
     # ------------------------------------------------------------------------------------------ internals
@@ -296,6 +306,7 @@ class NTKConvergenceChecker:
         params0 = [p.detach().clone() for p in trained.parameters() if p.requires_grad]
         with torch.no_grad():
             f0_train, f0_test = trained(x_tr).to(torch.float64), trained(x_te).to(torch.float64)
+        loss_start = _training_loss(protocol, f0_train, limit.targets)
         if protocol == "gd":
             eta = self.gd_lr_scale / limit.lambda_max_per_output
             params = [p for p in trained.parameters() if p.requires_grad]
@@ -317,6 +328,7 @@ class NTKConvergenceChecker:
                                   verbose=False)
         with torch.no_grad():
             f_test = trained(x_te).to(torch.float64)
+            loss_end = _training_loss(protocol, trained(x_tr).to(torch.float64), limit.targets)
         k_t = empirical_ntk(trained, x_tr).to(torch.float64)
         params_t = [p.detach() for p in trained.parameters() if p.requires_grad]
         moved = math.sqrt(sum(float((a - b).pow(2).sum()) for a, b in zip(params_t, params0, strict=True)))
@@ -329,6 +341,9 @@ class NTKConvergenceChecker:
             "kernel_movement": _rel(k_t - k0, k0),
             "weight_movement": moved / size if size > 0 else None,
             "test_accuracy": float((f_test.argmax(1) == y_te).double().mean()),
+            "train_loss_start": loss_start,
+            "train_loss_end": loss_end,
+            "diverged": not math.isfinite(loss_end) or loss_end > loss_start,
         }
         if protocol == "gd":
             f_lin = limit.linearised_gd(f0_train, f0_test, self.gd_lr_scale, self.gd_steps)
@@ -341,7 +356,9 @@ class NTKConvergenceChecker:
         groups += [("dynamic", p, DYNAMIC_METRICS) for p in self.protocols]
         for name in names:
             for level, protocol, metrics in groups:
-                rows = [r for r in records if r["model"] == name and r["level"] == level and r["protocol"] == protocol]
+                # a diverged run is not in the kernel regime whatever its distances: kept out of the exponents
+                rows = [r for r in records if r["model"] == name and r["level"] == level
+                        and r["protocol"] == protocol and not r.get("diverged")]
                 for metric in metrics:
                     table = np.full((len(self.widths), len(self.seeds)), np.nan)
                     for r in rows:
@@ -417,6 +434,13 @@ def _log_slope(log_w: np.ndarray, table: np.ndarray) -> float:
     if keep.sum() < 2:
         return float("nan")
     return float(np.polyfit(log_w[keep], np.log(means[keep]), 1)[0])
+
+
+def _training_loss(protocol: str, outputs: torch.Tensor, targets: torch.Tensor) -> float:
+    """The protocol's training objective without its L2 term: ``½ Σ‖f − y‖²`` for GD, mean cross-entropy for Adam."""
+    if protocol == "gd":
+        return float(0.5 * (outputs - targets).pow(2).sum())
+    return float(torch.nn.functional.cross_entropy(outputs, targets.argmax(1)))
 
 
 def _rel(diff: torch.Tensor, ref: torch.Tensor) -> float:

@@ -106,6 +106,23 @@ class ConvergenceReport(SavedReport):
                 )
         return rows
 
+    def diverged_runs(self) -> list[dict[str, Any]]:
+        """:return: The training runs whose loss ended above its start or non-finite, left out of the exponents."""
+        return [{k: r.get(k) for k in ("model", "protocol", "width", "seed", "train_loss_start", "train_loss_end")}
+                for r in self.records if r.get("diverged")]
+
+    def diverged_note(self) -> str:
+        """:return: One sentence naming the diverged runs, or ``""`` when none diverged."""
+        runs = self.diverged_runs()
+        if not runs:
+            return ""
+        groups: dict[tuple, list] = {}
+        for r in runs:
+            groups.setdefault((r["model"], r["protocol"], r["width"]), []).append(r["seed"])
+        listed = "; ".join(f"{m} {p} m={w}: seeds {seeds}" for (m, p, w), seeds in groups.items())
+        return (f"Diverged training runs (loss ended above its start or non-finite), left out of the dynamic "
+                f"exponents: {listed}.")
+
     def summary(self) -> str:
         """:return: Plain-text table of every metric's width exponent, interval and verdict."""
         title = f"NTK convergence over widths {self.widths}, seeds {self.seeds}" + (
@@ -113,7 +130,7 @@ class ConvergenceReport(SavedReport):
         )
         header = ["model", "level", "protocol", "metric", "exponent [CI]", "verdict"]
         rows = [[f.model, f.level, f.protocol or "-", f.metric, _slope(f), f.verdict] for f in self.fits]
-        return "\n".join([title, *text_table(header, rows)])
+        return "\n".join([title, *text_table(header, rows), *filter(None, [self.diverged_note()])])
 
     def to_markdown(self) -> str:
         """:return: Markdown: verdict per level, all exponents, mean metric per width, settings."""
@@ -134,6 +151,7 @@ class ConvergenceReport(SavedReport):
                     if f.metric == PRIMARY[f.level]
                 ],
             ),
+            *(["", self.diverged_note()] if self.diverged_runs() else []),
             "",
             "## Every metric",
             "",

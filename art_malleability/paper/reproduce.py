@@ -275,7 +275,7 @@ def _table1(config, data: Dataset, family: str, result: Reproduction, out: Outpu
         cells, means = [], []
         for w in shown:
             values = [r["output_distance"] for r in report.records
-                      if r["model"] == model and r["width"] == w and r["protocol"] == "adam"]
+                      if r["model"] == model and r["width"] == w and r["protocol"] == "adam" and not r.get("diverged")]
             mean, low, high = mean_ci(values)
             means.append(mean)
             cells.append(fmt_ci(mean, low, high, 1, (0.0, float("inf"))))
@@ -293,6 +293,8 @@ def _table1(config, data: Dataset, family: str, result: Reproduction, out: Outpu
         lines += ["", "MLP-Attn-QKV has no NTK distance: its query/key/value maps are trained and not width-scaled, so "
                   "their share of the empirical NTK does not vanish and there is no infinite-width kernel f_NTK to "
                   "compare with (the paper does not say which limit it used for this row)."]
+    if report.diverged_runs():
+        lines += ["", report.diverged_note()]
     lines += ["", "Full sweep: `table1_ntk/convergence.md` (every metric, width exponents, verdicts) and figures."]
     result.tables["table1"] = "\n".join(lines)
 

@@ -87,6 +87,7 @@ def accuracy_cell(rows: list[dict]) -> str:
 
 
 def mean_of(report, model: str, width: int, level: str, metric: str, protocol: str | None = None) -> float:
+    """:return: Mean of ``metric`` over the seeds of (model, width, level, protocol), diverged runs left out."""
     values = [
         r[metric]
         for r in report.records
@@ -95,6 +96,7 @@ def mean_of(report, model: str, width: int, level: str, metric: str, protocol: s
         and r["level"] == level
         and r.get("protocol") == protocol
         and r.get(metric) is not None
+        and not r.get("diverged")
     ]
     return float(np.mean(values)) if values else float("nan")
 
