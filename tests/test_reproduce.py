@@ -134,3 +134,19 @@ def test_a_rerun_without_table1_removes_the_stale_sweep_and_nothing_else(tmp_pat
     (sweep / "static.png").unlink()
     run_reproduction(config, tmp_path)
     assert not sweep.exists()  # a folder a run created goes once it is empty
+
+
+def test_quiet_runs_switch_off_arts_trainer_bars_and_restore_them():
+    from art.defences.trainer import adversarial_trainer
+
+    from art_malleability.paper.reproduce import _trainer_progress
+
+    before = adversarial_trainer.tqdm, adversarial_trainer.trange
+    with _trainer_progress(False):
+        assert adversarial_trainer.trange(2).disable and adversarial_trainer.tqdm([1]).disable
+    assert (adversarial_trainer.tqdm, adversarial_trainer.trange) == before
+    with pytest.raises(RuntimeError), _trainer_progress(False):
+        raise RuntimeError("fails inside")
+    assert (adversarial_trainer.tqdm, adversarial_trainer.trange) == before
+    with _trainer_progress(True):
+        assert adversarial_trainer.trange is before[1]

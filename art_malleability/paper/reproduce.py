@@ -36,7 +36,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -403,8 +406,9 @@ def _table4(config, data: Dataset, family: str, result: Reproduction, trained: d
             pgd = ProjectedGradientDescent(clf, eps=float(config.eps), eps_step=2.5 * config.eps / config.adv_max_iter,
                                            max_iter=config.adv_max_iter, num_random_init=0, verbose=False)
             np.random.seed(seed)
-            AdversarialTrainer(clf, pgd, ratio=1.0).fit(data.x_train, one_hot(data.y_train, data.nb_classes),
-                                                        batch_size=config.batch_size, nb_epochs=config.adv_epochs)
+            with _trainer_progress(config.verbose):
+                AdversarialTrainer(clf, pgd, ratio=1.0).fit(data.x_train, one_hot(data.y_train, data.nb_classes),
+                                                            batch_size=config.batch_size, nb_epochs=config.adv_epochs)
             module.eval()
             report = audit(config, clf, data, ("pgd",), config.eps, seed)
             rows += flip_rows("table4", model, seed, held_out_accuracy(clf, data), report, data,
@@ -423,6 +427,24 @@ def _table4(config, data: Dataset, family: str, result: Reproduction, trained: d
     lines.append(markdown_table(["model", "standard", "clean acc.", "adversarial", "clean acc.",
                                  "paper (standard → adversarial)"], table))
     result.tables["table4"] = "\n".join(lines)
+
+
+@contextmanager
+def _trainer_progress(verbose: bool) -> Iterator[None]:
+    """ART's ``AdversarialTrainer.fit`` always draws its progress bars; with ``verbose=False`` they are switched off
+    for the call (its module's ``tqdm``/``trange`` names, restored afterwards)."""
+    from art.defences.trainer import adversarial_trainer
+
+    if verbose:
+        yield
+        return
+    saved = adversarial_trainer.tqdm, adversarial_trainer.trange
+    adversarial_trainer.tqdm = partial(saved[0], disable=True)
+    adversarial_trainer.trange = partial(saved[1], disable=True)
+    try:
+        yield
+    finally:
+        adversarial_trainer.tqdm, adversarial_trainer.trange = saved
 
 
 def _ablation(config, data: Dataset, result: Reproduction, trained: dict) -> None:
