@@ -260,12 +260,10 @@ class NTKConvergenceChecker:
             torch.set_rng_state(rng_state)
             progress.close()
         fits = self._fits(records, list(factories))
-        diverged = [r for r in records if r.get("diverged")]
-        if diverged:
-            logger.warning("%d training run(s) diverged (training loss ended above its start or non-finite): %s; "
-                           "their dynamic metrics are left out of the width exponents", len(diverged),
-                           ", ".join(f"{r['model']} {r['protocol']} m={r['width']} seed {r['seed']}" for r in diverged))
-        return ConvergenceReport(self.widths, self.seeds, self.get_params(), records, fits, seconds, dataset)
+        report = ConvergenceReport(self.widths, self.seeds, self.get_params(), records, fits, seconds, dataset)
+        if note := report.diverged_note():
+            logger.warning(note)
+        return report
 
     # ------------------------------------------------------------------------------------------ internals
 

@@ -130,11 +130,13 @@ class ConvergenceReport(SavedReport):
         )
         header = ["model", "level", "protocol", "metric", "exponent [CI]", "verdict"]
         rows = [[f.model, f.level, f.protocol or "-", f.metric, _slope(f), f.verdict] for f in self.fits]
-        return "\n".join([title, *text_table(header, rows), *filter(None, [self.diverged_note()])])
+        note = self.diverged_note()
+        return "\n".join([title, *text_table(header, rows), *([note] if note else [])])
 
     def to_markdown(self) -> str:
         """:return: Markdown: verdict per level, all exponents, mean metric per width, settings."""
         header = ["model", "level", "protocol", "metric"]
+        note = self.diverged_note()
         lines = [
             f"# NTK convergence check{' on ' + self.dataset if self.dataset else ''}",
             "",
@@ -151,7 +153,7 @@ class ConvergenceReport(SavedReport):
                     if f.metric == PRIMARY[f.level]
                 ],
             ),
-            *(["", self.diverged_note()] if self.diverged_runs() else []),
+            *(["", note] if note else []),
             "",
             "## Every metric",
             "",

@@ -296,8 +296,8 @@ def _table1(config, data: Dataset, family: str, result: Reproduction, out: Outpu
         lines += ["", "MLP-Attn-QKV has no NTK distance: its query/key/value maps are trained and not width-scaled, so "
                   "their share of the empirical NTK does not vanish and there is no infinite-width kernel f_NTK to "
                   "compare with (the paper does not say which limit it used for this row)."]
-    if report.diverged_runs():
-        lines += ["", report.diverged_note()]
+    if note := report.diverged_note():
+        lines += ["", note]
     lines += ["", "Full sweep: `table1_ntk/convergence.md` (every metric, width exponents, verdicts) and figures."]
     result.tables["table1"] = "\n".join(lines)
 
