@@ -21,6 +21,7 @@ from art_malleability.ntk.convergence import (
     NTKConvergenceChecker,
     _Limit,
 )
+from art_malleability.ntk.convergence_report import kept_records
 from art_malleability.ntk.empirical import empirical_ntk
 
 
@@ -187,6 +188,8 @@ def test_a_diverged_run_is_flagged_and_kept_out_of_the_exponents(small_digits, r
     assert all(r["diverged"] and r["train_loss_end"] > 1e10 for r in gd) and len(rep.diverged_runs()) == 4
     assert all(not r["diverged"] for r in rep.records if r["protocol"] == "adam")
     assert not [f for f in rep.fits if f.protocol == "gd"]  # every GD run diverged: no exponent, no verdict
+    assert rep.kept(protocol="gd") == [] and rep.kept(protocol="adam") == [r for r in rep.records
+                                                                            if r["protocol"] == "adam"]
     assert [f for f in rep.fits if f.protocol == "adam"]
     assert "mlp-attn gd m=16: seeds [0, 1]" in rep.diverged_note()
     assert "Diverged training runs" in rep.to_markdown() and "Diverged training runs" in rep.summary()
@@ -266,3 +269,11 @@ def test_cuda_matches_cpu(small_digits):
         for key in ("kernel_error", "lambda_min_ratio", "kernel_movement", "linearised_distance"):
             if a.get(key) is not None:
                 assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), key
+
+
+def test_kept_records_leave_out_diverged_runs_and_match_every_key():
+    records = [{"model": "a", "protocol": "gd", "diverged": True}, {"model": "a", "protocol": "gd", "diverged": False},
+               {"model": "a", "protocol": None}, {"model": "b", "protocol": "gd"}]
+    assert kept_records(records, model="a", protocol="gd") == [records[1]]
+    assert kept_records(records, model="a", protocol=None) == [records[2]]  # a missing key reads as None
+    assert kept_records(records) == records[1:]

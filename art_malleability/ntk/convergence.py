@@ -63,7 +63,7 @@ from art_malleability.models.reference import CONTEXTS, REFERENCE_MODELS, build_
 from art_malleability.ntk.analytic import analytic_ntk
 from art_malleability.ntk.convergence_report import LEVELS as LEVELS  # public path
 from art_malleability.ntk.convergence_report import PRIMARY as PRIMARY  # public path
-from art_malleability.ntk.convergence_report import ConvergenceReport, WidthFit
+from art_malleability.ntk.convergence_report import ConvergenceReport, WidthFit, kept_records
 from art_malleability.ntk.empirical import empirical_ntk
 
 logger = logging.getLogger(__name__)
@@ -354,9 +354,7 @@ class NTKConvergenceChecker:
         groups += [("dynamic", p, DYNAMIC_METRICS) for p in self.protocols]
         for name in names:
             for level, protocol, metrics in groups:
-                # a diverged run is not in the kernel regime whatever its distances: kept out of the exponents
-                rows = [r for r in records if r["model"] == name and r["level"] == level
-                        and r["protocol"] == protocol and not r.get("diverged")]
+                rows = kept_records(records, model=name, level=level, protocol=protocol)
                 for metric in metrics:
                     table = np.full((len(self.widths), len(self.seeds)), np.nan)
                     for r in rows:

@@ -18,6 +18,18 @@ LEVELS = ("static", "spectral", "dynamic")
 PRIMARY = {"static": "kernel_error", "spectral": "lambda_min_error", "dynamic": "kernel_movement"}
 
 
+def kept_records(records: list[dict[str, Any]], **where: Any) -> list[dict[str, Any]]:
+    """
+    The records that the fits and per-width means use: those matching every ``key=value`` of ``where`` whose training
+    run did not diverge (a diverged run is not in the kernel regime whatever its distances).
+
+    :param records: Records of :class:`ConvergenceReport`.
+    :param where: Required values, e.g. ``model="2l-relu", protocol="gd"`` (a missing key reads as ``None``).
+    :return: The matching records, in order.
+    """
+    return [r for r in records if not r.get("diverged") and all(r.get(k) == v for k, v in where.items())]
+
+
 @dataclass
 class WidthFit:
     """
@@ -105,6 +117,10 @@ class ConvergenceReport(SavedReport):
                     }
                 )
         return rows
+
+    def kept(self, **where: Any) -> list[dict[str, Any]]:
+        """:return: The records matching ``where``, diverged runs left out (:func:`kept_records`)."""
+        return kept_records(self.records, **where)
 
     def diverged_runs(self) -> list[dict[str, Any]]:
         """:return: The training runs whose loss ended above its start or non-finite, left out of the exponents."""

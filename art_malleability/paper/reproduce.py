@@ -277,8 +277,7 @@ def _table1(config, data: Dataset, family: str, result: Reproduction, out: Outpu
     for model in models:
         cells, means = [], []
         for w in shown:
-            values = [r["output_distance"] for r in report.records
-                      if r["model"] == model and r["width"] == w and r["protocol"] == "adam" and not r.get("diverged")]
+            values = [r["output_distance"] for r in report.kept(model=model, width=w, protocol="adam")]
             mean, low, high = mean_ci(values)
             means.append(mean)
             cells.append(fmt_ci(mean, low, high, 1, (0.0, float("inf"))))

@@ -88,16 +88,8 @@ def accuracy_cell(rows: list[dict]) -> str:
 
 def mean_of(report, model: str, width: int, level: str, metric: str, protocol: str | None = None) -> float:
     """:return: Mean of ``metric`` over the seeds of (model, width, level, protocol), diverged runs left out."""
-    values = [
-        r[metric]
-        for r in report.records
-        if r["model"] == model
-        and r["width"] == width
-        and r["level"] == level
-        and r.get("protocol") == protocol
-        and r.get(metric) is not None
-        and not r.get("diverged")
-    ]
+    values = [r[metric] for r in report.kept(model=model, width=width, level=level, protocol=protocol)
+              if r.get(metric) is not None]
     return float(np.mean(values)) if values else float("nan")
 
 
