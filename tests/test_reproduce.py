@@ -31,6 +31,7 @@ def test_every_table_runs_on_tiny_sizes(tmp_path):
     assert tables == {"table1", "table2", "table3", "table4", "ablation", "landscape", "spectral"}
     adversarial = [r for r in data["rows"] if r.get("training") == "pgd-adversarial"]
     assert len(adversarial) == 2 * 2 and all(r["attack"] == "pgd" for r in adversarial)
+    assert "| mlp-attn | pgd-adversarial |" in result.tables["table4"] and "noise-aware" in result.tables["table4"]
     assert all("clean_accuracy" in r and "near_chance" in r for r in data["rows"] if r["table"] == "table2")
     assert (tmp_path / "ablation.png").exists() and (tmp_path / "table1_ntk" / "convergence.json").exists()
     assert (tmp_path / "landscape.png").exists() and "Loss landscape" in markdown
