@@ -68,7 +68,15 @@ from art_malleability.paper.common import (
     train_module,
 )
 from art_malleability.paper.numbers import BINARY_CLASSES, BINARY_NAMES, PAPER
-from art_malleability.paper.tables import ablation_figure, accuracy_cell, direction, flip_table, mean_of
+from art_malleability.paper.tables import (
+    RATE_COLUMNS,
+    ablation_figure,
+    accuracy_cell,
+    direction,
+    flip_table,
+    mean_of,
+    rate_cells,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -422,15 +430,9 @@ def _table4(config, data: Dataset, family: str, result: Reproduction, trained: d
         paper = PAPER["table4"][family].get(model)
         for step, training in enumerate(("standard", "pgd-adversarial")):
             sel = [r for r in rows if r["model"] == model and r["training"] == training]
-            null, aware, control, excess = (
-                pooled(sel, s)
-                for s in ("flip_rate_null", "flip_rate_above_floor", "control_flip_rate", "excess_flip_rate")
-            )
-            table.append([model, training, accuracy_cell(sel), fmt_ci(*pooled(sel, "flip_rate"), 1),
-                          fmt_ci(null[0], float("nan"), float("nan"), 1), fmt_ci(*aware, 1), fmt_ci(*control, 1),
-                          fmt_ci(*excess, 1, (-100.0, 100.0)), "—" if paper is None else paper[step]])
-    lines.append(markdown_table(["model", "training", "clean acc.", "PGD flip rate", "by noise", "noise-aware",
-                                 "control", "excess (pts)", "paper"], table))
+            table.append([model, training, accuracy_cell(sel), *rate_cells(sel)[1],
+                          "—" if paper is None else paper[step]])
+    lines.append(markdown_table(["model", "training", "clean acc.", *RATE_COLUMNS, "paper"], table))
     result.tables["table4"] = "\n".join(lines)
 
 

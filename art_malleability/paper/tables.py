@@ -27,31 +27,13 @@ def flip_table(title: str, rows: list[dict], models, paper: dict, family: str) -
     for model in models:
         model_rows = [r for r in rows if r["model"] == model]
         for attack in ATTACKS:
-            sel = [r for r in model_rows if r["attack"] == attack]
-            flip = pooled(sel, "flip_rate")
-            means.setdefault(model, {})[attack] = flip[0]
-            null, aware, control, extra = (
-                pooled(sel, s)
-                for s in ("flip_rate_null", "flip_rate_above_floor", "control_flip_rate", "excess_flip_rate")
-            )
+            mean, cells = rate_cells([r for r in model_rows if r["attack"] == attack])
+            means.setdefault(model, {})[attack] = mean
             target = paper.get(model, {}).get(attack)
-            table.append(
-                [
-                    model,
-                    attack,
-                    accuracy_cell(model_rows),
-                    fmt_ci(*flip, 1),
-                    fmt_ci(null[0], float("nan"), float("nan"), 1),
-                    fmt_ci(*aware, 1),
-                    fmt_ci(*control, 1),
-                    fmt_ci(*extra, 1, (-100.0, 100.0)),
-                    "—" if target is None else target,
-                ]
-            )
+            table.append([model, attack, accuracy_cell(model_rows), *cells, "—" if target is None else target])
     lines.append(
         markdown_table(
-            ["model", "attack", "clean acc.", "flip rate", "by noise", "noise-aware", "control", "excess (pts)",
-             "paper"], table
+            ["model", "attack", "clean acc.", *RATE_COLUMNS, "paper"], table
         )
     )
     if "2l-relu" in means and "mlp-attn" in means:
@@ -73,6 +55,24 @@ def flip_table(title: str, rows: list[dict], models, paper: dict, family: str) -
                 "paired differences): " + "; ".join(gaps),
             ]
     return "\n".join(lines)
+
+
+#: Columns of :func:`rate_cells`, after the model, the setting and the clean accuracy.
+RATE_COLUMNS = ("flip rate", "by noise", "noise-aware", "control", "excess (pts)")
+
+
+def rate_cells(rows: list[dict]) -> tuple[float, list[str]]:
+    """
+    :param rows: One setting's rows, a row per seed.
+    :return: The mean flip rate (%) and the cells of :data:`RATE_COLUMNS`: the flip rate, its expectation by query
+        noise, the noise-aware rate, the control and the excess, each pooled over the seeds (:func:`pooled`).
+    """
+    flip, null, aware, control, excess = (
+        pooled(rows, s)
+        for s in ("flip_rate", "flip_rate_null", "flip_rate_above_floor", "control_flip_rate", "excess_flip_rate")
+    )
+    return flip[0], [fmt_ci(*flip, 1), fmt_ci(null[0], float("nan"), float("nan"), 1), fmt_ci(*aware, 1),
+                     fmt_ci(*control, 1), fmt_ci(*excess, 1, (-100.0, 100.0))]
 
 
 def accuracy_cell(rows: list[dict]) -> str:
