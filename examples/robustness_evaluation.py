@@ -74,10 +74,12 @@ def main() -> None:
     robustness = float(empirical_robustness(classifier, data.x_test, "fgsm", {"eps": args.eps}))
 
     # ... and the malleability audit of the same classifier on its training data
-    audit = MalleabilityEstimator(classifier, eps=args.eps, n_queries=50 if args.quick else 100, verbose=False)
+    audit = MalleabilityEstimator(classifier, eps=args.eps, n_queries=50 if args.quick else None, verbose=False)
     report = audit.evaluate(data.x_train, data.y_train, data.x_test, data.y_test, dataset=data.name)
 
     row = {"clean_accuracy": clean, "pgd_accuracy": adversarial, "empirical_robustness_fgsm": robustness,
+           **{f"signed_retention_{r.attack}": r.signed_retention for r in report.results},
+           **{f"excess_retention_{r.attack}": r.excess_retention for r in report.results},
            **{f"flip_rate_{r.attack}": r.flip_rate for r in report.results},
            **{f"excess_flip_rate_{r.attack}": r.excess_flip_rate for r in report.results}}
     print(f"{'metric':<28} value")

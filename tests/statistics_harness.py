@@ -13,7 +13,9 @@ import numpy as np
 from planted import Planted, true_flip_share
 
 from art_malleability import metrics as M
+from art_malleability.metrics._accumulators import CleanScores, PerturbedScores
 from art_malleability.metrics._flip_posterior import FlipPosterior
+from art_malleability.metrics._summary import _interval, replicated
 from art_malleability.validation.lds import linear_datamodeling_score
 
 
@@ -56,6 +58,20 @@ class Coverage:
                 f"{self.width:.3f} ({len(self.truth)} repetitions)")
 
 
+def replicates(before: np.ndarray, afters: list[np.ndarray], top: np.ndarray | None, n_bootstrap: int,
+               seed: int, spearman: bool = False) -> list[tuple[dict, dict]]:
+    """The statistics with replicates of a clean matrix against each perturbed one, as the audit computes them."""
+    clean = CleanScores(M.QueryResampling(len(before), n_bootstrap, seed), before.shape[1], given=before)
+    clean.add(before)
+    clean.finish(top)
+    out = []
+    for after in afters:
+        perturbed = PerturbedScores(clean)
+        perturbed.add(after)
+        out.append(replicated(perturbed, spearman))
+    return out
+
+
 def noise_aware(design: Planted, reps: int, selected: bool, seed: int = 0, refits: int = 60) -> dict:
     """
     The noise-aware flip rate on planted populations: its estimate and interval against the true share of the set
@@ -74,8 +90,9 @@ def noise_aware(design: Planted, reps: int, selected: bool, seed: int = 0, refit
             threshold = M.selection_threshold(before, top)
         else:
             top, threshold = np.flatnonzero(mu_b), None
-        posterior = FlipPosterior(before, after, top, threshold)
-        interval = posterior.interval(M.resample_rows(design.n_query, refits, rep), 0.95, rep)
+        rows = M.resample_rows(design.n_query, refits, rep)
+        posterior = FlipPosterior.from_scores(before, after, top, threshold, rows=rows)
+        interval = posterior.interval(0.95, rep)
         out["aware"].add(true_flip_share(mu_b, mu_a, top), posterior.estimate(), interval)
         out["raw"].append(M.flip_rate(before, after, top=top))
         out["null"].append(posterior.null_raw_flip_rate())
@@ -95,7 +112,6 @@ def resampled_statistics(design: Planted, reps: int, seed: int = 0, n_bootstrap:
     mu_b, mu_a = design.population(rng)
     pilot, _ = design.sample(rng, mu_b, mu_a)
     top = M.top_indices(M.aggregate_scores(pilot), design.n_influential)
-    k = top.size
     se = 1.0 / np.sqrt(design.n_query)
     control_mu = 0.25 * mu_b
 
@@ -117,28 +133,17 @@ def resampled_statistics(design: Planted, reps: int, seed: int = 0, n_bootstrap:
             return mu + design.rho * e_b + np.sqrt(1 - design.rho**2) * design.noise(rng)
 
         after = paired(mu_a)
-        rows = M.resample_rows(design.n_query, n_bootstrap, rep)
-        aggregates = M._ResampledAggregates(before, after, top, k, "abs")
-        flip, jac = (aggregates.statistic(n) for n in ("flip_rate", "top_k_jaccard"))
-        flip_draws = M.evaluate_resamples(flip, rows)
-        for name, key, stat, draws, truth in (
-            ("flip rate", "flip_rate", flip, flip_draws, truths[:, 0].mean()),
-            ("top-k Jaccard", "top_k_jaccard", jac, M.evaluate_resamples(jac, rows), truths[:, 1].mean()),
-        ):
-            point = stat(np.arange(design.n_query))
-            factor = M.VARIANCE_FACTOR.get(key, 1.0)
-            interval = M.normal_interval(point, draws, 0.95, M.BOUNDS[key], variance_factor=factor)
-            out[name].add(truth, point, interval)
-        controls = []
-        for _ in range(control_draws):
-            control_after = paired(control_draw())
-            statistic = M._ResampledAggregates(before, control_after, top, k, "abs").statistic("flip_rate")
-            controls.append((statistic(np.arange(design.n_query)), M.evaluate_resamples(statistic, rows)))
-        points = np.array([c[0] for c in controls])
-        mean_draws = np.mean([c[1] for c in controls], axis=0)
-        excess = flip(np.arange(design.n_query)) - points.mean()
-        interval = M.normal_interval(excess, flip_draws - mean_draws, 0.95, (-1.0, 1.0),
-                                     extra_variance=float(np.var(points, ddof=1)) / control_draws)
+        (points, draws), *controls = replicates(
+            before, [after, *(paired(control_draw()) for _ in range(control_draws))], top, n_bootstrap, rep
+        )
+        for name, key, truth in (("flip rate", "flip_rate", truths[:, 0].mean()),
+                                 ("top-k Jaccard", "top_k_jaccard", truths[:, 1].mean())):
+            out[name].add(truth, points[key], _interval(key, points[key], draws[key], 0.95))
+        rates = np.array([c[0]["flip_rate"] for c in controls])
+        mean_draws = np.mean([c[1]["flip_rate"] for c in controls], axis=0)
+        excess = points["flip_rate"] - rates.mean()
+        interval = M.normal_interval(excess, draws["flip_rate"] - mean_draws, 0.95, (-1.0, 1.0),
+                                     extra_variance=float(np.var(rates, ddof=1)) / control_draws)
         out["excess flip rate"].add(truths[:, 0].mean() - control_truth, excess, interval)
     return out
 
@@ -146,8 +151,8 @@ def resampled_statistics(design: Planted, reps: int, seed: int = 0, n_bootstrap:
 def spearman_and_per_query(design: Planted, reps: int, seed: int = 0, n_bootstrap: int = 500,
                            pool: int = 20000) -> dict[str, Coverage]:
     """
-    Spearman's correlation (BCa) and the per-query flip rate (Student-t): estimands are their population values,
-    computed on a pool of ``pool`` queries.
+    Spearman's correlation (delete-a-group jackknife over the queries) and the per-query flip rate (Student-t):
+    estimands are their population values, computed on a pool of ``pool`` queries.
     """
     rng = np.random.default_rng(seed)
     mu_b, mu_a = design.population(rng)
@@ -157,9 +162,9 @@ def spearman_and_per_query(design: Planted, reps: int, seed: int = 0, n_bootstra
     out = {name: Coverage(name) for name in ("Spearman", "per-query flip rate")}
     for rep in range(reps):
         before, after = design.sample(rng, mu_b, mu_a)
-        fast = M._ResampledSpearman(before, after)
-        out["Spearman"].add(truth_rho, fast(np.arange(design.n_query)),
-                            M.bca_interval(fast.batch, design.n_query, n_bootstrap, 0.95, rep))
+        [(points, draws)] = replicates(before, [after], None, 2, rep, spearman=True)
+        out["Spearman"].add(truth_rho, points["spearman"],
+                            _interval("spearman", points["spearman"], draws["spearman"], 0.95))
         per_query = M.per_query_flip_rates(before, after)
         out["per-query flip rate"].add(truth_per_query, np.nanmean(per_query), M.t_interval(per_query))
     return out

@@ -61,7 +61,7 @@ def test_the_likelihood_is_the_bivariate_normal_density_over_the_selection_proba
     before[:, :5] += 3.0
     top = np.arange(5)
     threshold = 0.4
-    posterior = F.FlipPosterior(before, after, top, threshold)
+    posterior = F.FlipPosterior.from_scores(before, after, top, threshold)
     means, cov = F.paired_moments(before, after, top)
     j, atom = 2, 100
     scale = np.sqrt(cov[0, j, 0, 0])
@@ -84,7 +84,7 @@ def test_em_finds_the_mixing_weights_and_never_lowers_the_likelihood(rng):
     mu_a = np.where(np.arange(n_train) < 140, 3.0, -3.0)
     noise = rng.normal(size=(n_query, n_train)) * np.sqrt(n_query)
     before, after = mu_b + noise, mu_a + 0.5 * noise + np.sqrt(0.75) * rng.normal(size=noise.shape) * np.sqrt(n_query)
-    posterior = F.FlipPosterior(before, after, np.arange(n_train), None)
+    posterior = F.FlipPosterior.from_scores(before, after, np.arange(n_train), None)
     weights = posterior.weights
     near_keep = (np.abs(posterior.u - 3) < 1.2) & (np.abs(posterior.v - 3) < 1.2)
     near_flip = (np.abs(posterior.u - 3) < 1.2) & (np.abs(posterior.v + 3) < 1.2)
@@ -116,7 +116,7 @@ def test_projection_noise_enters_the_covariance_of_the_likelihood(rng):
     before, after = rng.normal(size=(30, 40)), rng.normal(size=(30, 40))
     before[:, :5] += 3.0
     top = np.arange(5)
-    posterior = F.FlipPosterior(before, after, top, None, noise=(0.3, 0.2))
+    posterior = F.FlipPosterior.from_scores(before, after, top, None, noise=(0.3, 0.2))
     means, cov = F.paired_moments(before, after, top)
     j, atom = 1, 200
     extra = (0.3 + 0.2 * np.abs(means[0, j])) ** 2

@@ -1,13 +1,14 @@
-"""Malleability metrics: hand-computed cases, edge cases, and the fast bootstrap against its slow twin."""
+"""Malleability metrics: hand-computed cases, edge cases, and the streamed statistics against their slow twins."""
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scipy.stats import spearmanr
 
 from art_malleability import metrics as M
-from art_malleability.metrics import _ResampledSpearman
+from art_malleability.metrics._accumulators import CleanScores, PerturbedScores
 
 
 def test_top_k_count():
@@ -87,18 +88,33 @@ def test_jaccard_hand_computed():
     assert M.top_k_jaccard(before, after, 0.4) == pytest.approx(1 / 3)
 
 
+def _passes(before, after, n_bootstrap=25, seed=0, block=4, top_fraction=0.2, rank_by="abs"):
+    clean = CleanScores(M.QueryResampling(len(before), n_bootstrap, seed), before.shape[1], top_fraction, rank_by)
+    for s in range(0, len(before), block):
+        clean.add(before[s : s + block])
+    clean.finish()
+    perturbed = PerturbedScores(clean)
+    for s in range(0, len(after), block):
+        perturbed.add(after[s : s + block])
+    return clean, perturbed
+
+
 @pytest.mark.parametrize("ties", [False, True])
-def test_resampled_spearman_equals_explicit_resample(rng, ties):
-    before = rng.normal(size=(12, 30))
+def test_the_jackknife_values_are_spearman_without_each_group(rng, ties):
+    """Each leave-one-group-out correlation equals scipy's on the matrices without that group's queries."""
+    before = rng.normal(size=(23, 30))
     after = before + rng.normal(size=before.shape)
     if ties:
-        before = np.round(before)
-        after = np.round(after)
-        before[2, 3] = np.nan
-    fast = _ResampledSpearman(before, after)
-    for _ in range(20):
-        rows = rng.integers(0, 12, 12)
-        assert fast(rows) == pytest.approx(M.spearman(before[rows], after[rows]), abs=1e-12)
+        before, after = np.round(before), np.round(after)
+        before[2, 3] = after[5, 1] = np.nan
+    clean, perturbed = _passes(before, after)
+    point, replicates = perturbed.spearman()
+    assert point == pytest.approx(M.spearman(before, after), abs=1e-12)
+    groups = clean.pairs.groups.numpy()
+    assert len(replicates) == 20 and sorted(set(groups)) == list(range(20))
+    for g, value in enumerate(replicates):
+        kept = groups != g
+        assert value == pytest.approx(M.spearman(before[kept], after[kept]), abs=1e-12)
 
 
 def test_a_single_query_has_statistics_but_no_intervals(rng):
@@ -149,29 +165,33 @@ def test_a_given_perturbed_set_is_the_one_measured(rng):
 
 
 @pytest.mark.parametrize("ties", [False, True])
-def test_batched_resamples_equal_one_at_a_time(rng, ties):
-    """The batched bootstrap statistics give the values of the one-resample definitions."""
+def test_streamed_resamples_equal_one_at_a_time(rng, ties):
+    """The streamed bootstrap statistics give the values of the one-resample definitions, block by block."""
     before = rng.normal(size=(9, 40))
     after = before + rng.normal(size=before.shape)
     if ties:
         before, after = np.round(before), np.round(after)
         before[1, 5] = after[3, 7] = np.nan
         before[:, 11] = np.nan  # a column without any finite score
-    top = M.top_indices(M.aggregate_scores(before), 6)
-    aggregates = M._ResampledAggregates(before, after, top, 6, "abs")
-    spearman_fast = _ResampledSpearman(before, after)
-    rows = rng.integers(0, 9, (25, 9))
-    flips, jaccards, rhos = aggregates.flip_rate(rows), aggregates.top_k_jaccard(rows), spearman_fast.batch(rows)
-    for i, r in enumerate(rows):
+    clean, perturbed = _passes(before, after, n_bootstrap=25, block=2, top_fraction=0.15)
+    top = clean.top
+    assert list(top) == list(M.top_indices(M.aggregate_scores(before), 6))
+    boot_b, boot_a = (t.numpy() for t in perturbed.resampled_top())
+    jaccards = perturbed.resampled_jaccard().numpy()
+    signs = np.sign(M.aggregate_scores(before)[top])
+    for i, r in enumerate(M.resample_rows(9, 25, 0)):
         w = np.bincount(r, minlength=9).astype(float)
         agg_b, agg_a = M.aggregate_scores(before, w), M.aggregate_scores(after, w)
-        assert flips[i] == M._aggregate_flip_rate(agg_b, agg_a, top)
+        np.testing.assert_allclose(boot_b[i], agg_b[top], rtol=1e-12)
+        np.testing.assert_allclose(boot_a[i], agg_a[top], rtol=1e-12)
         assert jaccards[i] == M._aggregate_jaccard(agg_a, top, 6, "abs")
-        assert rhos[i] == pytest.approx(M.spearman(before[r], after[r]), abs=1e-12)
+        assert M.signed_retention(boot_b[i], boot_a[i], signs) == pytest.approx(
+            np.nansum(signs * agg_a[top]) / np.nansum(signs * agg_b[top]), rel=1e-12)
+    np.testing.assert_allclose(perturbed.per_query.numpy(), M.per_query_flip_rates(before, after, 0.15), rtol=1e-15)
     for rank_by in ("abs", "signed"):
         values = np.round(rng.normal(size=(7, 30)))
         values[2, :5] = np.nan
-        masks = M._top_masks(values, 8, rank_by)
+        masks = M.top_masks(torch.as_tensor(values), 8, rank_by).numpy()
         for i in range(7):
             assert set(np.flatnonzero(masks[i])) == set(M.top_indices(values[i], 8, rank_by).tolist())
 

@@ -36,12 +36,17 @@ def _report(n_queries: int = 10) -> MalleabilityReport:
                 control={"perturbation": "random-sign", "eps": 0.3, "draws": 5, "flip_rate_null": 0.04,
                          "flip_rate": 0.05, "flip_rate_ci": (0.0, 0.2),
                          "flip_rate_above_floor": 0.0, "flip_rate_above_floor_ci": (0.0, 0.1), "spearman": 0.9,
-                         "spearman_ci": (0.85, 0.95), "top_k_jaccard": 0.8, "top_k_jaccard_ci": (0.6, 0.9)},
+                         "spearman_ci": (0.85, 0.95), "top_k_jaccard": 0.8, "top_k_jaccard_ci": (0.6, 0.9),
+                         "signed_retention": 0.6, "signed_retention_ci": (0.5, 0.7)},
                 excess_flip_rate=0.15,
                 excess_flip_rate_ci=(-0.05, 0.45),
                 flip_rate_null=0.15,
                 no_flip_statistic=2.5,
                 undecided_share=0.1,
+                signed_retention=0.25,
+                signed_retention_ci=(0.125, 0.375),
+                excess_retention=-0.35,
+                excess_retention_ci=(-0.5, -0.2),
             )
         )
     return MalleabilityReport(
@@ -83,12 +88,15 @@ def test_undefined_values_become_none_and_json_is_strict(tmp_path):
 def test_summary_markdown_and_comparison():
     report = _report()
     summary = report.summary()
-    assert "flip rate [95% CI]" in summary and "20.0% [0.0, 60.0]" in summary
+    assert "retention [95% CI]" in summary.splitlines()[1].split("flip rate")[0]  # what is decided comes first
+    assert "0.250 [0.125, 0.375]" in summary and "-0.350 [-0.500, -0.200]" in summary and "0.600" in summary
+    assert "flip rate [CI]" in summary and "20.0% [0.0, 60.0]" in summary
     assert "+15.0 pts [-5.0, +45.0]" in summary and "5.0%" in summary  # excess over the control, control
     markdown = report.to_markdown()
-    assert "| fgsm | 20.0% [0.0, 60.0] | 15.0% | 10.0% [0.0, 40.0] | 5.0% | +15.0 pts" in markdown
-    assert "positive = helpful" in markdown and "noise-aware" in markdown
-    assert "| fgsm | 0.3 | 5 | 5.0% [0.0, 20.0] | 4.0% |" in markdown  # the controls' table
+    assert ("| fgsm | 0.250 [0.125, 0.375] | 0.600 | -0.350 [-0.500, -0.200] | 20.0% [0.0, 60.0] | 15.0% | "
+            "10.0% [0.0, 40.0] | 5.0% | +15.0 pts") in markdown
+    assert "positive = helpful" in markdown and "noise-aware" in markdown and "retention" in markdown
+    assert "| fgsm | 0.3 | 5 | 0.600 [0.500, 0.700] | 5.0% [0.0, 20.0] | 4.0% |" in markdown  # the controls' table
     table = comparison_table([report, report])
     assert table.count("| 2l-relu |") == 2 and "pgd flip rate" in table and "excess +15.0 pts" in table
 

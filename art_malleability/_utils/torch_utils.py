@@ -209,6 +209,26 @@ def available_memory(device: torch.device) -> int:
     return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
+def total_memory(device: torch.device) -> int:
+    """
+    Bytes of memory ``device`` has in all, a fixed fact of the machine (unlike :func:`available_memory`, which depends
+    on what other processes hold at the moment): the CUDA device's total memory, or the CPU's ``MemTotal``.
+
+    :param device: The compute device.
+    :return: Bytes.
+    """
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        with open("/proc/meminfo", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
 def tensor_digest(x: torch.Tensor) -> tuple:
     """
     Identity of a batch of inputs, to recognise the same inputs on a later call.

@@ -5,19 +5,35 @@ the attacks and the influence estimator built from them.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
+import torch
 from art.attacks import EvasionAttack
 
 from art_malleability._utils.checks import check_positive_int, loss_name
-from art_malleability._utils.torch_utils import resolve_device
+from art_malleability._utils.torch_utils import resolve_device, total_memory
 from art_malleability.audit.attacks import ATTACK_NAMES, STRATEGIES, attack_label, make_attack
 from art_malleability.influence import INFLUENCE_NAMES, InfluenceEstimator, get_influence
+from art_malleability.influence.ntk import MEMORY_SHARE
 from art_malleability.influence.ridge_choice import check_ridge
 from art_malleability.metrics import RANK_BY
+from art_malleability.metrics._accumulators import metrics_plan
 from art_malleability.metrics._bootstrap import check_confidence
 from art_malleability.ntk.projection import check_projection_dim
+
+logger = logging.getLogger(__name__)
+
+#: The most queries the default (``n_queries=None``) takes: the whole test split of MNIST, Fashion-MNIST and CIFAR-10.
+#: Beyond it the aggregates' standard errors shrink only as one over the root of the queries while every statistic's
+#: cost keeps growing linearly (docs/metrics.md measures the undecided share against the number of queries).
+DEFAULT_MAX_QUERIES = 10_000
+
+
+def default_queries(n_queries: int | None) -> int:
+    """:return: The most queries an audit takes: ``n_queries``, or :data:`DEFAULT_MAX_QUERIES` for ``None``."""
+    return DEFAULT_MAX_QUERIES if n_queries is None else int(n_queries)
 
 #: The parameters of :class:`~art_malleability.audit.estimator.MalleabilityEstimator` (its ``estimator_params``).
 PARAM_NAMES = (
@@ -61,9 +77,11 @@ def check_params(est: Any) -> None:
     check_ridge(est.ridge)
     if est.rank_by not in RANK_BY:
         raise ValueError(f"rank_by must be one of {RANK_BY}, got {est.rank_by!r}")
-    for name in ("n_queries", "n_bootstrap", "attack_max_iter", "batch_size", "control_draws"):
+    for name in ("n_bootstrap", "attack_max_iter", "batch_size", "control_draws"):
         check_positive_int(getattr(est, name), name)
-    if est.n_queries < 2:
+    if est.n_queries is not None:
+        check_positive_int(est.n_queries, "n_queries")
+    if est.n_queries is not None and est.n_queries < 2:
         raise ValueError(
             f"n_queries must be at least 2, got {est.n_queries!r}; every interval resamples the queries and needs two "
             "or more"
@@ -80,6 +98,43 @@ def check_params(est: Any) -> None:
         raise ValueError(f"distributed must be 'auto', True or False, got {est.distributed!r}")
     if not isinstance(est.controls, bool):
         raise TypeError(f"controls must be True or False, got {est.controls!r}")
+
+
+def check_query_budget(
+    n_query: int, n_train: int, k: int, n_bootstrap: int, excluded_pairs: bool, memory_limit_gb: float | None,
+    device: torch.device,
+) -> dict[str, Any]:
+    """
+    The metrics of ``n_query`` queries must fit the memory; their plan depends on the sizes alone
+    (:func:`~art_malleability.metrics._accumulators.metrics_plan`). The budget is ``memory_limit_gb`` when set, else
+    :data:`~art_malleability.influence.ntk.MEMORY_SHARE` of the device's total memory: a fixed fact of the machine, not
+    what other processes leave free at the moment, so that the same command is refused or run the same way anywhere
+    on the same machine.
+
+    :param n_query: Queries.
+    :param n_train: Training examples.
+    :param k: Size of the influential set.
+    :param n_bootstrap: Bootstrap resamples.
+    :param excluded_pairs: Whether the queries come from the training set (their self-pairs are excluded).
+    :param memory_limit_gb: The influence's memory limit (GiB), or ``None``.
+    :param device: The device of the metrics.
+    :return: The plan.
+    :raises ValueError: Naming ``n_queries`` when it does not fit.
+    """
+    plan = metrics_plan(n_query, n_train, k, n_bootstrap, excluded_pairs)
+    budget = float(memory_limit_gb) * 2**30 if memory_limit_gb is not None else MEMORY_SHARE * total_memory(device)
+    if plan["memory_bytes"] > budget:
+        fixed = metrics_plan(0, n_train, k, n_bootstrap, excluded_pairs)["memory_bytes"]
+        per_query = max((plan["memory_bytes"] - fixed) / max(n_query, 1), 1.0)
+        fits = int(max(budget - fixed, 0) // per_query)
+        raise ValueError(
+            f"n_queries must leave the audit's metrics within the memory budget of {budget / 2**30:.1f} GiB, got "
+            f"{n_query} queries, whose metrics need {plan['memory_bytes'] / 2**30:.1f} GiB (n_train {n_train}, "
+            f"n_bootstrap {n_bootstrap}); pass at most about {fits} queries, or fewer bootstrap resamples"
+        )
+    logger.info("metrics of %d queries: %.2f GiB in memory, %.2f GiB on disk, blocks of %d queries", n_query,
+                plan["memory_bytes"] / 2**30, plan["disk_bytes"] / 2**30, plan["block_rows"])
+    return plan
 
 
 def build_attacks(est: Any) -> list[EvasionAttack]:

@@ -47,6 +47,8 @@ _STATISTICS = {
     "top_k_jaccard": "both influential sets are empty",
     "attack_success": "no training example was perturbed, so no prediction could change",
     "excess_flip_rate": "the attack's or the control's flip rate is undefined",
+    "signed_retention": "the influential set is empty, or its members' clean aggregates sum to zero with their signs",
+    "excess_retention": "the attack's or the control's signed retention is undefined",
 }
 
 
@@ -88,7 +90,7 @@ def _reason(path: str, data: dict[str, Any]) -> str:
         if not data.get("config", {}).get("controls", True):
             return "controls=False (audit --no-controls): no random-sign control was run"
         return "the attack has no l-inf budget to match, so no random-sign control was run beside it"
-    if rest.startswith("excess_flip_rate") and result.get("control") is None:
+    if rest.startswith("excess_") and result.get("control") is None:
         return "no random-sign control was run beside this attack, so there is no excess over it"
     control = re.fullmatch(r"control\.(.+)", rest)
     if control is not None:
@@ -102,8 +104,6 @@ def _reason(path: str, data: dict[str, Any]) -> str:
 def _interval_reason(statistic: str, result: dict[str, Any], data: dict[str, Any]) -> str:
     if data.get("n_queries", 2) < 2:
         return "a single query point: the interval resamples the queries and needs two or more"
-    if statistic == "spearman" and data.get("n_queries", 3) < 3:
-        return "fewer than three query points: the BCa interval needs three or more"
     if result.get(statistic) is None:
         return "the statistic itself is undefined (see its own reason), so it has no interval"
-    return "no bootstrap resample of the queries gave a finite value of the statistic"
+    return "fewer than two bootstrap resamples (or jackknife groups) of the queries gave the statistic a finite value"

@@ -20,6 +20,7 @@ from art.utils import compute_success_array
 
 from art_malleability._utils.checks import one_hot
 from art_malleability._utils.io import progress_bar
+from art_malleability._utils.torch_utils import resolve_device
 from art_malleability.audit.attacks import (
     CONTROL_LABEL,
     attack_config,
@@ -33,15 +34,16 @@ from art_malleability.data.input_pipeline import with_input_pipeline
 from art_malleability.data.streaming import ExampleSource, is_torch_data
 from art_malleability.distributed import Shard
 from art_malleability.influence import InfluenceEstimator, NTKInfluence
-from art_malleability.metrics import (
-    _aggregate_jaccard,
-    aggregate_scores,
-    combine_controls,
-    malleability_metrics,
-    spearman,
-    top_indices,
+from art_malleability.metrics import _aggregate_jaccard, combine_controls, spearman
+from art_malleability.metrics._accumulators import (
+    STORE_MEMORY_BYTES,
+    CleanScores,
+    PerturbedScores,
+    QueryResampling,
+    metrics_plan,
 )
 from art_malleability.metrics._flip_posterior import projection_noise
+from art_malleability.metrics._summary import pass_metrics
 from art_malleability.models.reference import is_transductive
 
 logger = logging.getLogger(__name__)
@@ -108,13 +110,32 @@ class AuditRun:
         self.train_data = self.x_all if self.x_all is not None else source.given
         self.noise: tuple[float, float] | None = None
         self.attack_warnings: list[str] = []
+        self.plan = metrics_plan(len(x_q), source.n, 0, est.n_bootstrap, self_pairs is not None)
+        self.metrics_device = resolve_device(est.device)
 
     # ------------------------------------------------------------------ influence
-    def _scores_now(self, estimator: InfluenceEstimator) -> np.ndarray:
-        scores = estimator.scores(self.x_q, self.y_q)
-        if self.self_pairs is not None:
-            scores[np.arange(len(self.self_pairs)), self.self_pairs] = np.nan
-        return self.shard.broadcast_object(scores)  # rank 0's copy everywhere: every process takes the same top set
+    def _score_blocks(self, estimator: InfluenceEstimator) -> Iterator[np.ndarray]:
+        """
+        The influence of the training set on the queries, one block of queries at a time (every process takes part
+        in each block; each block's self-pairs are excluded): no ``(n_query, n_train)`` matrix is ever whole.
+        """
+        rows = self.plan["block_rows"]
+        for s in range(0, len(self.x_q), rows):
+            block = estimator.scores(self.x_q[s : s + rows], self.y_q[s : s + rows])
+            if self.self_pairs is not None:
+                block[np.arange(len(block)), self.self_pairs[s : s + rows]] = np.nan
+            yield block
+
+    def _aggregate(self, estimator: InfluenceEstimator) -> np.ndarray:
+        """The aggregate score of every training example (its mean over the queries), from rank 0's blocks."""
+        total = count = None
+        for block in self._score_blocks(estimator):
+            finite = np.isfinite(block)
+            total = np.where(finite, block, 0.0).sum(0) + (0.0 if total is None else total)
+            count = finite.sum(0) + (0 if count is None else count)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            means = np.where(count > 0, total / np.maximum(count, 1), np.nan)
+        return self.shard.broadcast_object(means)
 
     def _fit_on(self, estimator: InfluenceEstimator, x_train: Any, warm_start: bool = False) -> None:
         if self.transductive:
@@ -129,8 +150,8 @@ class AuditRun:
                 f"{getattr(estimator, 'distributed', None)!r}; it did not shard over the process group"
             )
 
-    def _perturbed_scores(self, x_new: np.ndarray) -> np.ndarray:
-        """Influence with this process's perturbed training rows ``local`` replaced by ``x_new``."""
+    def _perturbed_scores(self, x_new: np.ndarray) -> Iterator[np.ndarray]:
+        """Influence with this process's perturbed training rows ``local`` replaced by ``x_new``, in query blocks."""
         rows, influence = self.local, self.influence
         if self.transductive:
             rows_all = self.shard.all_gather_rows(torch.as_tensor(rows)).numpy()
@@ -140,7 +161,7 @@ class AuditRun:
             self._fit_on(influence, x_full, warm_start=True)  # the same random projection as the clean fit
         else:
             influence.refit(rows, x_new)
-        return self._scores_now(influence)
+        return self._score_blocks(influence)
 
     def _other_seed_scores(self) -> list[np.ndarray]:
         """
@@ -153,7 +174,7 @@ class AuditRun:
             self._fit_on(twin, self.train_data)
             if getattr(twin, "mode_", None) != "projected" or twin.projector_.is_exact:
                 return []
-            found.append(aggregate_scores(self._scores_now(twin)))
+            found.append(self._aggregate(twin))
             del twin
         return found
 
@@ -172,9 +193,11 @@ class AuditRun:
         self.steps.set_postfix_str("influence (clean)", refresh=False)
         with timed(self.seconds, "influence_clean"):
             self._fit_on(influence, self.train_data)
-            self.before = self._scores_now(influence)
+            self.clean = self._clean_pass(self._score_blocks(influence), k)
+            self.top, self.agg_before = self.shard.broadcast_object(
+                None if self.clean is None else (self.clean.top, self.clean.aggregates)
+            )  # rank 0's set everywhere
         self.steps.update()
-        self.agg_before = aggregate_scores(self.before)
         self.projected = getattr(influence, "mode_", None) == "projected" and not influence.projector_.is_exact
         if self.projected:
             if not twin_first:
@@ -182,7 +205,6 @@ class AuditRun:
                     twins = self._other_seed_scores()
             if twins:
                 self.noise = projection_noise(np.stack([self.agg_before, *twins]))
-        self.top = top_indices(self.agg_before, k, self.est.rank_by)
         self.seed_agreement = None
         if self.projected and twins:  # how much of the ranking is the projection's own draw
             self.seed_agreement = {
@@ -193,23 +215,69 @@ class AuditRun:
         lo, hi = self.shard.bounds(self.source.n)
         self.local = np.sort(self.perturbed[(self.perturbed >= lo) & (self.perturbed < hi)])
 
-    def _metrics_of(self, after: np.ndarray, control: dict | None = None) -> dict:
+    def _clean_pass(self, blocks: Iterator[np.ndarray], k: int) -> CleanScores | None:
+        """
+        The clean scores' pass of the metrics (rank 0 keeps it; the other processes only take part in the blocks):
+        the aggregates, the set of the ``k`` largest, each query's own top set, the correlation's pairs.
+        """
+        est = self.est
+
+        def start() -> CleanScores | None:
+            if self.shard.rank != 0:
+                return None
+            resampling = QueryResampling(len(self.x_q), est.n_bootstrap, est.seed, self.metrics_device)
+            return CleanScores(resampling, self.source.n, est.top_fraction, est.rank_by, STORE_MEMORY_BYTES,
+                               folder=getattr(self.influence, "tile_folder", None))
+
+        def finish() -> None:
+            if clean is not None:
+                clean.finish()
+                if clean.k != k:
+                    raise ValueError(f"the influential set must hold {k} examples, got {clean.k}")
+
+        clean = self._everywhere(start)
+        self._consume(blocks, None if clean is None else clean.add)
+        self._everywhere(finish)
+        return clean
+
+    def _consume(self, blocks: Iterator[np.ndarray], add: Callable[[np.ndarray], None] | None) -> float:
+        """
+        Hand every block to ``add`` (rank 0's accumulator; ``None`` elsewhere). Every process computes every block
+        (the scores are collective), even after ``add`` failed on one of them; the failure is then raised everywhere.
+
+        :return: Seconds spent in ``add``.
+        """
+        error, seconds = None, 0.0
+        for block in blocks:
+            if add is not None and error is None:
+                start = time.perf_counter()
+                try:
+                    add(block)
+                except Exception as failure:  # noqa: BLE001 - raised on every process below
+                    error = failure
+                seconds += time.perf_counter() - start
+        self.shard.raise_if_any(error)
+        return seconds
+
+    def _metrics_of(self, blocks: Iterator[np.ndarray], control: dict | None = None,
+                    timing: dict[str, float] | None = None) -> tuple[dict, np.ndarray]:
+        """
+        The metrics of a perturbed pass against the clean one, and its aggregate scores (on every process).
+
+        :param timing: Where to add the seconds of the influence (``influence``) and of the metrics (``metrics``).
+        """
         est, result = self.est, None
-        if self.shard.rank == 0:
-            result = malleability_metrics(
-                self.before,
-                after,
-                est.top_fraction,
-                est.rank_by,
-                est.n_bootstrap,
-                est.confidence,
-                est.seed,
-                self.top,
-                noise=self.noise,
-                control=control,
-                keep_draws=True,
-            )
-        return self.shard.broadcast_object(result)
+        start = time.perf_counter()
+        perturbed = PerturbedScores(self.clean) if self.shard.rank == 0 else None
+        accumulating = self._consume(blocks, None if perturbed is None else perturbed.add)
+        influence_s = time.perf_counter() - start - accumulating
+        result = self._everywhere(lambda: None if perturbed is None else (
+            pass_metrics(perturbed, est.confidence, self.noise, control, keep_draws=True), perturbed.aggregates()))
+        result = self.shard.broadcast_object(result)
+        if timing is not None:
+            timing["influence"] = timing.get("influence", 0.0) + influence_s
+            timing["metrics"] = timing.get("metrics", 0.0) + time.perf_counter() - start - influence_s
+        return result
 
     def _everywhere(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)``; a failure on any process is raised on every process (nobody waits in a collective)."""
@@ -234,7 +302,7 @@ class AuditRun:
                 for draw in range(self.est.control_draws):
                     self.steps.set_postfix_str(f"control eps={eps:g} draw {draw + 1}", refresh=False)
                     x_ctrl = self._everywhere(self._control_rows, eps, draw)
-                    draws.append(self._metrics_of(self._perturbed_scores(x_ctrl)))
+                    draws.append(self._metrics_of(self._perturbed_scores(x_ctrl))[0])
                 control_metrics[eps] = combine_controls(draws, self.est.confidence)  # every process has the draws
             self.steps.update()
         return control_metrics
@@ -248,11 +316,8 @@ class AuditRun:
             success, linf = _combine_attack_stats(changed, linf, len(self.perturbed), self.shard)
         self.steps.update()
         self.steps.set_postfix_str(f"influence ({label})", refresh=False)
-        with timed(timing, "influence"):
-            after = self._perturbed_scores(x_adv)
         control = control_metrics.get(self.controls.get(attack))
-        with timed(timing, "metrics"):
-            metrics = self._metrics_of(after, control)
+        metrics, scores_after = self._metrics_of(self._perturbed_scores(x_adv), control, timing)
         self.steps.update()
         for internal in ("draws", "resamples"):
             metrics.pop(internal)
@@ -262,7 +327,7 @@ class AuditRun:
             n_perturbed=len(self.perturbed),
             attack_success=success,
             max_perturbation=linf,
-            scores_after=aggregate_scores(after),
+            scores_after=scores_after,
             seconds=timing,
             control=_control_summary(control, self.controls.get(attack)),
             **metrics,
@@ -408,7 +473,7 @@ def _control_summary(control: dict | None, eps: float | None) -> dict[str, Any] 
     """The control's metrics as reported beside an attack."""
     if control is None:
         return None
-    names = ("flip_rate", "flip_rate_above_floor", "spearman", "top_k_jaccard")
+    names = ("flip_rate", "flip_rate_above_floor", "spearman", "top_k_jaccard", "signed_retention")
     summary: dict[str, Any] = {"perturbation": CONTROL_LABEL, "eps": eps, "draws": control["n_draws"],
                                "flip_rate_null": control["flip_rate_null"]}
     for name in names:

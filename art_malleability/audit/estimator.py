@@ -17,9 +17,16 @@ from torch.utils.data import DataLoader, Dataset
 from art_malleability._utils.checks import check_features, check_labels, check_range, near_chance_warnings
 from art_malleability._utils.provenance import library_versions, weights_digest
 from art_malleability._utils.state import preserved
-from art_malleability._utils.torch_utils import model_device_dtype
+from art_malleability._utils.torch_utils import model_device_dtype, resolve_device
 from art_malleability.audit._classifier import ESTIMATOR_REQUIREMENTS, as_classifier
-from art_malleability.audit._params import PARAM_NAMES, build_attacks, build_influence, check_params
+from art_malleability.audit._params import (
+    PARAM_NAMES,
+    build_attacks,
+    build_influence,
+    check_params,
+    check_query_budget,
+    default_queries,
+)
 from art_malleability.audit._run import AuditRun, timed
 from art_malleability.audit.attacks import ATTACK_NAMES, attack_label
 from art_malleability.audit.report import MalleabilityReport
@@ -68,7 +75,7 @@ class MalleabilityEstimator:
         top_fraction: float = 0.1,
         strategy: str = "top",
         ridge: float | str = 1e-3,
-        n_queries: int = 100,
+        n_queries: int | None = None,
         rank_by: str = "abs",
         n_bootstrap: int = 1000,
         confidence: float = 0.95,
@@ -100,7 +107,10 @@ class MalleabilityEstimator:
         :param strategy: ``"top"`` perturbs the influential set, ``"all"`` every training example.
         :param ridge: Ridge λ of the NTK influence (> 0), or "loo" / "gcv" to choose it on the clean training set
             (see :class:`~art_malleability.influence.NTKInfluence`).
-        :param n_queries: Number of query points (a seeded sample when more are available).
+        :param n_queries: Number of query points (a seeded sample when more are available); ``None`` (default): every
+               test point given, up to 10,000 (``DEFAULT_MAX_QUERIES``), or as many training examples when the queries
+               come from the training set. More queries decide more signs (docs/metrics.md); every statistic's
+               cost is linear in them, and a number whose metrics would not fit the memory is refused before any work.
         :param rank_by: Top-set ranking: ``"abs"`` (magnitude) or ``"signed"`` (most helpful).
         :param n_bootstrap: Bootstrap resamples over queries for the intervals.
         :param confidence: Coverage of the intervals.
@@ -245,19 +255,21 @@ class MalleabilityEstimator:
             )
         shard.agree((source.n, weights_digest(clf.model)), "the classifier's weights and the size of x")
         rng = np.random.default_rng(self.seed)
+        wanted = default_queries(self.n_queries)
         if x_test is not None:
             test = self._source(x_test, y_test, "x_test", shape, nb_classes)
             rows = np.arange(test.n)
-            if len(rows) > self.n_queries:
-                rows = np.sort(rng.choice(len(rows), self.n_queries, replace=False))
+            if len(rows) > wanted:
+                rows = np.sort(rng.choice(len(rows), wanted, replace=False))
             (x_q, y_q), self_pairs, queries = test.take(rows, self.batch_size), None, test
         else:
             if source.n < 2:
                 raise ValueError(
                     f"x must hold at least 2 examples when the queries are drawn from it (x_test=None), got {source.n}"
                 )
-            rows = np.sort(rng.choice(source.n, min(self.n_queries, source.n), replace=False))
+            rows = np.sort(rng.choice(source.n, min(wanted, source.n), replace=False))
             (x_q, y_q), self_pairs, queries = source.take(rows, self.batch_size), rows, source
+        self._check_queries(len(x_q), source.n, k, self_pairs is not None)
         if len(x_q) < 2:
             message = ("x_test holds a single query point: every interval resamples the queries and needs two or more, "
                        "so the intervals are null; pass more test points")
@@ -299,6 +311,11 @@ class MalleabilityEstimator:
         x = check_features(x, name, shape)
         check_range(x, name, self.classifier.clip_values)
         return ExampleSource(x, check_labels(y, "y" + name[1:], len(x), nb_classes), name=name)
+
+    def _check_queries(self, n_query: int, n_train: int, k: int, from_train: bool) -> None:
+        """The metrics of ``n_query`` queries must fit the memory before any work starts (``check_query_budget``)."""
+        check_query_budget(n_query, n_train, k, self.n_bootstrap, from_train,
+                           getattr(self._influence, "memory_limit_gb", None), resolve_device(self.device))
 
     def _check_budget(self) -> None:
         """An ℓ∞ budget that covers the whole valid input range is a unit mistake (8 meant as 8/255), not an audit."""

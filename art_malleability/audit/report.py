@@ -77,6 +77,14 @@ class AttackResult:
     :param no_flip_statistic: Likelihood-ratio statistic of "no member of the top set flips" (``χ²₁`` scale).
     :param undecided_share: Share of the top set whose perturbed aggregate lies within one standard error of zero:
         their population sign is hard to decide from these queries, and the noise-aware rate's bias grows with it.
+    :param signed_retention: How much of the top set's clean influence the perturbed influence keeps, on balance:
+        ``Σ s_j a_j / Σ s_j b_j`` over the set, ``b``/``a`` the clean/perturbed aggregates and ``s`` the clean signs
+        (1: unchanged, 0: wiped out, below 0: reversed); a mean over the set, decided where single signs are not
+        (:func:`~art_malleability.metrics.signed_retention`).
+    :param signed_retention_ci: Its interval (docs/metrics.md states the estimand and the measured coverage).
+    :param excess_retention: ``signed_retention`` minus the control's (below 0: the attack wipes out more influence
+        than random signs of its size).
+    :param excess_retention_ci: Normal interval, paired as the excess flip rate's.
     """
 
     attack: str
@@ -103,6 +111,10 @@ class AttackResult:
     flip_rate_null: float | None = None
     no_flip_statistic: float | None = None
     undecided_share: float | None = None
+    signed_retention: float | None = None
+    signed_retention_ci: list[float | None] = field(default_factory=lambda: [None, None])
+    excess_retention: float | None = None
+    excess_retention_ci: list[float | None] = field(default_factory=lambda: [None, None])
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -201,9 +213,10 @@ class MalleabilityReport(SavedReport):
 
     def summary(self) -> str:
         """
-        :return: A plain-text table: attack, the raw flip rate [CI] and its expectation by query noise alone, the
-                 noise-aware flip rate [CI], the random control's flip rate, the excess flip rate [CI], Spearman,
-                 top-k overlap, attack success.
+        :return: A plain-text table: attack; first what a mean over the influential set decides at any number of
+                 queries, the signed retention [CI] with the random control's and the excess [CI]; then the paper's
+                 raw flip rate [CI] with its expectation by query noise alone, the noise-aware flip rate [CI], the
+                 control's flip rate and the excess flip rate [CI]; Spearman, top-k overlap, attack success.
         """
         lines = [self._title(), *text_table(self._header(), [_row(r) for r in self.results])]
         if self.fidelity is not None:
@@ -231,14 +244,18 @@ class MalleabilityReport(SavedReport):
             "",
             *[f"> **Warning:** {w}\n" for w in self.warnings],
             "Influence scores have shape (n_query, n_train); positive = helpful (removing the training "
-            "example would raise the query's loss). The *flip rate* (the paper's) is the share of the clean top set "
+            "example would raise the query's loss). The *retention* is how much of the clean top set's aggregate "
+            "influence the perturbed influence keeps, on balance (1: unchanged, 0: wiped out, below 0: reversed), "
+            "decided at any number of queries, beside its random-sign *control* and the *excess* (attack minus "
+            "control). The *flip rate* (the paper's) is the share of the clean top set "
             "whose measured aggregate influence changes sign after the attack; *by noise* is what query noise alone "
             "would give (no population aggregate changing sign); the *noise-aware* rate estimates the share whose "
             "population aggregate changes sign (empirical-Bayes deconvolution of the paired aggregates); *control* "
             "perturbs the same examples by random signs at the same budget (mean of several sign draws), and "
             "*excess* is the attack's flip rate minus the control's. Intervals (docs/metrics.md gives each one's "
-            "estimand and measured coverage): flip rate, excess and overlap: normal with the bootstrap standard "
-            "error over queries; Spearman: BCa; noise-aware: bootstrap refits of the deconvolution.",
+            "estimand and measured coverage): retention, flip rate, excesses and overlap: normal with the bootstrap "
+            "standard error over queries; Spearman: delete-a-group jackknife over queries; noise-aware: bootstrap "
+            "refits of the deconvolution.",
             "",
             markdown_table(header, [_row(r) for r in self.results]),
         ]
@@ -246,8 +263,11 @@ class MalleabilityReport(SavedReport):
         if controls:
             lines += ["", "## Random-perturbation controls", ""]
             lines.append(markdown_table(
-                ["beside", "eps", "draws", "flip rate", "by noise", "noise-aware", "Spearman", "top-k Jaccard"],
+                ["beside", "eps", "draws", "retention", "flip rate", "by noise", "noise-aware", "Spearman",
+                 "top-k Jaccard"],
                 [[r.attack, f"{r.control['eps']:g}", str(r.control.get("draws")),
+                  format_number_ci(r.control.get("signed_retention"),
+                                   r.control.get("signed_retention_ci", [None, None])),
                   format_percent_ci(r.control["flip_rate"], r.control["flip_rate_ci"]),
                   format_percent(r.control.get("flip_rate_null")),
                   format_percent_ci(r.control["flip_rate_above_floor"], r.control["flip_rate_above_floor_ci"]),
@@ -278,8 +298,8 @@ class MalleabilityReport(SavedReport):
 
     def _header(self) -> list[str]:
         conf = int(round(100 * self.config.get("confidence", 0.95)))
-        return ["attack", f"flip rate [{conf}% CI]", "by noise", "noise-aware [CI]", "control", "excess [CI]",
-                "Spearman", "top-k Jaccard", "success"]
+        return ["attack", f"retention [{conf}% CI]", "control", "excess [CI]", "flip rate [CI]", "by noise",
+                "noise-aware [CI]", "control", "excess [CI]", "Spearman", "top-k Jaccard", "success"]
 
     def _figures(self) -> dict[str, Any]:
         figures = {"flip_rates.png": self.plot_flip_rates}
@@ -410,6 +430,9 @@ def comparison_table(reports: list[MalleabilityReport]) -> str:
 def _row(r: AttackResult) -> list[str]:
     return [
         r.attack,
+        format_number_ci(r.signed_retention, r.signed_retention_ci),
+        "n/a" if r.control is None else _number(r.control.get("signed_retention")),
+        value_ci(r.excess_retention, r.excess_retention_ci, 1.0, "+.3f", ""),
         format_percent_ci(r.flip_rate, r.flip_rate_ci),
         format_percent(r.flip_rate_null),
         format_percent_ci(r.flip_rate_above_floor, r.flip_rate_above_floor_ci),
@@ -419,6 +442,10 @@ def _row(r: AttackResult) -> list[str]:
         format_number_ci(r.top_k_jaccard, r.top_k_jaccard_ci),
         format_percent(r.attack_success),
     ]
+
+
+def _number(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.3f}"
 
 
 def _flip_and_excess(r: AttackResult) -> str:

@@ -66,7 +66,12 @@ def add_audit(sub: argparse._SubParsersAction, run: Runner) -> None:
     group.add_argument("--top-fraction", type=float, default=0.1, help="share of training data in the top set")
     group.add_argument("--strategy", choices=STRATEGIES, default="top", help="perturb the top set or all")
     group.add_argument("--rank-by", choices=RANK_BY, default="abs", help="rank the top set by absolute or signed score")
-    group.add_argument("--n-queries", type=int, default=100, help="query points drawn from the test set")
+    group.add_argument(
+        "--n-queries", type=int, default=None,
+        help="query points drawn from the test set (default: every test point, up to 10,000); more queries decide more "
+        "signs, and the metrics' time and memory grow linearly with them (a number that would not fit is refused "
+        "before training)",
+    )
     group.add_argument("--n-bootstrap", type=int, default=1000, help="bootstrap resamples for intervals")
     group.add_argument(
         "--no-controls", action="store_true",
@@ -117,12 +122,28 @@ def run_audit(args: argparse.Namespace) -> int:
         say(args, f"data: {data.name}, {len(data.x_train)} train / {len(data.x_test)} test, input {data.input_shape}, "
                   f"{data.nb_classes} classes ({time.perf_counter() - start:.1f} s)"
                   + (f"; {shard.world_size} processes ({shard.backend})" if shard.world_size > 1 else ""))
+    _check_queries(args, data)
     reports = [_audit_model(args, name, data, shard) for name in model_names(args)]
     if lead:
         table = comparison_table(reports)
         args.out.write("summary.md", f"# Influence malleability on {data.name}\n\n{table}\n")
         say(args, f"\n{table}\n\nreports in {args.output}/")
     return 0
+
+
+def _check_queries(args: argparse.Namespace, data: Dataset) -> None:
+    """``--n-queries`` must fit the memory: checked once the data's sizes are known, before any training."""
+    from art_malleability._utils.torch_utils import resolve_device
+    from art_malleability.audit._params import check_query_budget, default_queries
+    from art_malleability.cli.checks import UsageError
+    from art_malleability.metrics import top_k_count
+
+    n_query = min(len(data.x_test), default_queries(args.n_queries))
+    try:
+        check_query_budget(n_query, len(data.x_train), top_k_count(len(data.x_train), args.top_fraction),
+                           args.n_bootstrap, False, None, resolve_device(args.device))
+    except ValueError as err:
+        raise UsageError(str(err).replace("n_queries", "--n-queries (n_queries)", 1)) from err
 
 
 def _audit_model(args: argparse.Namespace, name: str, data: Dataset, shard: Shard) -> MalleabilityReport:

@@ -97,7 +97,7 @@ def _check_settings(args: argparse.Namespace) -> None:
             raise ValueError(f"--alpha (alpha) must lie strictly between 0 and 1, got {args.alpha}")
         if args.n_models < 2:
             raise ValueError(f"--n-models (n_models) must be at least 2, got {args.n_models}")
-    if getattr(args, "n_queries", 2) < 2:
+    if getattr(args, "n_queries", None) is not None and args.n_queries < 2:
         raise ValueError(
             f"--n-queries must be at least 2, got {args.n_queries}; every interval resamples the queries and needs two "
             "or more"

@@ -34,8 +34,6 @@ import torch
 from scipy.special import ndtr, owens_t
 from scipy.stats import chi2, norm
 
-from art_malleability.metrics._resampled import _weights as resample_weights
-
 #: Atoms per axis of the prior's grid (odd: one atom sits at 0, a population aggregate of about 0, which is not a flip).
 GRID_SIZE = 25
 #: EM steps of the fit on all queries, and of a bootstrap refit started from it.
@@ -44,11 +42,68 @@ FIT_STEPS, REFIT_STEPS = 300, 60
 POSTERIOR_DRAWS = 20
 
 
+class PairedSums:
+    """
+    Weighted sums over the queries of an influential set's paired clean and perturbed scores, from which its paired
+    aggregates and their covariances follow (:meth:`moments`); each of ``count``, ``b``, ``a``, ``bb``, ``aa``, ``ab``
+    is ``(R, k)``: one row per weighting of the queries (the audit's: all queries once, then the bootstrap resamples),
+    over the pairs finite on both sides. Accumulated block by block over the queries, in ``O(R · n_query · k)``.
+    """
+
+    NAMES = ("count", "b", "a", "bb", "aa", "ab")
+
+    def __init__(self, sums: dict[str, np.ndarray]) -> None:
+        for name in self.NAMES:
+            setattr(self, name, np.asarray(sums[name], dtype=np.float64))
+
+    @classmethod
+    def of(
+        cls, before: np.ndarray, after: np.ndarray, top: np.ndarray, weights: np.ndarray | None = None
+    ) -> PairedSums:
+        """
+        :param before: Clean influence matrix ``(n_query, n_train)`` (``NaN``: excluded pair).
+        :param after: Perturbed influence matrix, same shape.
+        :param top: The set (training indices).
+        :param weights: ``(R, n_query)`` query multiplicities (default: all queries once).
+        """
+        b, a = before[:, top], after[:, top]
+        pair = np.isfinite(b) & np.isfinite(a)
+        b, a = np.where(pair, b, 0.0), np.where(pair, a, 0.0)
+        w = np.ones((1, b.shape[0])) if weights is None else np.atleast_2d(np.asarray(weights, dtype=np.float64))
+        return cls({"count": w @ pair, "b": w @ b, "a": w @ a, "bb": w @ (b * b), "aa": w @ (a * a),
+                    "ab": w @ (a * b)})
+
+    def rows(self, index: slice | np.ndarray) -> PairedSums:
+        """:return: The sums of some weightings only."""
+        return PairedSums({name: getattr(self, name)[index] for name in self.NAMES})
+
+    def __len__(self) -> int:
+        return len(self.count)
+
+    def moments(self) -> tuple[np.ndarray, np.ndarray]:
+        """
+        :return: ``means`` ``(R, k, 2)`` (clean, perturbed) and ``cov`` ``(R, k, 2, 2)``, the covariance of the two
+            means (sample covariance of the per-query pairs over their count); ``NaN`` means with fewer than two pairs.
+        """
+        count = self.count
+        safe = np.maximum(count, 1.0)
+        mb, ma = self.b / safe, self.a / safe
+        dof = np.maximum(count - 1.0, 1.0)
+        vbb = (self.bb - count * mb * mb) / dof
+        vaa = (self.aa - count * ma * ma) / dof
+        vab = (self.ab - count * ma * mb) / dof
+        means = np.stack([mb, ma], axis=-1)
+        cov = np.stack([np.stack([vbb, vab], -1), np.stack([vab, vaa], -1)], -2) / safe[..., None, None]
+        means[count < 2] = np.nan
+        return means, cov
+
+
 def paired_moments(
     before: np.ndarray, after: np.ndarray, top: np.ndarray, weights: np.ndarray | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """
-    The paired aggregates of the set and their covariance, for all queries or for resamples of them.
+    The paired aggregates of the set and their covariance, for all queries or for resamples of them
+    (:class:`PairedSums`).
 
     :param before: Clean influence matrix ``(n_query, n_train)`` (``NaN``: excluded pair).
     :param after: Perturbed influence matrix, same shape.
@@ -57,21 +112,7 @@ def paired_moments(
     :return: ``means`` ``(B, k, 2)`` (clean, perturbed) and ``cov`` ``(B, k, 2, 2)``, the covariance of the two means
         (sample covariance of the per-query pairs over their count).
     """
-    b, a = before[:, top], after[:, top]
-    pair = np.isfinite(b) & np.isfinite(a)
-    b, a = np.where(pair, b, 0.0), np.where(pair, a, 0.0)
-    w = np.ones((1, b.shape[0])) if weights is None else np.atleast_2d(np.asarray(weights, dtype=np.float64))
-    count = w @ pair
-    safe = np.maximum(count, 1.0)
-    mb, ma = (w @ b) / safe, (w @ a) / safe
-    dof = np.maximum(count - 1.0, 1.0)
-    vbb = ((w @ (b * b)) - count * mb * mb) / dof
-    vaa = ((w @ (a * a)) - count * ma * ma) / dof
-    vab = ((w @ (a * b)) - count * ma * mb) / dof
-    means = np.stack([mb, ma], axis=-1)
-    cov = np.stack([np.stack([vbb, vab], -1), np.stack([vab, vaa], -1)], -2) / safe[..., None, None]
-    means[count < 2] = np.nan
-    return means, cov
+    return PairedSums.of(before, after, top, weights).moments()
 
 
 def projection_noise(aggregates: np.ndarray) -> tuple[float, float] | None:
@@ -126,9 +167,8 @@ class FlipPosterior:
     """
     The deconvolution of one influential set's paired aggregates (see the module's docstring).
 
-    :param before: Clean influence matrix ``(n_query, n_train)``.
-    :param after: Perturbed influence matrix, same shape.
-    :param top: The set (training indices), chosen from the clean aggregates.
+    :param sums: The set's :class:`PairedSums`: row 0 over all queries once, the other rows (if any) over the bootstrap
+        resamples of the queries that :meth:`interval` refits on (:meth:`from_scores` builds them from matrices).
     :param threshold: The selection threshold in score units (the smallest ``|aggregate|`` in the set for
         ``rank_by="abs"``, the smallest aggregate for ``"signed"``); ``None``: the set was given, not selected by these
         scores, and no truncation applies.
@@ -138,17 +178,15 @@ class FlipPosterior:
 
     def __init__(
         self,
-        before: np.ndarray,
-        after: np.ndarray,
-        top: np.ndarray,
+        sums: PairedSums,
         threshold: float | None,
         rank_by: str = "abs",
         noise: tuple[float, float] | None = None,
     ) -> None:
-        self.before, self.after = before, after
-        self.top = np.asarray(top, dtype=np.int64)
         self.threshold, self.rank_by, self.noise = threshold, rank_by, noise
-        means, cov = paired_moments(before, after, self.top)
+        self.resampled = sums.rows(slice(1, None))
+        means, cov = sums.rows(slice(0, 1)).moments()
+        self.means, self.cov = means, cov
         finite = np.isfinite(means[0]).all(axis=1)
         self.keep = finite & (cov[0, :, 0, 0] > 0)
         # members whose scores do not vary over the queries (clean and perturbed) are measured exactly: their
@@ -163,6 +201,36 @@ class FlipPosterior:
         self.loglik = self._loglik(means, cov)[0]
         self.weights = _em(self.loglik, np.full(self.u.size, 1.0 / self.u.size), FIT_STEPS)
         self._no_flip: np.ndarray | None = None
+
+    @classmethod
+    def from_scores(
+        cls,
+        before: np.ndarray,
+        after: np.ndarray,
+        top: np.ndarray,
+        threshold: float | None,
+        rank_by: str = "abs",
+        noise: tuple[float, float] | None = None,
+        rows: np.ndarray | None = None,
+    ) -> FlipPosterior:
+        """
+        The deconvolution of whole influence matrices.
+
+        :param before: Clean influence matrix ``(n_query, n_train)``.
+        :param after: Perturbed influence matrix, same shape.
+        :param top: The set (training indices), chosen from the clean aggregates.
+        :param threshold: See the class.
+        :param rank_by: See the class.
+        :param noise: See the class.
+        :param rows: ``(B, n_query)`` bootstrap resamples of the query rows for :meth:`interval` (default: none).
+        """
+        n_query = np.asarray(before).shape[0]
+        weights = np.ones((1, n_query))
+        if rows is not None and len(rows):
+            counts = np.zeros((len(rows), n_query))
+            np.add.at(counts, (np.arange(len(rows))[:, None], np.atleast_2d(rows)), 1.0)
+            weights = np.concatenate([weights, counts])
+        return cls(PairedSums.of(before, after, np.asarray(top, dtype=np.int64), weights), threshold, rank_by, noise)
 
     @property
     def no_flip_weights(self) -> np.ndarray:
@@ -222,8 +290,7 @@ class FlipPosterior:
             population sign these queries can hardly decide (the regime where the estimate's bias grows, measured in
             docs/metrics.md).
         """
-        means, cov = paired_moments(self.before, self.after, self.top)
-        means, cov = means[0, self.keep], _with_projection(means, cov, self.noise)[0, self.keep]
+        means, cov = self.means[0, self.keep], _with_projection(self.means, self.cov, self.noise)[0, self.keep]
         if not len(means):
             return float("nan")
         return float(np.mean(np.abs(means[:, 1]) < np.sqrt(cov[:, 1, 1])))
@@ -244,8 +311,7 @@ class FlipPosterior:
         if not self.keep.any():
             return float("nan")
         posterior = _posterior(self.loglik, self.no_flip_weights)  # (k, atoms)
-        means, cov = paired_moments(self.before, self.after, self.top)
-        cov = _with_projection(means, cov, self.noise)[0, self.keep]
+        cov = _with_projection(self.means, self.cov, self.noise)[0, self.keep]
         scale = np.sqrt(cov[:, 0, 0])
         sbb, saa, sab = (cov[:, 0, 0] / scale**2, cov[:, 1, 1] / scale**2, cov[:, 0, 1] / scale**2)
         t = None
@@ -255,27 +321,24 @@ class FlipPosterior:
         # exactly measured members flip by noise never
         return float(np.sum(posterior * flips) / (self.keep.sum() + np.isfinite(self.exact_flips).sum()))
 
-    def interval(self, rows: np.ndarray, confidence: float, seed: int) -> tuple[float, float]:
+    def interval(self, confidence: float, seed: int) -> tuple[float, float]:
         """
-        :param rows: ``(B, n_query)`` bootstrap resamples of the query rows.
         :param confidence: Coverage, in (0, 1).
         :param seed: Seed of the posterior draws.
         :return: ``(low, high)``: percentile interval of the flip shares drawn from the posteriors of every refit on
             a resample; ``low`` is 0 when the likelihood-ratio test of no flips does not reject at ``1 - confidence``.
         """
-        if not self.keep.any() or len(rows) == 0:
+        resampled = self.resampled
+        if not self.keep.any() or len(resampled) == 0:
             return float("nan"), float("nan")
         exact = self.exact_flips[np.isfinite(self.exact_flips)]
-        n_query = self.before.shape[0]
-        rows = np.atleast_2d(rows)
         rng = np.random.default_rng(seed)
         shares = []
         step = max(1, int(2**22 // max(self.keep.sum() * self.u.size, 1)))
-        for s in range(0, len(rows), step):
-            weights = resample_weights(rows[s : s + step], n_query)
-            means, cov = paired_moments(self.before, self.after, self.top, weights)
+        for s in range(0, len(resampled), step):
+            means, cov = resampled.rows(slice(s, s + step)).moments()
             loglik = self._loglik(means, cov)
-            fitted = _em(loglik, np.broadcast_to(self.weights, (len(weights), self.u.size)).copy(), REFIT_STEPS)
+            fitted = _em(loglik, np.broadcast_to(self.weights, (len(means), self.u.size)).copy(), REFIT_STEPS)
             probabilities = _posterior_flips(loglik, fitted, self.flip_atoms)  # (b, k)
             draws = rng.random((POSTERIOR_DRAWS, *probabilities.shape)) < probabilities
             shares.append(((draws.sum(axis=-1) + exact.sum()) / (draws.shape[-1] + exact.size)).ravel())

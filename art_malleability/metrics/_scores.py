@@ -78,39 +78,6 @@ def flip_mask(before: np.ndarray, after: np.ndarray) -> np.ndarray:
         return np.sign(before) * np.sign(after) < 0
 
 
-def _top_masks(values: np.ndarray, k: int, rank_by: str) -> np.ndarray:
-    """
-    Membership masks ``(B, n)`` of :func:`top_indices` of every row of ``values`` (same sets: the
-    ``k`` largest keys, ties to the lower index, ``NaN`` never), in ``O(n)`` per row.
-    """
-    key = np.abs(values) if rank_by == "abs" else values.copy()
-    key[~np.isfinite(key)] = -np.inf
-    b, n = key.shape
-    counts = np.minimum(k, np.isfinite(values).sum(axis=1))
-    mask = np.zeros((b, n), dtype=bool)
-    for i in np.flatnonzero(counts > 0):
-        c = int(counts[i])
-        threshold = np.partition(key[i], n - c)[n - c]
-        above = key[i] > threshold
-        equal = np.flatnonzero(key[i] == threshold)[: c - int(above.sum())]
-        mask[i] = above
-        mask[i, equal] = True
-    return mask
-
-
-def _mean_and_error(counts: np.ndarray, sums: np.ndarray, squares: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """
-    Means and standard errors of columns from their (weighted) counts, sums and sums of squares: ``NaN``
-    mean without data, infinite error with fewer than two values.
-    """
-    with np.errstate(invalid="ignore", divide="ignore"):
-        mean = np.where(counts > 0, sums / np.where(counts > 0, counts, 1.0), np.nan)
-        spread = np.maximum(squares - counts * np.nan_to_num(mean) ** 2, 0.0)
-        variance = spread / np.where(counts > 1, counts - 1.0, 1.0)
-        error = np.where(counts > 1, np.sqrt(variance / np.where(counts > 0, counts, 1.0)), np.inf)
-    return mean, error
-
-
 def _as_matrix(scores: np.ndarray, name: str) -> np.ndarray:
     scores = np.asarray(scores, dtype=np.float64)
     if scores.ndim == 1:

@@ -1,0 +1,133 @@
+"""
+The metrics streamed in blocks of queries: any blocking gives the same numbers, a clean matrix spilled to disk gives
+those of one kept in memory (and its folder goes), the correlation's sampled pairs do not depend on the blocking, and
+the streamed noise-aware rate is the one of whole matrices.
+"""
+
+
+import numpy as np
+import pytest
+
+from art_malleability import metrics as M
+from art_malleability.metrics import _spearman
+from art_malleability.metrics._accumulators import CleanScores, PerturbedScores
+from art_malleability.metrics._summary import pass_metrics
+
+
+def _metrics(before, after, block, memory_bytes=None, folder=None, control=None, keep_draws=False, **kwargs):
+    clean = CleanScores(M.QueryResampling(len(before), 60, 3), before.shape[1], 0.1, "abs",
+                        memory_bytes=memory_bytes, folder=folder)
+    for s in range(0, len(before), block):
+        clean.add(before[s : s + block])
+    clean.finish()
+    perturbed = PerturbedScores(clean)
+    for s in range(0, len(after), block):
+        perturbed.add(after[s : s + block])
+    return pass_metrics(perturbed, control=control, keep_draws=keep_draws, **kwargs)
+
+
+def _same(first: dict, second: dict) -> None:
+    assert first.keys() == second.keys()
+    for key, value in first.items():
+        if key == "resamples" or isinstance(value, list):
+            assert value == second[key], key
+        elif isinstance(value, dict):
+            _same(value, second[key])
+        else:
+            np.testing.assert_allclose(np.asarray(value, dtype=float), np.asarray(second[key], dtype=float),
+                                       rtol=1e-10, atol=1e-9, err_msg=key)  # EM-fitted values: 1e-9
+
+
+@pytest.fixture
+def pair(rng):
+    before = rng.normal(size=(37, 80)) + 0.5 * rng.normal(size=80)
+    after = 0.6 * before + rng.normal(size=before.shape)
+    before[4, 10] = after[4, 10] = np.nan  # a self-pair
+    after[7, 3] = np.nan
+    return before, after
+
+
+def test_any_blocking_gives_the_same_metrics(pair):
+    before, after = pair
+    whole = M.malleability_metrics(before, after, n_bootstrap=60, seed=3, keep_draws=True)
+    for block in (1, 5, 37):
+        _same(whole, _metrics(before, after, block, keep_draws=True))
+
+
+def test_a_clean_matrix_spilled_to_disk_gives_the_same_metrics_and_its_folder_goes(pair, tmp_path):
+    before, after = pair
+    clean = CleanScores(M.QueryResampling(len(before), 60, 3), before.shape[1], memory_bytes=100, folder=tmp_path)
+    clean.add(before)
+    folders = list(tmp_path.iterdir())
+    assert len(folders) == 1 and (folders[0] / "clean_scores.f64").stat().st_size == 8 * before.size
+    clean.finish()
+    assert list(tmp_path.iterdir()) == []  # the folder it created, and only that, is gone
+    _same(_metrics(before, after, 6), _metrics(before, after, 6, memory_bytes=100, folder=tmp_path))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_pass_leaves_no_folder(pair, tmp_path):
+    before, _ = pair
+    clean = CleanScores(M.QueryResampling(len(before), 10, 0), before.shape[1], memory_bytes=100, folder=tmp_path)
+    clean.add(before[:5])
+    with pytest.raises(ValueError, match="must hold 37 queries, got 5"):
+        clean.finish()
+    del clean
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_blocks_are_checked(pair):
+    before, after = pair
+    clean = CleanScores(M.QueryResampling(len(before), 10, 0), before.shape[1])
+    with pytest.raises(ValueError, match=r"block of influence rows of shape \(n, 80\)"):
+        clean.add(before[:, :5])
+    with pytest.raises(ValueError, match="clean must be finished"):
+        PerturbedScores(clean)
+    clean.add(before)
+    with pytest.raises(ValueError, match="must hold 37 queries, got at least 38"):
+        clean.add(before[:1])
+    clean.finish()
+    perturbed = PerturbedScores(clean)
+    perturbed.add(after[:10])
+    with pytest.raises(ValueError, match="perturbed scores must hold 37 queries, got 10"):
+        pass_metrics(perturbed)
+
+
+def test_sampled_pairs_do_not_depend_on_the_blocking(pair, monkeypatch):
+    """Above the cap each query keeps a seeded share of its pairs: the same pairs, however the queries are blocked."""
+    before, after = pair
+    monkeypatch.setattr(_spearman, "SPEARMAN_PAIRS", 1000)
+    results = [_metrics(before, after, block, keep_draws=True) for block in (1, 7, 37)]
+    for other in results[1:]:
+        assert other["spearman"] == results[0]["spearman"]
+        np.testing.assert_array_equal(other["draws"]["spearman"], results[0]["draws"]["spearman"])
+    clean = CleanScores(M.QueryResampling(len(before), 10, 3), before.shape[1])
+    clean.add(before)
+    clean.finish()
+    kept = clean.pairs.rows.numel()
+    assert clean.pairs.share == pytest.approx(1000 / before.size)
+    assert abs(kept - 1000) < 4 * np.sqrt(1000)
+    rows, cols = clean.pairs.rows.numpy(), clean.pairs.cols.numpy()
+    sampled_b, sampled_a = before[rows, cols], after[rows, cols]
+    keep = np.isfinite(sampled_b) & np.isfinite(sampled_a)
+    from scipy.stats import spearmanr
+
+    assert results[0]["spearman"] == pytest.approx(spearmanr(sampled_b[keep], sampled_a[keep]).statistic, abs=1e-12)
+
+
+def test_the_streamed_noise_aware_rate_is_that_of_whole_matrices(pair):
+    before, after = pair
+    streamed = M.malleability_metrics(before, after, n_bootstrap=150, seed=2)
+    whole = M.noise_aware_flip_rate(before, after, n_bootstrap=M.NOISE_AWARE_RESAMPLES, seed=2)
+    assert streamed["flip_rate_above_floor"] == pytest.approx(whole["estimate"], abs=1e-9)
+    assert streamed["flip_rate_above_floor_ci"] == pytest.approx(whole["ci"], abs=1e-9)
+    assert streamed["undecided_share"] == whole["undecided_share"]
+    assert streamed["flip_rate_null"] == pytest.approx(whole["null_raw_flip_rate"], abs=1e-9)
+
+
+def test_the_signed_retention_reads_as_stated(rng):
+    """1 when nothing changes, 0 when the set's influence is wiped out, -1 when every sign is reversed."""
+    before = rng.normal(size=(30, 50)) + 3 * rng.normal(size=50)
+    for after, expected in ((before, 1.0), (np.zeros_like(before), 0.0), (-before, -1.0)):
+        result = M.malleability_metrics(before, after, n_bootstrap=50)
+        assert result["signed_retention"] == pytest.approx(expected, abs=1e-12)
