@@ -393,3 +393,50 @@ def test_warm_start_keeps_the_projection_of_a_refitted_transductive_model():
     assert [(g["dim_out"], g["dim_in"]) for g in refitted.projector_.describe()] == dims
     fresh = NTKInfluence(projection_dim=64, device="cpu").fit(model, x_adv, y)
     assert fresh.projector_.signature == est.projector_.signature  # same layers, seed and budget
+
+
+def test_the_projected_features_of_blocks_of_queries_are_kept_between_refits(monkeypatch):
+    """An audit scores the same blocks of queries after every refit: each block is projected once."""
+    from art_malleability._utils import cache
+
+    model = _mlp(d=4, m=8, c=3)
+    rng = np.random.default_rng(3)
+    x, y = rng.normal(size=(60, 4)).astype(np.float32), rng.integers(0, 3, 60)
+    xq, yq = rng.normal(size=(9, 4)).astype(np.float32), rng.integers(0, 3, 9)
+    est = NTKInfluence(projection_dim=20, ridge=0.05, device="cpu").fit(model, x, y)
+    calls = []
+    project = est._project
+    monkeypatch.setattr(est, "_project", lambda rows: calls.append(len(rows)) or project(rows))
+    whole = est.scores(xq, yq)
+    blocks = [est.scores(xq[s : s + 4], yq[s : s + 4]) for s in range(0, 9, 4)]
+    np.testing.assert_allclose(np.concatenate(blocks), whole, rtol=1e-9, atol=1e-15)
+    est.refit(np.array([3, 5]), rng.normal(size=(2, 4)).astype(np.float32))
+    for s in range(0, 9, 4):
+        est.scores(xq[s : s + 4], yq[s : s + 4])
+    assert calls == [9, 4, 4, 1, 2]  # the whole set, each block once; after the refit only its own 2 rows
+    monkeypatch.setattr(cache, "QUERY_CACHE_BYTES", 1)  # nothing fits: every call projects again
+    est._query_features = None
+    est.scores(xq[:4], yq[:4])
+    est.scores(xq[:4], yq[:4])
+    assert calls[-2:] == [4, 4]
+
+
+def test_the_exact_modes_query_factors_of_blocks_are_kept_between_refits():
+    """After a refit the exact mode contracts kept factors: each block of queries has its factors computed once."""
+    model = _mlp(d=4, m=8, c=3)
+    rng = np.random.default_rng(4)
+    x, y = rng.normal(size=(40, 4)).astype(np.float32), rng.integers(0, 3, 40)
+    xq, yq = rng.normal(size=(9, 4)).astype(np.float32), rng.integers(0, 3, 9)
+    est = NTKInfluence(projection_dim=None, ridge=0.05, device="cpu").fit(model, x, y)
+    est.refit(np.array([1, 2]), rng.normal(size=(2, 4)).astype(np.float32))
+    kept = est._kept
+    calls = []
+    blocks_of = kept._blocks_of
+    kept._blocks_of = lambda rows: calls.append(len(rows)) or blocks_of(rows)
+    first = [est.scores(xq[s : s + 4], yq[s : s + 4]) for s in range(0, 9, 4)]
+    est.refit(np.array([5]), rng.normal(size=(1, 4)).astype(np.float32))
+    second = [est.scores(xq[s : s + 4], yq[s : s + 4]) for s in range(0, 9, 4)]
+    fresh = NTKInfluence(projection_dim=None, ridge=0.05, device="cpu").fit(model, est.x_train_, y)
+    assert calls == [4, 4, 1, 1]  # each block of queries once; then the second refit's own changed row
+    assert _rel(np.concatenate(second), fresh.scores(xq, yq)) < 1e-8
+    assert len(first) == 3

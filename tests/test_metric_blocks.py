@@ -131,3 +131,23 @@ def test_the_signed_retention_reads_as_stated(rng):
     for after, expected in ((before, 1.0), (np.zeros_like(before), 0.0), (-before, -1.0)):
         result = M.malleability_metrics(before, after, n_bootstrap=50)
         assert result["signed_retention"] == pytest.approx(expected, abs=1e-12)
+
+
+def test_each_querys_own_set_is_that_of_top_indices_ties_and_nan_included(rng):
+    """The per-query sets come from a partial selection, fixed up where keys tie across the set's boundary."""
+    import torch
+
+    from art_malleability.metrics._accumulators import _QueryTops
+
+    for _ in range(150):
+        n_query, n_train = int(rng.integers(1, 8)), int(rng.integers(3, 40))
+        scores = np.round(rng.normal(size=(n_query, n_train)) * rng.choice([0.5, 3.0]))
+        scores[rng.random(scores.shape) < 0.2] = np.nan
+        fraction, rank_by = float(rng.choice([0.1, 0.3, 0.5, 1.0])), str(rng.choice(["abs", "signed"]))
+        tops = _QueryTops(n_query, n_train, fraction, rank_by, torch.device("cpu"))
+        if tops.width == 0:
+            continue
+        tops.add(0, torch.as_tensor(scores))
+        for q in range(n_query):
+            expected = M.top_indices(scores[q], M.top_k_count(int(np.isfinite(scores[q]).sum()), fraction), rank_by)
+            assert set(tops.index[q, : int(tops.size[q])].tolist()) == set(expected.tolist())

@@ -55,6 +55,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from art_malleability._utils import cache as _cache
+from art_malleability._utils.cache import BoundedCache
 from art_malleability._utils.io import progress_bar
 from art_malleability._utils.torch_utils import tensor_digest
 from art_malleability.data.streaming import ExampleSource
@@ -596,14 +598,20 @@ class NTKInfluence(InfluenceEstimator):
             else:
                 k_q = self._train_columns(x_query, self.x_train_)
             return self.solver_.loo_parts(k_q)
-        key = tensor_digest(torch.as_tensor(np.ascontiguousarray(x_query)))
-        if self._query_features is None or self._query_features[0] != key:
-            self._query_features = None
-            self._query_features = (key, self._project(x_query))  # an audit asks for the same queries again
-        phi_q = self._query_features[1]
+        phi_q = self._cached_query_features(x_query)
         if isinstance(self.solver_, DualRidge):
             return self.solver_.loo_parts(phi_q @ self._phi.T)
         return self.solver_.loo_parts(phi_q)
+
+    def _cached_query_features(self, x_query: np.ndarray) -> torch.Tensor:
+        """
+        The projected features of queries: an audit asks for the same blocks of queries after every refit (the
+        projection does not change), so they are kept by the digest of the block, up to ``QUERY_CACHE_BYTES``.
+        """
+        if self._query_features is None:
+            self._query_features = BoundedCache(_cache.QUERY_CACHE_BYTES, lambda t: t.numel() * t.element_size())
+        key = tensor_digest(torch.as_tensor(np.ascontiguousarray(x_query)))
+        return self._query_features.get(key, lambda: self._project(x_query))
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
         """Columns of every process side by side (the primal solve holds each process's own), else ``t``."""

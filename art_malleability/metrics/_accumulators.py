@@ -148,8 +148,14 @@ class _QueryTops:
         finite = torch.isfinite(block)
         key = block.abs() if self.rank_by == "abs" else block.clone()
         key = torch.where(finite, key, -torch.inf)
-        order = torch.sort(-key, dim=1, stable=True).indices[:, : self.width]  # ties to the lower index
         size = torch.floor(self.fraction * finite.sum(1).to(torch.float64) + 1e-9).to(torch.int64)
+        values, order = torch.topk(key, self.width, dim=1)
+        # the set is the first ``size`` of that order unless keys tie across its boundary; those rows take the
+        # stable order (ties to the lower index), as top_indices does
+        boundary = values.gather(1, (size - 1).clamp_min(0)[:, None])
+        tied = (size > 0) & ((key >= boundary).sum(1) > size)
+        if bool(tied.any()):
+            order[tied] = torch.sort(-key[tied], dim=1, stable=True).indices[:, : self.width]
         valid = torch.arange(self.width, device=block.device)[None, :] < size[:, None]
         stop = start + len(block)
         self.index[start:stop] = order.to(torch.int32)
@@ -418,7 +424,7 @@ def metrics_plan(n_query: int, n_train: int, k: int, n_bootstrap: int, excluded_
         + 8 * 6 * (r + 1) * k  # the noise-aware rate's paired sums
         + 8 * 6 * pairs  # the correlation's pairs, their two sides' sorts and ranks
         + 8 * _STEP_ELEMENTS * 4  # a step of the resampled top sets
-        + 8 * rows * n_train * 6  # one block and its temporaries (mask, sort, keys)
+        + 8 * min(rows, n_query) * n_train * 6  # one block and its temporaries (mask, sort, keys)
     )
     return {"memory_bytes": int(memory), "disk_bytes": int(clean if on_disk else 0), "block_rows": rows,
             "store": "disk" if on_disk else "memory"}

@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 
+from art_malleability._utils import cache as _cache
+from art_malleability._utils.cache import BoundedCache
 from art_malleability._utils.torch_utils import eval_mode, no_tf32, tensor_digest, to_tensor
 from art_malleability.ntk._memory import Features, place_block
 from art_malleability.ntk._rank_one import ClassDirections, RankChange
@@ -68,7 +70,7 @@ class KeptFactors:
 
     def _build(self) -> None:
         engine = self.engine
-        self._last = None
+        self._last = BoundedCache(_cache.QUERY_CACHE_BYTES, lambda blocks: sum(b.nbytes() for b in blocks))
         with eval_mode(engine.model):
             engine._plan(self.x[:2], None)
         while True:
@@ -137,11 +139,8 @@ class KeptFactors:
         key = tensor_digest(x_new)
 
         def compute() -> torch.Tensor:
-            # the factors of the last inputs are kept too: an audit asks for the same queries again
-            if self._last is None or self._last[0] != key:
-                self._last = None
-                self._last = (key, self._blocks_of(x_new))
-            f = self._last[1]
+            # the factors of inputs asked for are kept too: an audit asks for the same blocks of queries again
+            f = self._last.get(key, lambda: self._blocks_of(x_new))
             return self._swap_columns(self._contract_all(f, self._blocks, self.n), f)
 
         return self._retrying(compute)
