@@ -329,3 +329,19 @@ def test_an_update_takes_the_changed_rows_as_a_function_of_columns(tmp_path, blo
     by_columns.update(other, fresh_rows)  # a new update starts afresh
     whole.update(other, fresh_rows)
     torch.testing.assert_close(by_columns.alpha_, whole.alpha_, rtol=1e-8, atol=1e-8 * float(whole.alpha_.abs().max()))
+
+
+@pytest.mark.parametrize("n_outputs", [1, 3, 10])
+def test_the_mse_scores_closed_form_equals_the_losses_difference(n_outputs):
+    """``-b (r·β) + ½ b² ‖β‖²`` against the two losses of every leave-one-out prediction, computed elementwise."""
+    from art_malleability.influence.base import per_example_loss
+    from art_malleability.influence.ridge import loo_scores
+
+    gen = torch.Generator().manual_seed(n_outputs)
+    f = torch.randn((7, n_outputs), generator=gen, dtype=torch.float64)
+    b = torch.randn((7, 11), generator=gen, dtype=torch.float64)
+    beta = torch.randn((11, n_outputs), generator=gen, dtype=torch.float64)
+    y = torch.randint(0, n_outputs, (7,), generator=gen)
+    loo = f[:, None, :] - b[:, :, None] * beta[None]
+    expected = per_example_loss(loo, y[:, None], "mse") - per_example_loss(f, y, "mse")[:, None]
+    torch.testing.assert_close(loo_scores(f, b, beta, y, "mse"), expected, rtol=0, atol=1e-13)

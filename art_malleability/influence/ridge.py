@@ -58,7 +58,7 @@ from art_malleability.influence._tiles import (
     check_finite,
     not_positive_definite,
 )
-from art_malleability.influence.base import per_example_loss
+from art_malleability.influence.base import per_example_loss, regression_targets
 
 logger = logging.getLogger(__name__)
 
@@ -160,8 +160,13 @@ def loo_scores(
     :param loss: ``"mse"`` or ``"cross_entropy"`` (see :func:`~art_malleability.influence.per_example_loss`).
     :return: ``(n_q, n)`` float64 scores.
     """
-    base = per_example_loss(f, y, loss)
     n_query, n_train = b.shape
+    if isinstance(loss, str) and loss == "mse":
+        # ½‖r − b β‖² − ½‖r‖² = −b (r·β) + ½ b² ‖β‖² with the residual r = f − target: one product, no (n_q, n, C)
+        # temporaries, and no cancellation of the two losses
+        residual = f - regression_targets(y, f.shape[1], f.dtype)
+        return b * (0.5 * b * (beta * beta).sum(1)[None, :] - residual @ beta.T)
+    base = per_example_loss(f, y, loss)
     out = torch.empty((n_query, n_train), dtype=torch.float64, device=f.device)
     chunk = max(1, _CHUNK_ELEMENTS // max(1, n_train * f.shape[1]))
     for s in range(0, n_query, chunk):
