@@ -145,9 +145,10 @@ def test_each_querys_own_set_is_that_of_top_indices_ties_and_nan_included(rng):
         scores[rng.random(scores.shape) < 0.2] = np.nan
         fraction, rank_by = float(rng.choice([0.1, 0.3, 0.5, 1.0])), str(rng.choice(["abs", "signed"]))
         tops = _QueryTops(n_query, n_train, fraction, rank_by, torch.device("cpu"))
+        tops.add(0, torch.as_tensor(scores))  # a set share that selects none included (n_train * fraction < 1)
         if tops.width == 0:
-            continue
-        tops.add(0, torch.as_tensor(scores))
+            assert int(tops.size.sum()) == 0
+            assert bool(torch.isnan(tops.flip_rates(0, torch.as_tensor(scores))).all())
         for q in range(n_query):
             expected = M.top_indices(scores[q], M.top_k_count(int(np.isfinite(scores[q]).sum()), fraction), rank_by)
             assert set(tops.index[q, : int(tops.size[q])].tolist()) == set(expected.tolist())

@@ -149,6 +149,10 @@ class _QueryTops:
         key = block.abs() if self.rank_by == "abs" else block.clone()
         key = torch.where(finite, key, -torch.inf)
         size = torch.floor(self.fraction * finite.sum(1).to(torch.float64) + 1e-9).to(torch.int64)
+        stop = start + len(block)
+        self.size[start:stop] = size
+        if self.width == 0:  # every set is empty
+            return
         values, order = torch.topk(key, self.width, dim=1)
         # the set is the first ``size`` of that order unless keys tie across its boundary; those rows take the
         # stable order (ties to the lower index), as top_indices does
@@ -157,10 +161,8 @@ class _QueryTops:
         if bool(tied.any()):
             order[tied] = torch.sort(-key[tied], dim=1, stable=True).indices[:, : self.width]
         valid = torch.arange(self.width, device=block.device)[None, :] < size[:, None]
-        stop = start + len(block)
         self.index[start:stop] = order.to(torch.int32)
         self.sign[start:stop] = torch.where(valid, torch.sign(block.gather(1, order)), 0.0).to(torch.int8)
-        self.size[start:stop] = size
 
     def flip_rates(self, start: int, block: torch.Tensor) -> torch.Tensor:
         """:return: The flip rate of each query of the perturbed block within its own top set (``NaN``: empty set)."""
