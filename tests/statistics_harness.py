@@ -15,7 +15,7 @@ from planted import Planted, true_flip_share
 from art_malleability import metrics as M
 from art_malleability.metrics._accumulators import CleanScores, PerturbedScores
 from art_malleability.metrics._flip_posterior import FlipPosterior
-from art_malleability.metrics._summary import _interval, replicated
+from art_malleability.metrics._summary import EB_LOADINGS, _eb_variance, _interval, replicated
 from art_malleability.validation.lds import linear_datamodeling_score
 
 
@@ -72,7 +72,7 @@ def replicates(before: np.ndarray, afters: list[np.ndarray], top: np.ndarray | N
     return out
 
 
-def noise_aware(design: Planted, reps: int, selected: bool, seed: int = 0, refits: int = 60) -> dict:
+def noise_aware(design: Planted, reps: int, selected: bool, seed: int = 0) -> dict:
     """
     The noise-aware flip rate on planted populations: its estimate and interval against the true share of the set
     whose population aggregates change sign, the raw flip rate against its null expectation, and the no-flip test.
@@ -82,7 +82,7 @@ def noise_aware(design: Planted, reps: int, selected: bool, seed: int = 0, refit
     """
     rng = np.random.default_rng(seed)
     out = {"aware": Coverage("noise-aware flip rate"), "raw": [], "null": [], "lr": []}
-    for rep in range(reps):
+    for _ in range(reps):
         mu_b, mu_a = design.population(rng)
         before, after = design.sample(rng, mu_b, mu_a)
         if selected:
@@ -90,9 +90,8 @@ def noise_aware(design: Planted, reps: int, selected: bool, seed: int = 0, refit
             threshold = M.selection_threshold(before, top)
         else:
             top, threshold = np.flatnonzero(mu_b), None
-        rows = M.resample_rows(design.n_query, refits, rep)
-        posterior = FlipPosterior.from_scores(before, after, top, threshold, rows=rows)
-        interval = posterior.interval(0.95, rep)
+        posterior = FlipPosterior.from_scores(before, after, top, threshold)
+        interval = posterior.interval(0.95)
         out["aware"].add(true_flip_share(mu_b, mu_a, top), posterior.estimate(), interval)
         out["raw"].append(M.flip_rate(before, after, top=top))
         out["null"].append(posterior.null_raw_flip_rate())
@@ -145,6 +144,66 @@ def resampled_statistics(design: Planted, reps: int, seed: int = 0, n_bootstrap:
         interval = M.normal_interval(excess, draws["flip_rate"] - mean_draws, 0.95, (-1.0, 1.0),
                                      extra_variance=float(np.var(rates, ddof=1)) / control_draws)
         out["excess flip rate"].add(truths[:, 0].mean() - control_truth, excess, interval)
+    return out
+
+
+def retention(design: Planted, reps: int, seed: int = 0, n_bootstrap: int = 200, control_draws: int = 5,
+              control_spread: float = 0.5, control_share: float = 0.25, selected: bool = True) -> dict[str, Coverage]:
+    """
+    The signed retention, its random-sign control and the excess, as the audit combines them (the control: the mean
+    of ``control_draws`` draws, each moving the population aggregates to ``control_share · μ_b`` plus its own
+    ``N(0, control_spread²)`` standard errors). A new population and sample in every repetition; the set is chosen
+    from the sample's clean aggregates (``selected``) or is the planted influential examples. Estimands, with the
+    set ``T`` and the measured clean signs ``s``: ``R = Σ_T s μ_a / Σ_T s μ_b``; the control's, its expectation over
+    draws, ``Σ_T s control_share μ_b / Σ_T s μ_b``; the excess, their difference.
+    """
+    rng = np.random.default_rng(seed)
+    se = 1.0 / np.sqrt(design.n_query)
+    out = {name: Coverage(name) for name in ("retention", "control retention", "excess retention",
+                                             "plug-in retention (not used)")}
+    name = "signed_retention"
+    for rep in range(reps):
+        mu_b, mu_a = design.population(rng)
+        e_b = design.noise(rng)
+        before = mu_b + e_b
+
+        def paired(mu: np.ndarray, e_b: np.ndarray = e_b) -> np.ndarray:
+            return mu + design.rho * e_b + np.sqrt(1 - design.rho**2) * design.noise(rng)
+
+        controls_mu = [control_share * mu_b + control_spread * se * rng.standard_normal(design.n_train)
+                       for _ in range(control_draws)]
+        clean = CleanScores(M.QueryResampling(design.n_query, n_bootstrap, rep), design.n_train, given=before)
+        clean.add(before)
+        clean.finish(None if selected else np.flatnonzero(mu_b))
+        passes, passes_top, after = [], [], paired(mu_a)
+        for perturbed_scores in (after, *(paired(mu) for mu in controls_mu)):
+            perturbed = PerturbedScores(clean)
+            perturbed.add(perturbed_scores)
+            passes.append(replicated(perturbed, spearman=False, selected=selected))
+            passes_top.append(perturbed.resampled_top())
+        (point, draws), controls = passes[0], passes[1:]
+        signs = np.sign(clean.aggregates[clean.top])
+        denominator = np.sum(signs * mu_b[clean.top])
+        truth = np.sum(signs * mu_a[clean.top]) / denominator
+        control_truth = np.sum(signs * control_share * mu_b[clean.top]) / denominator
+        out["retention"].add(truth, point[name], _interval(name, point[name], draws[name], 0.95,
+                                                           _eb_variance(name, draws)))
+        # what the corrected estimator replaced: the measured aggregates' ratio, bootstrap normal interval
+        boot_b, boot_a = (t.numpy() for t in passes_top[0])
+        plug_in = np.sum(signs * np.nanmean(after, 0)[clean.top]) / np.sum(signs * clean.aggregates[clean.top])
+        replicates = (boot_a @ signs) / (boot_b @ signs)
+        out["plug-in retention (not used)"].add(truth, plug_in, M.normal_interval(plug_in, replicates, 0.95,
+                                                                                   (-np.inf, np.inf)))
+        # the control and the excess as combine_controls and pass_metrics combine them
+        values = np.array([c[0][name] for c in controls])
+        mean = {key: np.mean([c[1][key] for c in controls], axis=0) for key in (name, EB_LOADINGS)}
+        between = float(np.var(values, ddof=1)) / control_draws
+        out["control retention"].add(control_truth, values.mean(), _interval(
+            name, values.mean(), mean[name], 0.95, between + _eb_variance(name, mean)))
+        difference = {key: draws[key] - mean[key] for key in (name, EB_LOADINGS)}
+        excess = point[name] - values.mean()
+        out["excess retention"].add(truth - control_truth, excess, M.normal_interval(
+            excess, difference[name], 0.95, (-np.inf, np.inf), extra_variance=between + _eb_variance(name, difference)))
     return out
 
 

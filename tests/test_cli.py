@@ -409,3 +409,19 @@ def test_an_interrupt_while_the_interpreter_exits_is_one_line_and_status_130(tmp
         child.kill()
     assert child.returncode == 130
     assert err.strip() == "art-malleability: interrupted while exiting after the command had ended with status 0"
+
+
+def test_queries_whose_metrics_do_not_fit_are_refused_after_the_data_and_before_training(tmp_path, capsys,
+                                                                                            monkeypatch):
+    """The data's sizes are needed for the plan; no model is trained (or loaded) before the refusal."""
+    import art_malleability.cli.audit as cli_audit
+
+    def never(*args, **kwargs):
+        raise AssertionError("a model was trained before the queries were checked")
+
+    monkeypatch.setattr(cli_audit, "_train_or_load", never)
+    code = main(["audit", *TINY, "--attacks", "fgsm", "--n-bootstrap", "1000000000", "--output", str(tmp_path / "o")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "--n-queries (n_queries) must leave the audit's metrics within the memory budget" in err, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "o").exists()

@@ -68,7 +68,7 @@ def test_fgsm_flip_rate_equals_explicit_recomputation(name, relu_clf, attn_clf):
     np.testing.assert_allclose(report.scores_before, aggregate_scores(before), rtol=1e-10)
     # the noise-aware rate of an exact estimator: query noise alone, the set selected from the clean scores
     assert report.noise_model["projection_sd"] is None
-    aware = noise_aware_flip_rate(before, after, top=top, n_bootstrap=FAST["n_bootstrap"], seed=0)
+    aware = noise_aware_flip_rate(before, after, top=top)
     assert result.flip_rate_above_floor == pytest.approx(aware["estimate"], abs=1e-12)
     assert result.flip_rate_above_floor_ci == pytest.approx(list(aware["ci"]), abs=1e-12)
     assert result.flip_rate_null == pytest.approx(aware["null_raw_flip_rate"], abs=1e-12)
@@ -416,7 +416,7 @@ def test_projected_mode_equals_a_by_hand_pipeline_and_is_recorded(relu_clf):
     assert agreement["top_k_jaccard"] == pytest.approx(
         len(set(top) & set(top_twin)) / len(set(top) | set(top_twin)))
     assert f"agree with Spearman {agreement['spearman']:.2f}" in report.summary()
-    aware = noise_aware_flip_rate(before, after, top=top, noise=noise, n_bootstrap=FAST["n_bootstrap"], seed=3)
+    aware = noise_aware_flip_rate(before, after, top=top, noise=noise)
     assert result.flip_rate_above_floor == pytest.approx(aware["estimate"], abs=1e-9)
     exact = MalleabilityEstimator(relu_clf, attacks=["fgsm"], **FAST).evaluate(x, y, xq, yq)
     assert exact.execution["mode"] == "exact" and "projection_dim" not in exact.execution
@@ -681,3 +681,31 @@ def test_a_single_test_point_is_said_in_the_report(relu_clf, caplog):
     assert any("single query point" in w for w in report.warnings) and "single query point" in caplog.text
     reasons = report.to_dict()["null_reasons"]
     assert reasons["results[0].flip_rate_ci[0]"].startswith("a single query point")
+
+
+def test_queries_whose_metrics_do_not_fit_the_memory_are_refused_before_any_work(relu_clf, monkeypatch):
+    """The metrics' plan is checked from the sizes alone, before any attack or influence pass; nothing is changed."""
+    data = digits()
+    x, y = data.x_train[:120].copy(), data.y_train[:120].copy()
+    xq, yq = data.x_test[:40].copy(), data.y_test[:40].copy()
+    copies = [a.copy() for a in (x, y, xq, yq)]
+    weights = [p.detach().clone() for p in relu_clf.model.parameters()]
+    calls = []
+    tight = NTKInfluence(ridge=1e-3, device="cpu", memory_limit_gb=0.05)
+    monkeypatch.setattr(NTKInfluence, "fit", lambda *a, **k: calls.append(1))
+    audit = MalleabilityEstimator(relu_clf, attacks=["fgsm"], influence=tight, n_queries=None, n_bootstrap=50,
+                                  verbose=False, device="cpu")
+    with pytest.raises(ValueError, match=r"n_queries must leave the audit's metrics within the memory budget of "
+                                         r"0\.1 GiB, got 40 queries, whose metrics need"):
+        audit.evaluate(x, y, xq, yq)
+    assert not calls  # no influence was fitted
+    for before, after in zip(copies, (x, y, xq, yq), strict=True):
+        np.testing.assert_array_equal(before, after)
+    for before, after in zip(weights, relu_clf.model.parameters(), strict=True):
+        assert torch.equal(before, after)
+    monkeypatch.undo()
+    # a budget that holds them runs
+    roomy = NTKInfluence(ridge=1e-3, device="cpu", memory_limit_gb=2.0)
+    report = MalleabilityEstimator(relu_clf, attacks=["fgsm"], influence=roomy, n_queries=None, n_bootstrap=50,
+                                   verbose=False, device="cpu", controls=False).evaluate(x, y, xq, yq)
+    assert report.n_queries == 40

@@ -162,3 +162,62 @@ def test_members_measured_without_query_noise_count_for_certain(rng):
     assert np.all(np.isfinite(probabilities)) and result["estimate"] == pytest.approx(1 / 6, abs=1e-6)
     assert result["ci"][0] >= 1 / 6 - 1e-9  # a certain flip keeps the interval off zero
     assert np.isfinite(result["null_raw_flip_rate"]) and result["null_raw_flip_rate"] < 0.05
+
+
+def _reference_constrained_fit(loglik, flip_atoms, share, steps):
+    """The constrained NPMLE by plain EM from the uniform prior within each block (the log-likelihood is concave in the
+    weights, so a long run reaches the maximum)."""
+    lik = np.exp(loglik - loglik.max(axis=1, keepdims=True))
+    w = np.where(flip_atoms, share / max(flip_atoms.sum(), 1), (1 - share) / max((~flip_atoms).sum(), 1))
+    for _ in range(steps):
+        r = w * (lik.T @ (1.0 / np.maximum(lik @ w, 1e-300)))
+        r_flip, r_keep = r[flip_atoms].sum(), r[~flip_atoms].sum()
+        w = np.where(flip_atoms, share * r / max(r_flip, 1e-300), (1 - share) * r / max(r_keep, 1e-300))
+    return w, F._total_loglik(loglik, w)
+
+
+@pytest.fixture
+def half_flipped(rng):
+    """40 members, 12 of which change sign, at 1-3 standard errors of 60 queries, selected by their clean aggregates."""
+    from art_malleability import metrics as M
+
+    n_query, n_train = 60, 400
+    mu_b = np.zeros(n_train)
+    mu_b[:40] = rng.uniform(1.0, 3.0, 40) * rng.choice([-1, 1], 40) / np.sqrt(n_query)
+    mu_a = 0.8 * mu_b
+    mu_a[:12] *= -1
+    noise = rng.standard_normal((n_query, n_train))
+    before, after = mu_b + noise, mu_a + 0.7 * noise + np.sqrt(0.51) * rng.standard_normal((n_query, n_train))
+    top = M.top_indices(M.aggregate_scores(before), 40)
+    return F.FlipPosterior.from_scores(before, after, top, M.selection_threshold(before, top))
+
+
+def test_the_profile_is_the_constrained_maximum_likelihood(half_flipped):
+    """Every constrained fit holds its flip mass and reaches the likelihood of a long plain EM run."""
+    posterior = half_flipped
+    shares, weights, total = posterior.profile()
+    np.testing.assert_allclose(weights[:, posterior.flip_atoms].sum(1), shares, atol=1e-12)
+    for i in (0, 5, 12, 25, 50):
+        _, reference = _reference_constrained_fit(posterior.loglik, posterior.flip_atoms, shares[i], 4000)
+        assert total[i] >= reference - 0.02, (shares[i], total[i], reference)
+    # the unconstrained fit lies on the profile: its maximum is the fit's likelihood
+    assert total.max() == pytest.approx(F._total_loglik(posterior.loglik, posterior.weights), abs=0.05)
+    assert posterior.no_flip_statistic() == pytest.approx(2 * (max(total.max(), F._total_loglik(
+        posterior.loglik, posterior.weights)) - total[0]), abs=1e-9)
+
+
+def test_the_interval_is_the_inverted_likelihood_ratio_test(half_flipped):
+    """Brute force: the deviance of long plain EM runs on a fine grid of flip masses, the accepted masses' posterior
+    flip shares; the interval's ends are theirs (within the fine grid's step), and it widens with the confidence."""
+    posterior = half_flipped
+    fine = np.linspace(0.0, 1.0, 201)
+    fits = [_reference_constrained_fit(posterior.loglik, posterior.flip_atoms, s, 1500) for s in fine]
+    totals = np.array([total for _, total in fits])
+    deviance = 2 * (max(totals.max(), F._total_loglik(posterior.loglik, posterior.weights)) - totals)
+    shares = np.array([F._posterior_flips(posterior.loglik, w, posterior.flip_atoms).mean() for w, _ in fits])
+    accepted = shares[deviance <= 3.841]
+    low, high = posterior.interval(0.95)
+    assert low == pytest.approx(accepted.min(), abs=0.015) and high == pytest.approx(accepted.max(), abs=0.015)
+    assert low <= posterior.estimate() <= high and 0.0 < low
+    wide, narrow = posterior.interval(0.99), posterior.interval(0.8)
+    assert wide[0] <= low <= narrow[0] <= narrow[1] <= high <= wide[1]

@@ -62,7 +62,7 @@ class AttackResult:
         of the top set whose *population* aggregate (mean over infinitely many queries) changes sign, by
         empirical-Bayes deconvolution of the paired clean and perturbed aggregates
         (:func:`~art_malleability.metrics.noise_aware_flip_rate`).
-    :param flip_rate_above_floor_ci: Its interval (bootstrap refits and posterior draws; includes 0 when a
+    :param flip_rate_above_floor_ci: Its interval (profile likelihood of the prior's flip mass; includes 0 when the
         likelihood-ratio test of no flips does not reject).
     :param counted_flips: Members of the top set whose posterior probability of a sign change is at least 1/2.
     :param control: The random-perturbation control of the same examples at the same ℓ∞ budget (random signs at
@@ -78,10 +78,12 @@ class AttackResult:
     :param undecided_share: Share of the top set whose perturbed aggregate lies within one standard error of zero:
         their population sign is hard to decide from these queries, and the noise-aware rate's bias grows with it.
     :param signed_retention: How much of the top set's clean influence the perturbed influence keeps, on balance:
-        ``Σ s_j a_j / Σ s_j b_j`` over the set, ``b``/``a`` the clean/perturbed aggregates and ``s`` the clean signs
-        (1: unchanged, 0: wiped out, below 0: reversed); a mean over the set, decided where single signs are not
-        (:func:`~art_malleability.metrics.signed_retention`).
-    :param signed_retention_ci: Its interval (docs/metrics.md states the estimand and the measured coverage).
+        ``Σ s_j μ_a,j / Σ s_j μ_b,j`` over the set, ``μ_b``/``μ_a`` the clean/perturbed population aggregates and
+        ``s`` the measured clean signs (1: unchanged, 0: wiped out, below 0: reversed), estimated with the set's
+        selection corrected (:mod:`art_malleability.metrics._retention`); a mean over the set, decided where single
+        signs are not.
+    :param signed_retention_ci: Its interval: the bootstrap variance over queries plus the empirical-Bayes error
+        (docs/metrics.md states the estimand and the measured coverage).
     :param excess_retention: ``signed_retention`` minus the control's (below 0: the attack wipes out more influence
         than random signs of its size).
     :param excess_retention_ci: Normal interval, paired as the excess flip rate's.

@@ -19,9 +19,11 @@ Definitions (the paper leaves them open; these are this package's choices):
 * **Spearman**: rank correlation of all finite (query, train) scores before and after (on a seeded sample of the pairs
   above :data:`~art_malleability.metrics._spearman.SPEARMAN_PAIRS` of them).
 * **Top-k overlap**: Jaccard index of the clean and perturbed aggregate top sets.
-* **Signed retention**: ``Σ_j s_j a_j / Σ_j s_j b_j`` over the influential set, ``b``/``a`` the clean/perturbed
-  aggregates and ``s`` the clean signs: 1 influence unchanged, 0 wiped out, below 0 reversed on balance
-  (:func:`signed_retention`). A mean over the set, it is decided where single signs are not.
+* **Signed retention**: ``Σ_j s_j μ_a,j / Σ_j s_j μ_b,j`` over the influential set, ``μ_b``/``μ_a`` the clean/perturbed
+  *population* aggregates and ``s`` the measured clean signs: 1 influence unchanged, 0 wiped out, below 0 reversed on
+  balance. Estimated with the selection of the set corrected (empirical Bayes on the clean aggregates, a regression on
+  the clean noise for the perturbed ones: :mod:`art_malleability.metrics._retention`). A mean over the set, it is
+  decided where single signs are not.
 * **Noise-aware flip rate** (key ``flip_rate_above_floor``): the estimated share of the top set whose
   *population* aggregate (the mean over infinitely many queries) changes sign, by empirical-Bayes
   deconvolution of the paired clean and perturbed aggregates (:func:`noise_aware_flip_rate`). Beside the raw
@@ -30,7 +32,8 @@ Definitions (the paper leaves them open; these are this package's choices):
   rate, the top-k Jaccard, the signed retention and the excesses over the control take a normal interval with the
   standard error of a bootstrap over queries (:func:`normal_interval`); Spearman a delete-a-group jackknife over the
   queries (:func:`jackknife_interval`); the per-query flip rate a Student-t interval over queries
-  (:func:`t_interval`); the noise-aware rate bootstrap refits of its deconvolution. Every statistic costs time and
+  (:func:`t_interval`); the noise-aware rate a profile likelihood; the retention's adds the empirical-Bayes error
+  to its bootstrap variance. Every statistic costs time and
   memory linear in the number of queries: the metrics are accumulated over blocks of queries
   (:mod:`art_malleability.metrics._accumulators`).
   The bootstrap is *conditional on the influential set*: the top set is chosen once from all
@@ -48,7 +51,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 from scipy.stats import norm, spearmanr
 
-from art_malleability.metrics._accumulators import NOISE_AWARE_RESAMPLES, QueryResampling, top_masks
+from art_malleability.metrics._accumulators import QueryResampling, top_masks
 from art_malleability.metrics._bootstrap import (
     TIE_VARIANCE_RATIO,
     check_confidence,
@@ -74,7 +77,6 @@ from art_malleability.metrics._summary import (
     VARIANCE_FACTOR,
     combine_controls,
     malleability_metrics,
-    signed_retention,
 )
 
 __all__ = [
@@ -87,7 +89,6 @@ __all__ = [
     "per_query_flip_rates",
     "spearman",
     "top_k_jaccard",
-    "signed_retention",
     "z_value",
     "selection_threshold",
     "noise_aware_flip_rate",
@@ -100,7 +101,6 @@ __all__ = [
     "BOUNDS",
     "TIE_VARIANCE_RATIO",
     "VARIANCE_FACTOR",
-    "NOISE_AWARE_RESAMPLES",
     "QueryResampling",
     "top_masks",
     "malleability_metrics",
@@ -227,8 +227,6 @@ def noise_aware_flip_rate(
     selected: bool = True,
     noise: tuple[float, float] | None = None,
     confidence: float = 0.95,
-    n_bootstrap: int = 200,
-    seed: int = 0,
 ) -> dict[str, Any]:
     """
     The share of the influential set whose *population* aggregate (the mean over infinitely many queries) changes
@@ -246,9 +244,7 @@ def noise_aware_flip_rate(
         selection); ``False`` for a set fixed in advance.
     :param noise: A projected estimator's noise model ``(α, β)``: ``sd = α + β |score|`` per aggregate
         (:func:`~art_malleability.metrics._flip_posterior.projection_noise`); ``None`` for a deterministic estimator.
-    :param confidence: Coverage of the interval.
-    :param n_bootstrap: Bootstrap resamples of the queries for the interval.
-    :param seed: Seed of the resampling and of the posterior draws.
+    :param confidence: Coverage of the interval (profile likelihood; deterministic, no resampling).
     :return: ``{"estimate", "ci", "flip_probabilities" (per member of the set), "null_raw_flip_rate",
         "no_flip_statistic", "undecided_share"}`` (the last: the share of the set whose perturbed aggregate lies
         within one standard error of zero, where the estimate's bias grows).
@@ -259,11 +255,10 @@ def noise_aware_flip_rate(
         return {"estimate": nan, "ci": (nan, nan), "flip_probabilities": np.full(top.size, nan),
                 "null_raw_flip_rate": nan, "no_flip_statistic": nan, "undecided_share": nan}
     threshold = selection_threshold(before, top, rank_by) if selected else None
-    rows = resample_rows(before.shape[0], n_bootstrap, seed)
-    posterior = FlipPosterior.from_scores(before, after, top, threshold, rank_by, noise, rows)
+    posterior = FlipPosterior.from_scores(before, after, top, threshold, rank_by, noise)
     return {
         "estimate": posterior.estimate(),
-        "ci": posterior.interval(confidence, seed),
+        "ci": posterior.interval(confidence),
         "flip_probabilities": posterior.flip_probabilities(),
         "null_raw_flip_rate": posterior.null_raw_flip_rate(),
         "no_flip_statistic": posterior.no_flip_statistic(),

@@ -11,10 +11,10 @@ on disk when it does not fit the memory given).
 - :class:`PerturbedScores`: one perturbed pass against a finished clean one; :meth:`PerturbedScores.metrics` gives
   the statistics of :func:`art_malleability.metrics.malleability_metrics`.
 
-Cost per perturbed pass, ``Q`` queries, ``N`` training examples, ``k`` in the set, ``B`` resamples, ``R`` refits of the
-noise-aware rate: ``O(B·Q·N)`` time (one matrix product per block: the resampled aggregates), ``O(Q·N log N)`` for the
-per-query top sets, ``O(M·G)`` for the correlation's jackknife (``M ≤`` :data:`~._spearman.SPEARMAN_PAIRS` pairs,
-``G`` groups); memory ``O(B·N + Q·k + M)`` beside one block.
+Cost per perturbed pass, ``Q`` queries, ``N`` training examples, ``k`` in the set, ``B`` resamples: ``O(B·Q·N)`` time
+(one matrix product per block: the resampled aggregates), ``O(Q·N log k)`` for the per-query top sets, ``O(M·G)``
+for the correlation's jackknife (``M ≤`` :data:`~._spearman.SPEARMAN_PAIRS` pairs, ``G`` groups), ``O(k)`` for the
+noise-aware rate's and the retention's sums; memory ``O(B·N + Q·k + M)`` beside one block.
 """
 
 from __future__ import annotations
@@ -28,13 +28,11 @@ import numpy as np
 import torch
 
 from art_malleability.metrics._bootstrap import resample_rows
-from art_malleability.metrics._flip_posterior import PairedSums
+from art_malleability.metrics._flip_posterior import GRID_SIZE, PROFILE_SHARES, PairedSums
+from art_malleability.metrics._retention import RetentionBasis
 from art_malleability.metrics._scores import RANK_BY, top_indices, top_k_count
 from art_malleability.metrics._spearman import SampledPairs
 
-#: Bootstrap refits behind the noise-aware interval (each one refits the deconvolution): the first ones of the audit's
-#: resamples.
-NOISE_AWARE_RESAMPLES = 100
 #: Elements of the temporaries of one step over resampled aggregates (``(b, n_train)`` at a time).
 _STEP_ELEMENTS = 2**22
 
@@ -68,7 +66,6 @@ class QueryResampling:
         counts = np.bincount(flat, minlength=b * n_query).reshape(b, n_query).astype(np.float64)
         self.weights = torch.as_tensor(counts, device=self.device)
         self.n_bootstrap = b
-        self.n_aware = min(b, NOISE_AWARE_RESAMPLES)
 
 
 class _ColumnSums:
@@ -77,6 +74,7 @@ class _ColumnSums:
     def __init__(self, n_cols: int, device: torch.device, weights: torch.Tensor | None = None) -> None:
         self.count = torch.zeros(n_cols, dtype=torch.float64, device=device)
         self.total = torch.zeros(n_cols, dtype=torch.float64, device=device)
+        self.squares = torch.zeros(n_cols, dtype=torch.float64, device=device)
         self.weights = weights
         if weights is not None:
             self.r_total = torch.zeros((len(weights), n_cols), dtype=torch.float64, device=device)
@@ -87,6 +85,7 @@ class _ColumnSums:
         filled = torch.where(finite, block, 0.0)
         self.count += finite.sum(0, dtype=torch.float64)
         self.total += filled.sum(0)
+        self.squares += (filled * filled).sum(0)
         if self.weights is None or not len(self.weights):
             return
         w = self.weights[:, start : start + len(block)]
@@ -294,6 +293,15 @@ class CleanScores:
         self.top_sums.add(0, self.top_scores)
         self.pairs.finish()
         self.finished = True
+        self._retention: dict[bool, RetentionBasis] = {}
+
+    def retention_basis(self, selected: bool = True) -> RetentionBasis:
+        """What the signed retention of every pass shares (:class:`~._retention.RetentionBasis`), computed once."""
+        if selected not in self._retention:
+            sums = (t.cpu().numpy() for t in (self.columns.count, self.columns.total, self.columns.squares))
+            self._retention[selected] = RetentionBasis.of(*sums, self.top, self.rank_by, selected,
+                                                          self.resampling.seed)
+        return self._retention[selected]
 
     def threshold(self, selected: bool = True) -> float | None:
         """The clean aggregate the set cleared when it was chosen (``None`` for a set fixed in advance or empty)."""
@@ -317,11 +325,8 @@ class PerturbedScores:
         self.clean = clean
         resampling = clean.resampling
         self.columns = _ColumnSums(clean.n_train, clean.device, resampling.weights)
-        n_rows, k = resampling.n_aware + 1, len(clean.top)
-        self.paired = {name: torch.zeros((n_rows, k), dtype=torch.float64, device=clean.device)
+        self.paired = {name: torch.zeros((1, len(clean.top)), dtype=torch.float64, device=clean.device)
                        for name in PairedSums.NAMES}
-        self.aware_weights = torch.cat([torch.ones((1, clean.n_query), dtype=torch.float64, device=clean.device),
-                                        resampling.weights[: resampling.n_aware]])
         self.per_query = torch.full((clean.n_query,), torch.nan, dtype=torch.float64, device=clean.device)
         self.pair_values: list[torch.Tensor] = []
         self.seen = 0
@@ -337,10 +342,9 @@ class PerturbedScores:
         b, a = clean.top_scores[start:stop], block[:, clean.top_t]
         pair = torch.isfinite(b) & torch.isfinite(a)
         b, a = torch.where(pair, b, 0.0), torch.where(pair, a, 0.0)
-        w = self.aware_weights[:, start:stop]
         for name, values in (("count", pair.to(torch.float64)), ("b", b), ("a", a), ("bb", b * b), ("aa", a * a),
                              ("ab", a * b)):
-            self.paired[name].addmm_(w, values)
+            self.paired[name] += values.sum(0)
         self.per_query[start:stop] = clean.query_tops.flip_rates(start, block)
         self.pair_values.append(clean.pairs.perturbed_values(start, block))
         self.seen = stop
@@ -350,7 +354,7 @@ class PerturbedScores:
         return self.columns.means().cpu().numpy()
 
     def paired_sums(self) -> PairedSums:
-        """:return: The set's paired sums: all queries once, then the noise-aware rate's resamples."""
+        """:return: The set's paired sums over all queries (the noise-aware rate's data)."""
         return PairedSums({name: value.cpu().numpy() for name, value in self.paired.items()})
 
     def resampled_top(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -411,7 +415,7 @@ def metrics_plan(n_query: int, n_train: int, k: int, n_bootstrap: int, excluded_
     """
     from art_malleability.metrics._spearman import SPEARMAN_PAIRS
 
-    b, r = n_bootstrap, min(n_bootstrap, NOISE_AWARE_RESAMPLES)
+    b = n_bootstrap
     clean = 8 * n_query * n_train
     on_disk = clean > STORE_MEMORY_BYTES
     rows = block_rows(n_train)
@@ -423,7 +427,8 @@ def metrics_plan(n_query: int, n_train: int, k: int, n_bootstrap: int, excluded_
         + 8 * n_query * k  # the set's clean scores
         + 8 * b * k * (2 if excluded_pairs else 1)  # the set's resampled clean sums
         + 8 * b * n_train * (2 if excluded_pairs else 1)  # the resampled perturbed sums
-        + 8 * 6 * (r + 1) * k  # the noise-aware rate's paired sums
+        + 8 * 6 * k  # the noise-aware rate's paired sums
+        + 8 * k * (6 * GRID_SIZE**2 + 2 * PROFILE_SHARES)  # its likelihood, posteriors and the profile's products
         + 8 * 6 * pairs  # the correlation's pairs, their two sides' sorts and ranks
         + 8 * _STEP_ELEMENTS * 4  # a step of the resampled top sets
         + 8 * min(rows, n_query) * n_train * 6  # one block and its temporaries (mask, sort, keys)

@@ -16,10 +16,14 @@ grid of atoms (EM, Kiefer-Wolfowitz); the posterior probability that member ``j`
 the atoms with ``μ_b · μ_a < 0``.
 
 Estimand: the share of the set whose population aggregates have strictly opposite signs. Estimate: the mean of
-the posterior flip probabilities. Interval: a bootstrap over queries refits ``G`` and draws flip indicators from
-the posteriors of every refit (estimation and classification uncertainty together), percentile; a likelihood-ratio
-test of "no member flips" (``G`` restricted to sign-keeping atoms, compared with ``χ²₁``) puts 0 into the interval
-whenever it does not reject. Null expectation of the raw flip rate: under the fitted no-flip ``G``, the expected
+the posterior flip probabilities. Interval: profile likelihood. For every prior flip mass ``s`` on a grid of
+:data:`PROFILE_SHARES` values in ``[0, 1]``, ``G`` is refitted under the constraint that it puts mass ``s`` on the flip
+atoms; the shares ``s`` that the likelihood-ratio test does not reject (``2 (ℓ(Ĝ) − ℓ(Ĝ_s)) ≤ χ²₁(confidence)``,
+the crossings interpolated between grid points) are accepted, and the interval spans the posterior mean flip shares
+of the set under the accepted fits. At ``s = 0`` the test is that of "no member flips". (A bootstrap over the queries
+refitting ``G`` was used before: its resampled aggregates carry the query noise twice, so its refits estimate the
+flip share of the *measured* aggregates and the interval leaned away from the estimate; its coverage in planted
+designs fell to 0.5.) Null expectation of the raw flip rate: under the fitted no-flip ``G``, the expected
 share of the set whose *measured* aggregates change sign, that is what the raw flip rate would be by query noise
 alone. Assumptions, and where they fail, are in docs/metrics.md; coverage and bias are measured by the simulations
 in the test suite.
@@ -36,10 +40,12 @@ from scipy.stats import chi2, norm
 
 #: Atoms per axis of the prior's grid (odd: one atom sits at 0, a population aggregate of about 0, which is not a flip).
 GRID_SIZE = 25
-#: EM steps of the fit on all queries, and of a bootstrap refit started from it.
-FIT_STEPS, REFIT_STEPS = 300, 60
-#: Flip indicators drawn from the posteriors of every bootstrap refit.
-POSTERIOR_DRAWS = 20
+#: EM steps of the fit, and of every constrained fit of the profile likelihood.
+FIT_STEPS = 300
+#: Prior flip masses of the profile likelihood: 0, 1/50, ..., 1.
+PROFILE_SHARES = 51
+#: More flip masses fitted inside each grid cell where the deviance crosses the critical value.
+REFINE_POINTS = 9
 
 
 class PairedSums:
@@ -167,8 +173,8 @@ class FlipPosterior:
     """
     The deconvolution of one influential set's paired aggregates (see the module's docstring).
 
-    :param sums: The set's :class:`PairedSums`: row 0 over all queries once, the other rows (if any) over the bootstrap
-        resamples of the queries that :meth:`interval` refits on (:meth:`from_scores` builds them from matrices).
+    :param sums: The set's :class:`PairedSums` over all queries once (one row; :meth:`from_scores` builds them from
+        matrices).
     :param threshold: The selection threshold in score units (the smallest ``|aggregate|`` in the set for
         ``rank_by="abs"``, the smallest aggregate for ``"signed"``); ``None``: the set was given, not selected by these
         scores, and no truncation applies.
@@ -183,9 +189,10 @@ class FlipPosterior:
         rank_by: str = "abs",
         noise: tuple[float, float] | None = None,
     ) -> None:
+        if len(sums) != 1:
+            raise ValueError(f"sums must hold one row (all queries once), got {len(sums)}")
         self.threshold, self.rank_by, self.noise = threshold, rank_by, noise
-        self.resampled = sums.rows(slice(1, None))
-        means, cov = sums.rows(slice(0, 1)).moments()
+        means, cov = sums.moments()
         self.means, self.cov = means, cov
         finite = np.isfinite(means[0]).all(axis=1)
         self.keep = finite & (cov[0, :, 0, 0] > 0)
@@ -200,7 +207,7 @@ class FlipPosterior:
         self.flip_atoms = self.u * self.v < 0
         self.loglik = self._loglik(means, cov)[0]
         self.weights = _em(self.loglik, np.full(self.u.size, 1.0 / self.u.size), FIT_STEPS)
-        self._no_flip: np.ndarray | None = None
+        self._profile: tuple[np.ndarray, np.ndarray] | None = None
 
     @classmethod
     def from_scores(
@@ -211,7 +218,6 @@ class FlipPosterior:
         threshold: float | None,
         rank_by: str = "abs",
         noise: tuple[float, float] | None = None,
-        rows: np.ndarray | None = None,
     ) -> FlipPosterior:
         """
         The deconvolution of whole influence matrices.
@@ -222,23 +228,48 @@ class FlipPosterior:
         :param threshold: See the class.
         :param rank_by: See the class.
         :param noise: See the class.
-        :param rows: ``(B, n_query)`` bootstrap resamples of the query rows for :meth:`interval` (default: none).
         """
-        n_query = np.asarray(before).shape[0]
-        weights = np.ones((1, n_query))
-        if rows is not None and len(rows):
-            counts = np.zeros((len(rows), n_query))
-            np.add.at(counts, (np.arange(len(rows))[:, None], np.atleast_2d(rows)), 1.0)
-            weights = np.concatenate([weights, counts])
-        return cls(PairedSums.of(before, after, np.asarray(top, dtype=np.int64), weights), threshold, rank_by, noise)
+        return cls(PairedSums.of(before, after, np.asarray(top, dtype=np.int64)), threshold, rank_by, noise)
 
-    @property
-    def no_flip_weights(self) -> np.ndarray:
-        """The prior fitted on sign-keeping atoms only (the hypothesis that no member flips)."""
-        if self._no_flip is None:
-            start = np.where(self.flip_atoms, 0.0, 1.0)
-            self._no_flip = _em(self.loglik, start / start.sum(), FIT_STEPS)
-        return self._no_flip
+    def profile(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """
+        The profile likelihood on the grid of prior flip masses ``0, 1/50, ..., 1`` (:meth:`constrained_fits`).
+
+        :return: ``shares`` ``(PROFILE_SHARES,)``, ``weights`` ``(PROFILE_SHARES, atoms)`` and the total log-likelihood
+            of each fit (the first, ``s = 0``, is the no-flip fit).
+        """
+        if self._profile is None:
+            shares = np.linspace(0.0, 1.0, PROFILE_SHARES)
+            self._profile = (shares, *self.constrained_fits(shares))
+        return self._profile
+
+    def constrained_fits(self, shares: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """
+        The fits of ``G`` constrained to put mass ``s`` on the flip atoms, for every ``s`` of ``shares`` at once: EM
+        whose M-step rescales the flip and the sign-keeping atoms' weights to ``s`` and ``1 − s`` (one ``k × atoms``
+        likelihood shared by all ``s``: two matrix products per step), started from ``Ĝ`` blended with a tenth of the
+        uniform prior within each block.
+
+        :param shares: Prior flip masses in ``[0, 1]``.
+        :return: ``weights`` ``(len(shares), atoms)`` and the total log-likelihood of each fit.
+        """
+        top = self.loglik.max(axis=-1, keepdims=True)
+        lik = torch.from_numpy(np.exp(self.loglik - top))
+        flip = torch.from_numpy(self.flip_atoms)
+        mass = torch.as_tensor(np.asarray(shares, dtype=np.float64))[:, None]
+        blocks = torch.stack([flip, ~flip]).to(torch.float64)  # (2, atoms)
+        fitted = torch.from_numpy(self.weights) * blocks
+        total = fitted.sum(-1, keepdim=True)
+        uniform = blocks / blocks.sum(-1, keepdim=True).clamp_min(1.0)
+        start = torch.where(total > 0, 0.9 * fitted / total.clamp_min(1e-300) + 0.1 * uniform, uniform)
+        w = mass * start[0] + (1.0 - mass) * start[1]
+        for _ in range(FIT_STEPS):
+            r = w * (lik.T @ (1.0 / (lik @ w.T).clamp_min(1e-300))).T  # (S, atoms): the E-step's masses
+            in_flip = (r * blocks[0]).sum(-1, keepdim=True).clamp_min(1e-300)
+            in_keep = (r * blocks[1]).sum(-1, keepdim=True).clamp_min(1e-300)
+            w = torch.where(flip, mass * r / in_flip, (1.0 - mass) * r / in_keep)
+        loglik = torch.log((lik @ w.T).clamp_min(1e-300)).sum(0) + float(top.sum())
+        return w.numpy(), loglik.numpy()
 
     # ------------------------------------------------------------------ likelihood
     def _loglik(self, means: np.ndarray, cov: np.ndarray) -> np.ndarray:
@@ -299,8 +330,8 @@ class FlipPosterior:
         """:return: The likelihood-ratio statistic of "no member flips" (``G`` on sign-keeping atoms only)."""
         if not self.keep.any():
             return float("nan")
-        full, restricted = (_total_loglik(self.loglik, w) for w in (self.weights, self.no_flip_weights))
-        return max(0.0, 2.0 * (full - restricted))
+        _, _, total = self.profile()
+        return max(0.0, 2.0 * (max(_total_loglik(self.loglik, self.weights), float(total.max())) - float(total[0])))
 
     def null_raw_flip_rate(self) -> float:
         """
@@ -310,7 +341,7 @@ class FlipPosterior:
         """
         if not self.keep.any():
             return float("nan")
-        posterior = _posterior(self.loglik, self.no_flip_weights)  # (k, atoms)
+        posterior = _posterior(self.loglik, self.profile()[1][0])  # (k, atoms), under the no-flip fit
         cov = _with_projection(self.means, self.cov, self.noise)[0, self.keep]
         scale = np.sqrt(cov[:, 0, 0])
         sbb, saa, sab = (cov[:, 0, 0] / scale**2, cov[:, 1, 1] / scale**2, cov[:, 0, 1] / scale**2)
@@ -321,32 +352,37 @@ class FlipPosterior:
         # exactly measured members flip by noise never
         return float(np.sum(posterior * flips) / (self.keep.sum() + np.isfinite(self.exact_flips).sum()))
 
-    def interval(self, confidence: float, seed: int) -> tuple[float, float]:
+    def interval(self, confidence: float) -> tuple[float, float]:
         """
         :param confidence: Coverage, in (0, 1).
-        :param seed: Seed of the posterior draws.
-        :return: ``(low, high)``: percentile interval of the flip shares drawn from the posteriors of every refit on
-            a resample; ``low`` is 0 when the likelihood-ratio test of no flips does not reject at ``1 - confidence``.
+        :return: ``(low, high)``: the profile-likelihood interval (see the module's docstring). The deviance is taken
+            on the grid of :meth:`profile`, then on :data:`REFINE_POINTS` more shares inside every grid cell where it
+            crosses the critical value; the crossings are interpolated linearly on that finer grid. Widened to hold the
+            estimate where the grid's fits fall short of it.
         """
-        resampled = self.resampled
-        if not self.keep.any() or len(resampled) == 0:
+        if not self.keep.any():
             return float("nan"), float("nan")
+        critical = chi2.ppf(confidence, 1)
+        shares, weights, total = self.profile()
+        best = max(_total_loglik(self.loglik, self.weights), float(total.max()))
+        cells = np.flatnonzero((2.0 * (best - total[:-1]) - critical) * (2.0 * (best - total[1:]) - critical) < 0)
+        if cells.size:
+            inner = (shares[cells, None] + np.arange(1, REFINE_POINTS + 1) / (REFINE_POINTS + 1) / (PROFILE_SHARES - 1))
+            more_weights, more_total = self.constrained_fits(inner.ravel())
+            order = np.argsort(np.concatenate([shares, inner.ravel()]), kind="stable")
+            weights = np.concatenate([weights, more_weights])[order]
+            total = np.concatenate([total, more_total])[order]
+            best = max(best, float(total.max()))
+        deviance = 2.0 * (best - total)
         exact = self.exact_flips[np.isfinite(self.exact_flips)]
-        rng = np.random.default_rng(seed)
-        shares = []
-        step = max(1, int(2**22 // max(self.keep.sum() * self.u.size, 1)))
-        for s in range(0, len(resampled), step):
-            means, cov = resampled.rows(slice(s, s + step)).moments()
-            loglik = self._loglik(means, cov)
-            fitted = _em(loglik, np.broadcast_to(self.weights, (len(means), self.u.size)).copy(), REFIT_STEPS)
-            probabilities = _posterior_flips(loglik, fitted, self.flip_atoms)  # (b, k)
-            draws = rng.random((POSTERIOR_DRAWS, *probabilities.shape)) < probabilities
-            shares.append(((draws.sum(axis=-1) + exact.sum()) / (draws.shape[-1] + exact.size)).ravel())
-        tail = (1.0 - confidence) / 2.0
-        low, high = (float(v) for v in np.quantile(np.concatenate(shares), [tail, 1.0 - tail]))
-        if self.no_flip_statistic() < chi2.ppf(confidence, 1) and not exact.any():
-            low = 0.0
-        return low, high
+        flip_shares = np.array([(_posterior_flips(self.loglik, w, self.flip_atoms).sum() + exact.sum())
+                                / (self.keep.sum() + exact.size) for w in weights])  # the set's, under each fit
+        accepted = list(flip_shares[deviance <= critical])
+        for i in np.flatnonzero((deviance[:-1] - critical) * (deviance[1:] - critical) < 0):
+            f = (critical - deviance[i]) / (deviance[i + 1] - deviance[i])  # the crossing, linearly
+            accepted.append(flip_shares[i] + f * (flip_shares[i + 1] - flip_shares[i]))
+        points = np.clip([self.estimate(), *accepted], 0.0, 1.0)  # shares: rounding aside, in [0, 1] already
+        return float(points.min()), float(points.max())
 
 
 def _em(loglik: np.ndarray, weights: np.ndarray, steps: int) -> np.ndarray:

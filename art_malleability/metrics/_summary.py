@@ -49,6 +49,18 @@ REPLICATED = {"flip_rate": "bootstrap", "top_k_jaccard": "bootstrap", "spearman"
 #: The excesses of an attack over its control: the statistic they difference.
 EXCESSES = {"excess_flip_rate": "flip_rate", "excess_retention": "signed_retention"}
 
+#: Key of the retention's empirical-Bayes loadings among the replicates (:mod:`._retention`): the squares of a pass's
+#: (of a control's mean over draws, of an attack-minus-control difference) sum to the variance its bootstrap misses.
+EB_LOADINGS = "signed_retention_eb_loadings"
+
+
+def _eb_variance(name: str, draws: dict[str, np.ndarray]) -> float:
+    """The empirical-Bayes part of the retention's variance (0 for the other statistics)."""
+    if name != "signed_retention" or EB_LOADINGS not in draws:
+        return 0.0
+    loadings = np.asarray(draws[EB_LOADINGS], dtype=np.float64)
+    return float(np.sum(loadings**2)) if np.isfinite(loadings).all() else float("nan")
+
 
 def _interval(name: str, point: float, replicates: np.ndarray, confidence: float,
               extra_variance: float = 0.0) -> tuple[float, float]:
@@ -58,24 +70,6 @@ def _interval(name: str, point: float, replicates: np.ndarray, confidence: float
         return jackknife_interval(point, replicates, confidence, bounds, extra_variance)
     return normal_interval(point, replicates, confidence, bounds, extra_variance=extra_variance,
                            variance_factor=VARIANCE_FACTOR.get(name, 1.0))
-
-
-def signed_retention(clean: np.ndarray, perturbed: np.ndarray, signs: np.ndarray) -> np.ndarray:
-    """
-    The signed retention of an influential set: ``Σ_j s_j · a_j / Σ_j s_j · b_j`` over its members with both aggregates
-    finite, the signs ``s`` those of the clean aggregates on all queries (1: influence unchanged, 0: wiped out, below
-    0: reversed on balance).
-
-    :param clean: Clean aggregates of the set, ``(..., k)``.
-    :param perturbed: Perturbed aggregates, same shape.
-    :param signs: ``(k,)`` signs.
-    :return: The retention of each row; ``NaN`` where the denominator vanishes.
-    """
-    both = np.isfinite(clean) & np.isfinite(perturbed)
-    numerator = np.where(both, signs * perturbed, 0.0).sum(axis=-1)
-    denominator = np.where(both, signs * clean, 0.0).sum(axis=-1)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(denominator > 0, numerator / np.where(denominator > 0, denominator, 1.0), np.nan)
 
 
 def pass_metrics(
@@ -97,21 +91,24 @@ def pass_metrics(
     :param selected: Whether the set was chosen from these clean scores.
     """
     clean = perturbed.clean
-    result, draws = replicated(perturbed)
+    result, draws = replicated(perturbed, selected=selected)
     for name in REPLICATED:
-        result[name + "_ci"] = _interval(name, result[name], draws[name], confidence)
+        result[name + "_ci"] = _interval(name, result[name], draws[name], confidence,
+                                         extra_variance=_eb_variance(name, draws))
     per_query = perturbed.per_query.cpu().numpy()
     result["per_query_flip_rate"] = finite_mean(per_query)
     result["per_query_flip_rate_ci"] = t_interval(per_query, confidence, BOUNDS["per_query_flip_rate"])
-    result.update(_noise_aware(perturbed, clean.threshold(selected), noise, confidence, clean.resampling.seed))
+    result.update(_noise_aware(perturbed, clean.threshold(selected), noise, confidence))
     identity = clean.resampling.identity
     if control is not None:
         _check_control(control, identity, draws)
         for excess, name in EXCESSES.items():
             result[excess] = result[name] - control[name]
             between = control.get("draw_variance", {}).get(name, 0.0) / max(control.get("n_draws", 1), 1)
+            difference = {key: draws[key] - control["draws"][key] for key in (name, EB_LOADINGS) if key in draws}
             result[excess + "_ci"] = normal_interval(
-                result[excess], draws[name] - control["draws"][name], confidence, BOUNDS[excess], extra_variance=between
+                result[excess], difference[name], confidence, BOUNDS[excess],
+                extra_variance=between + _eb_variance(name, difference),
             )
     if keep_draws:
         result["draws"] = draws
@@ -119,31 +116,41 @@ def pass_metrics(
     return result
 
 
-def replicated(perturbed: PerturbedScores, spearman: bool = True) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+def replicated(perturbed: PerturbedScores, spearman: bool = True,
+               selected: bool = True) -> tuple[dict[str, float], dict[str, np.ndarray]]:
     """
     The statistics that have replicates, on all queries and on each resample (:data:`REPLICATED`): the raw flip rate,
     the top-k Jaccard, the signed retention (bootstrap) and Spearman's correlation (jackknife).
 
     :param perturbed: A complete :class:`~._accumulators.PerturbedScores`.
     :param spearman: Whether to compute Spearman's correlation (the simulations of the others leave it out).
-    :return: ``(points, replicates)``, both keyed by statistic.
+    :param selected: Whether the set was chosen from these clean scores (the retention's prior then covers all
+        examples).
+    :return: ``(points, replicates)``, both keyed by statistic; the replicates also hold the retention's
+        empirical-Bayes loadings under :data:`EB_LOADINGS`.
     """
     check_complete(perturbed)
     clean = perturbed.clean
     top = clean.top
     agg_a = perturbed.aggregates()
     b_top, a_top = clean.aggregates[top], agg_a[top]
-    signs = np.sign(b_top)
     boot_b, boot_a = (t.cpu().numpy() for t in perturbed.resampled_top())
+    if top.size:
+        sums = perturbed.paired_sums()
+        retention = clean.retention_basis(selected).retention(
+            sums.count[0], sums.b[0], sums.a[0], sums.bb[0], sums.ab[0], a_top, boot_b, boot_a)
+    else:
+        retention = (float("nan"), np.full(len(boot_b), np.nan), np.zeros(0))
     points = {
         "flip_rate": float(flip_mask(b_top, a_top).mean()) if top.size else float("nan"),
         "top_k_jaccard": _jaccard(agg_a, clean),
-        "signed_retention": float(signed_retention(b_top, a_top, signs)),
+        "signed_retention": retention[0],
     }
     draws = {
         "flip_rate": flip_mask(boot_b, boot_a).mean(axis=1) if top.size else np.full(len(boot_b), np.nan),
         "top_k_jaccard": perturbed.resampled_jaccard().cpu().numpy(),
-        "signed_retention": signed_retention(boot_b, boot_a, signs),
+        "signed_retention": retention[1],
+        EB_LOADINGS: retention[2],
     }
     if spearman:
         points["spearman"], draws["spearman"] = perturbed.spearman()
@@ -158,7 +165,7 @@ def _jaccard(agg_after: np.ndarray, clean: CleanScores) -> float:
 
 
 def _noise_aware(perturbed: PerturbedScores, threshold: float | None, noise: tuple[float, float] | None,
-                 confidence: float, seed: int) -> dict[str, Any]:
+                 confidence: float) -> dict[str, Any]:
     """The noise-aware flip rate and what its deconvolution gives beside it."""
     clean = perturbed.clean
     nan = float("nan")
@@ -169,7 +176,7 @@ def _noise_aware(perturbed: PerturbedScores, threshold: float | None, noise: tup
     probabilities = posterior.flip_probabilities()
     return {
         "flip_rate_above_floor": posterior.estimate(),
-        "flip_rate_above_floor_ci": posterior.interval(confidence, seed),
+        "flip_rate_above_floor_ci": posterior.interval(confidence),
         "flip_rate_null": posterior.null_raw_flip_rate(),
         "no_flip_statistic": posterior.no_flip_statistic(),
         "undecided_share": posterior.undecided_share(),
@@ -195,7 +202,7 @@ def malleability_metrics(
     All malleability metrics of one clean/perturbed pair of influence matrices, each with the interval whose
     coverage the test suite measures (docs/metrics.md): the raw flip rate, the top-k Jaccard and the signed retention
     with a normal interval from the bootstrap standard error (estimand: their expected value at this number of queries;
-    the retention's: see :func:`signed_retention` and docs/metrics.md); the per-query flip rate with a Student-t
+    the retention's: see :mod:`._retention`); the per-query flip rate with a Student-t
     interval over queries; Spearman's correlation with a delete-a-group jackknife interval; the noise-aware flip rate
     (:func:`~art_malleability.metrics.noise_aware_flip_rate`) with its own interval; the raw flip rate's expectation
     under query noise alone. The bootstrap is over queries, conditional on the influential set (chosen once, held
@@ -262,13 +269,15 @@ def combine_controls(draws: list[dict[str, Any]], confidence: float = 0.95) -> d
         values = np.array([d[name] for d in draws], dtype=np.float64)
         combined[name] = float(np.nanmean(values)) if np.isfinite(values).any() else float("nan")
         combined["draw_variance"][name] = float(np.nanvar(values, ddof=1)) if np.isfinite(values).sum() > 1 else 0.0
+    if all(EB_LOADINGS in d["draws"] for d in draws):
+        combined["draws"][EB_LOADINGS] = np.mean([d["draws"][EB_LOADINGS] for d in draws], axis=0)
     for name in REPLICATED:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # a group undefined in every draw stays NaN
             mean_draws = np.nanmean(np.stack([d["draws"][name] for d in draws]), axis=0)
         combined["draws"][name] = mean_draws
-        combined[name + "_ci"] = _interval(name, combined[name], mean_draws, confidence,
-                                           extra_variance=combined["draw_variance"][name] / max(n, 1))
+        extra = combined["draw_variance"][name] / max(n, 1) + _eb_variance(name, combined["draws"])
+        combined[name + "_ci"] = _interval(name, combined[name], mean_draws, confidence, extra_variance=extra)
     lows = [d["flip_rate_above_floor_ci"][0] for d in draws]
     highs = [d["flip_rate_above_floor_ci"][1] for d in draws]
     finite = np.isfinite(lows) & np.isfinite(highs)
