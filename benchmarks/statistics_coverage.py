@@ -4,7 +4,7 @@ known truth (the harness of ``tests/statistics_harness.py``, at larger sizes tha
 per statistic and scenario; the numbers in docs/metrics.md come from
 
     python benchmarks/statistics_coverage.py            # about two hours on 2 CPU cores
-    python benchmarks/statistics_coverage.py --only noise-aware --queries 10000 --scale 0.5
+    python benchmarks/statistics_coverage.py --only noise-aware --queries 10000 --scale 0.5 --designs strong,weak
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every number of repetitions")
     parser.add_argument("--queries", type=int, nargs="+", default=[100, 1000], help="numbers of queries")
     parser.add_argument("--only", default="", help="comma-separated sections: noise-aware, retention, others")
+    parser.add_argument("--designs", default="", help="comma-separated designs of those sections (default: all)")
     args = parser.parse_args()
 
     def reps(n: int) -> int:
@@ -56,9 +57,13 @@ def main() -> None:
     def wanted(name: str) -> bool:
         return sections is None or name in sections
 
+    def chosen(designs: dict) -> dict:
+        names = [n.strip() for n in args.designs.split(",") if n.strip()]
+        return {label: d for label, d in designs.items() if not names or label in names}
+
     if wanted("noise-aware"):
         print("## Noise-aware flip rate (1,000 examples, 100 influential; the set planted or selected)")
-        for label, design in AWARE_DESIGNS.items():
+        for label, design in chosen(AWARE_DESIGNS).items():
             for n_query in args.queries:
                 for flips in (0.0, 0.1, 0.3, 0.5):
                     for selected in (True, False):
@@ -71,7 +76,7 @@ def main() -> None:
                               f"rejects in {np.mean(lr > critical):.2f}", flush=True)
     if wanted("retention"):
         print("\n## Signed retention, its control (5 draws at 1/4 of the clean aggregates) and the excess")
-        for label, design in RETENTION_DESIGNS.items():
+        for label, design in chosen(RETENTION_DESIGNS).items():
             for n_query in args.queries:
                 for selected in (True, False):
                     planted = Planted(n_query=n_query, n_train=1000, n_influential=100, **design)

@@ -137,3 +137,23 @@ def test_the_selection_corrected_denominator_undoes_the_winners_curse(rng):
     se = before.std(0, ddof=1) / np.sqrt(n_query)
     prior = NormalMeansPrior.fit(before.mean(0) / se)
     assert relative_error_variance(prior, se, k, "abs", 0) == basis.eb_variance
+
+
+def test_the_em_loops_run_on_one_thread_and_restore_the_settings():
+    """The deconvolutions' small products run single-threaded; torch's and the BLAS's settings come back, also when
+    the loop fails."""
+    import torch
+    from threadpoolctl import threadpool_info
+
+    from art_malleability._utils.torch_utils import single_thread
+
+    threads = torch.get_num_threads()
+    blas = [pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"]
+    seen = []
+    with pytest.raises(RuntimeError, match="inside"), single_thread():
+        seen.append(torch.get_num_threads())
+        seen.extend(pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas")
+        raise RuntimeError("inside")
+    assert set(seen) == {1}
+    assert torch.get_num_threads() == threads
+    assert [pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"] == blas

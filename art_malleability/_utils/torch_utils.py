@@ -172,6 +172,25 @@ def no_tf32(device: torch.device) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def single_thread() -> Iterator[None]:
+    """
+    Context manager for loops of small matrix products (the deconvolutions' EM steps): one thread for torch and for
+    the BLAS behind numpy, restored afterwards. Threads gain nothing on products this small, and on a machine whose
+    cores other processes keep busy they lose: an EM of 500 steps on a 400 × 101 likelihood took 18 s with two
+    threads against 0.45 s with one.
+    """
+    from threadpoolctl import threadpool_limits
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        with threadpool_limits(limits=1, user_api="blas"):
+            yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
 def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
     """
     Context manager that puts ``model`` (and every submodule) in evaluation mode and restores

@@ -20,7 +20,8 @@ the posterior flip probabilities. Interval: profile likelihood. For every prior 
 :data:`PROFILE_SHARES` values in ``[0, 1]``, ``G`` is refitted under the constraint that it puts mass ``s`` on the flip
 atoms; the shares ``s`` that the likelihood-ratio test does not reject (``2 (ℓ(Ĝ) − ℓ(Ĝ_s)) ≤ χ²₁(confidence)``,
 the crossings interpolated between grid points) are accepted, and the interval spans the posterior mean flip shares
-of the set under the accepted fits. At ``s = 0`` the test is that of "no member flips". (A bootstrap over the queries
+of the set under the accepted fits, joined with the estimate ± ``z`` times the spread of the members' classification
+given ``Ĝ`` (the estimand is the share of these members). At ``s = 0`` the test is that of "no member flips". (A bootstrap over the queries
 refitting ``G`` was used before: its resampled aggregates carry the query noise twice, so its refits estimate the
 flip share of the *measured* aggregates and the interval leaned away from the estimate; its coverage in planted
 designs fell to 0.5.) Null expectation of the raw flip rate: under the fitted no-flip ``G``, the expected
@@ -37,6 +38,8 @@ import numpy as np
 import torch
 from scipy.special import ndtr, owens_t
 from scipy.stats import chi2, norm
+
+from art_malleability._utils.torch_utils import single_thread
 
 #: Atoms per axis of the prior's grid (odd: one atom sits at 0, a population aggregate of about 0, which is not a flip).
 GRID_SIZE = 25
@@ -263,11 +266,12 @@ class FlipPosterior:
         uniform = blocks / blocks.sum(-1, keepdim=True).clamp_min(1.0)
         start = torch.where(total > 0, 0.9 * fitted / total.clamp_min(1e-300) + 0.1 * uniform, uniform)
         w = mass * start[0] + (1.0 - mass) * start[1]
-        for _ in range(FIT_STEPS):
-            r = w * (lik.T @ (1.0 / (lik @ w.T).clamp_min(1e-300))).T  # (S, atoms): the E-step's masses
-            in_flip = (r * blocks[0]).sum(-1, keepdim=True).clamp_min(1e-300)
-            in_keep = (r * blocks[1]).sum(-1, keepdim=True).clamp_min(1e-300)
-            w = torch.where(flip, mass * r / in_flip, (1.0 - mass) * r / in_keep)
+        with single_thread():
+            for _ in range(FIT_STEPS):
+                r = w * (lik.T @ (1.0 / (lik @ w.T).clamp_min(1e-300))).T  # (S, atoms): the E-step's masses
+                in_flip = (r * blocks[0]).sum(-1, keepdim=True).clamp_min(1e-300)
+                in_keep = (r * blocks[1]).sum(-1, keepdim=True).clamp_min(1e-300)
+                w = torch.where(flip, mass * r / in_flip, (1.0 - mass) * r / in_keep)
         loglik = torch.log((lik @ w.T).clamp_min(1e-300)).sum(0) + float(top.sum())
         return w.numpy(), loglik.numpy()
 
@@ -357,8 +361,10 @@ class FlipPosterior:
         :param confidence: Coverage, in (0, 1).
         :return: ``(low, high)``: the profile-likelihood interval (see the module's docstring). The deviance is taken
             on the grid of :meth:`profile`, then on :data:`REFINE_POINTS` more shares inside every grid cell where it
-            crosses the critical value; the crossings are interpolated linearly on that finer grid. Widened to hold the
-            estimate where the grid's fits fall short of it.
+            crosses the critical value; the crossings are interpolated linearly on that finer grid. Joined with the
+            estimate ± ``z`` times the spread of the set's share given ``Ĝ`` (``√(Σ p (1 − p)) / k`` over the members'
+            posterior flip probabilities): the estimand is the share of these members, whose classification is
+            uncertain even where ``G`` is not.
         """
         if not self.keep.any():
             return float("nan"), float("nan")
@@ -381,7 +387,13 @@ class FlipPosterior:
         for i in np.flatnonzero((deviance[:-1] - critical) * (deviance[1:] - critical) < 0):
             f = (critical - deviance[i]) / (deviance[i + 1] - deviance[i])  # the crossing, linearly
             accepted.append(flip_shares[i] + f * (flip_shares[i + 1] - flip_shares[i]))
-        points = np.clip([self.estimate(), *accepted], 0.0, 1.0)  # shares: rounding aside, in [0, 1] already
+        # the members' own classification at the fit: the set's share given Ĝ varies by the posteriors' spread
+        probabilities = self.flip_probabilities()
+        probabilities = probabilities[np.isfinite(probabilities)]
+        estimate = float(probabilities.mean())
+        spread = norm.ppf(0.5 + confidence / 2.0) * np.sqrt(np.sum(probabilities * (1.0 - probabilities)))
+        spread /= probabilities.size
+        points = np.clip([estimate - spread, estimate + spread, *accepted], 0.0, 1.0)
         return float(points.min()), float(points.max())
 
 
@@ -401,9 +413,10 @@ def _em(loglik: np.ndarray, weights: np.ndarray, steps: int) -> np.ndarray:
         lik, w = lik[None], w[None]
     w = w / w.sum(dim=-1, keepdim=True)
     transposed = lik.transpose(1, 2)
-    for _ in range(steps):
-        mixture = torch.bmm(lik, w[..., None]).clamp_min(1e-300)  # (B, k, 1)
-        w = w * torch.bmm(transposed, 1.0 / mixture)[..., 0] / lik.shape[1]
+    with single_thread():
+        for _ in range(steps):
+            mixture = torch.bmm(lik, w[..., None]).clamp_min(1e-300)  # (B, k, 1)
+            w = w * torch.bmm(transposed, 1.0 / mixture)[..., 0] / lik.shape[1]
     w = (w / w.sum(dim=-1, keepdim=True)).numpy()
     return w if batched else w[0]
 

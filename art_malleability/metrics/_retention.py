@@ -45,6 +45,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from art_malleability._utils.torch_utils import single_thread
+
 #: Atoms of the prior's grid (plus one at 0), EM steps, and bins of the standardised aggregates.
 GRID_SIZE, EM_STEPS, BINS = 100, 500, 400
 #: Worlds of the parametric bootstrap of the empirical-Bayes error.
@@ -70,8 +72,9 @@ def _em(lik: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """
     w = np.full((lik.shape[1], counts.shape[1]), 1.0 / lik.shape[1])
     total = counts.sum(axis=0)
-    for _ in range(EM_STEPS):
-        w = w * (lik.T @ (counts / np.maximum(lik @ w, 1e-300))) / total
+    with single_thread():
+        for _ in range(EM_STEPS):
+            w = w * (lik.T @ (counts / np.maximum(lik @ w, 1e-300))) / total
     return w
 
 
