@@ -224,3 +224,12 @@ def test_the_interval_is_the_inverted_likelihood_ratio_test(half_flipped):
     assert low <= posterior.estimate() <= high and 0.0 < low
     wide, narrow = posterior.interval(0.99), posterior.interval(0.8)
     assert wide[0] <= low <= narrow[0] <= narrow[1] <= high <= wide[1]
+
+
+def test_posteriors_a_hair_past_one_keep_the_interval_finite(half_flipped, monkeypatch):
+    """Rounding can leave a certain member's flip probability at 1 + 1e-16; its classification spread is then 0."""
+    posterior = half_flipped
+    probabilities = np.where(posterior.flip_probabilities() > 0.5, 1.0 + 2e-16, 0.0)  # every member certain
+    monkeypatch.setattr(posterior, "flip_probabilities", lambda: probabilities)
+    low, high = posterior.interval(0.95)
+    assert np.isfinite(low) and np.isfinite(high) and low <= high

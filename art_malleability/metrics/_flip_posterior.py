@@ -391,7 +391,8 @@ class FlipPosterior:
         probabilities = self.flip_probabilities()
         probabilities = probabilities[np.isfinite(probabilities)]
         estimate = float(probabilities.mean())
-        spread = norm.ppf(0.5 + confidence / 2.0) * np.sqrt(np.sum(probabilities * (1.0 - probabilities)))
+        variance = np.sum(np.clip(probabilities * (1.0 - probabilities), 0.0, None))  # rounding can leave p a hair past 1
+        spread = norm.ppf(0.5 + confidence / 2.0) * np.sqrt(variance)
         spread /= probabilities.size
         points = np.clip([estimate - spread, estimate + spread, *accepted], 0.0, 1.0)
         return float(points.min()), float(points.max())
