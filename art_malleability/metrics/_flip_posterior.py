@@ -21,13 +21,13 @@ the posterior flip probabilities. Interval: profile likelihood. For every prior 
 atoms; the shares ``s`` that the likelihood-ratio test does not reject (``2 (ℓ(Ĝ) − ℓ(Ĝ_s)) ≤ χ²₁(confidence)``,
 the crossings interpolated between grid points) are accepted, and the interval spans the posterior mean flip shares
 of the set under the accepted fits, joined with the estimate ± ``z`` times the spread of the members' classification
-given ``Ĝ`` (the estimand is the share of these members). At ``s = 0`` the test is that of "no member flips". (A bootstrap over the queries
-refitting ``G`` was used before: its resampled aggregates carry the query noise twice, so its refits estimate the
-flip share of the *measured* aggregates and the interval leaned away from the estimate; its coverage in planted
-designs fell to 0.5.) Null expectation of the raw flip rate: under the fitted no-flip ``G``, the expected
-share of the set whose *measured* aggregates change sign, that is what the raw flip rate would be by query noise
-alone. Assumptions, and where they fail, are in docs/metrics.md; coverage and bias are measured by the simulations
-in the test suite.
+given ``Ĝ`` (the estimand is the share of these members). At ``s = 0`` the test is that of "no member flips". (A
+bootstrap over the queries refitting ``G`` was used before: its resampled aggregates carry the query noise twice, so
+its refits estimate the flip share of the *measured* aggregates and the interval leaned away from the estimate; its
+coverage in planted designs fell to 0.5.) Null expectation of the raw flip rate: under the fitted no-flip ``G``, the
+expected share of the set whose *measured* aggregates change sign, that is what the raw flip rate would be by query
+noise alone. Assumptions, and where they fail, are in docs/metrics.md; coverage and bias are measured by the
+simulations in the test suite.
 """
 
 from __future__ import annotations
@@ -391,7 +391,8 @@ class FlipPosterior:
         probabilities = self.flip_probabilities()
         probabilities = probabilities[np.isfinite(probabilities)]
         estimate = float(probabilities.mean())
-        variance = np.sum(np.clip(probabilities * (1.0 - probabilities), 0.0, None))  # rounding can leave p a hair past 1
+        # rounding can leave a certain member's probability a hair past 1
+        variance = np.sum(np.clip(probabilities * (1.0 - probabilities), 0.0, None))
         spread = norm.ppf(0.5 + confidence / 2.0) * np.sqrt(variance)
         spread /= probabilities.size
         points = np.clip([estimate - spread, estimate + spread, *accepted], 0.0, 1.0)
