@@ -99,6 +99,8 @@ def test_summary_markdown_and_comparison():
     assert "| fgsm | 0.3 | 5 | 0.600 [0.500, 0.700] | 5.0% [0.0, 20.0] | 4.0% |" in markdown  # the controls' table
     table = comparison_table([report, report])
     assert table.count("| 2l-relu |") == 2 and "pgd flip rate" in table and "excess +15.0 pts" in table
+    assert table.index("fgsm retention") < table.index("fgsm flip rate")
+    assert "0.250 [0.125, 0.375]; excess -0.350" in table
 
 
 def test_lookup_and_missing_file(tmp_path):

@@ -338,9 +338,9 @@ class AuditRun:
             self.attack_warnings.append(
                 f"{label}: {100 * undecided:.0f}% of the influential set has a perturbed aggregate within one standard "
                 "error of zero, where the sign of the population aggregate can hardly be decided from these queries; "
-                "the noise-aware flip rate is then not identified (it leaned upward by 0.06-0.11 in the simulations of "
-                "docs/metrics.md and collapsed to 0 on a projected 60,000-image audit) and the raw flip rate is mostly "
-                "noise (compare it with its 'by noise' value); more queries (n_queries) decide more signs"
+                "the noise-aware flip rate is then only partly identified (its interval is wide; docs/metrics.md) and "
+                "the raw flip rate is mostly noise (compare it with its 'by noise' value); the signed retention, a "
+                "mean over the set, is the decided reading; more queries (n_queries) decide more signs"
             )
         return result
 

@@ -415,18 +415,26 @@ class MalleabilityReport(SavedReport):
 
 def comparison_table(reports: list[MalleabilityReport]) -> str:
     """
-    Flip rates of several audited models side by side, one row per model, one column per attack (with the excess
-    over the random-sign control where one ran).
+    Several audited models side by side, one row per model: for each attack the signed retention (decided at any
+    number of queries), then the flip rate, each with its excess over the random-sign control where one ran.
 
     :param reports: Reports of the same attacks on different models.
     :return: Markdown table.
     """
     attacks = [r.attack for r in reports[0].results] if reports else []
     return markdown_table(
-        ["model", "clean acc.", *[f"{a} flip rate" for a in attacks]],
+        ["model", "clean acc.", *[f"{a} retention" for a in attacks], *[f"{a} flip rate" for a in attacks]],
         [[rep.model, format_percent(rep.clean_accuracy),
+          *[_retention_and_excess(rep.result(a)) for a in attacks],
           *[_flip_and_excess(rep.result(a)) for a in attacks]] for rep in reports],
     )
+
+
+def _retention_and_excess(r: AttackResult) -> str:
+    text = format_number_ci(r.signed_retention, r.signed_retention_ci)
+    if r.excess_retention is None:
+        return text
+    return f"{text}; excess {value_ci(r.excess_retention, r.excess_retention_ci, 1.0, '+.3f', '')}"
 
 
 def _row(r: AttackResult) -> list[str]:
