@@ -148,6 +148,20 @@ def fmt(value: Any, digits: int = 2) -> str:
     return str(value)
 
 
+def percent_ci(value: float | None, ci: Sequence[float | None] | None = None) -> str:
+    """A share in percent with its interval when both ends are known (the report's own formatting, without the %)."""
+    from art_malleability._utils.report_base import value_ci
+
+    return value_ci(value, ci or (None, None), 100.0, ".1f", "")
+
+
+def number_ci(value: float | None, ci: Sequence[float | None] | None = None, spec: str = ".3f") -> str:
+    """A number with its interval when both ends are known."""
+    from art_malleability._utils.report_base import value_ci
+
+    return value_ci(value, ci or (None, None), 1.0, spec, "")
+
+
 def mib(n_bytes: float | None) -> float | None:
     return None if n_bytes is None else n_bytes / _MIB
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from _cases import INPUT_SHAPE, NB_CLASSES, Bench, common_parser, load_mnist, load_model, quick_common, run_parts
 from _cases import write_result as _write
-from _common import mib, rss_bytes, set_threads, table
+from _common import mib, number_ci, percent_ci, rss_bytes, set_threads, table
 
 ATTACKS = ("fgsm", "pgd", "mim")
 
@@ -66,24 +66,6 @@ def case_audit(spec: dict[str, Any]) -> None:
     })
 
 
-def _pct(v: float | None, ci: list | None = None) -> str:
-    if v is None:
-        return "n/a"
-    text = f"{100 * v:.1f}"
-    if ci and None not in ci:
-        text += f" [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]"
-    return text
-
-
-def _num(v: float | None, ci: list | None = None, spec: str = ".3f") -> str:
-    if v is None:
-        return "n/a"
-    text = f"{v:{spec}}"
-    if ci and None not in ci:
-        text += f" [{ci[0]:{spec}}, {ci[1]:{spec}}]"
-    return text
-
-
 class AuditQueriesBench(Bench):
     module = "bench_audit_queries"
 
@@ -111,10 +93,11 @@ class AuditQueriesBench(Bench):
                     ci = r["noise_aware_ci"]
                     width = None if None in ci else ci[1] - ci[0]
                     stat_rows.append([
-                        n_query, r["attack"], _pct(r["undecided_share"]), _pct(r["noise_aware"], ci), _pct(width),
-                        _pct(r["flip_rate"], r["flip_rate_ci"]), _pct(r["flip_rate_null"]),
-                        _num(r["retention"], r["retention_ci"]), _num(r["control_retention"]),
-                        _num(r["excess_retention"], r["excess_retention_ci"], "+.3f"),
+                        n_query, r["attack"], percent_ci(r["undecided_share"]), percent_ci(r["noise_aware"], ci),
+                        percent_ci(width),
+                        percent_ci(r["flip_rate"], r["flip_rate_ci"]), percent_ci(r["flip_rate_null"]),
+                        number_ci(r["retention"], r["retention_ci"]), number_ci(r["control_retention"]),
+                        number_ci(r["excess_retention"], r["excess_retention_ci"], "+.3f"),
                     ])
             print(f"\n### {model} ({a.n_train:,} training images; held-out accuracy "
                   f"{info.get('query_accuracy', float('nan')):.3f})\n")

@@ -48,7 +48,7 @@ from _cases import (
     run_parts,
     write_result,
 )
-from _common import mib, rss_bytes, set_threads, table, verdict
+from _common import mib, percent_ci, rss_bytes, set_threads, table, verdict
 
 ATTACKS = ("fgsm", "pgd", "mim")
 TARGET_AUDIT_S = {"2l-relu": 600.0, "cnn": 1800.0}
@@ -112,16 +112,6 @@ def case_audit(spec: dict[str, Any]) -> None:
     })
 
 
-def _pct_ci(value: float | None, ci: list[float | None] | None = None) -> str:
-    """A share in percent with its interval, ``n/a`` when undefined."""
-    if value is None:
-        return "n/a"
-    text = f"{100 * value:.1f}"
-    if ci and ci[0] is not None and ci[1] is not None:
-        text += f" [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]"
-    return text
-
-
 class AuditScaleBench(Bench):
     module = "bench_audit_scale"
 
@@ -178,9 +168,10 @@ class AuditScaleBench(Bench):
                          "metrics s (3)", "influence per attack / clean", "peak RSS MiB",
                          f"target: time < {TARGET_AUDIT_S[model] / 60:.0f} min, RSS < 8 GB", "other load (cores)"],
                         rows))
-            stat_rows = [[n, r["attack"], _pct_ci(r["flip_rate"], r["flip_rate_ci"]), _pct_ci(r["flip_rate_null"]),
-                          _pct_ci(r["noise_aware"], r["noise_aware_ci"]), _pct_ci(r["control"]),
-                          _pct_ci(r["excess"], r["excess_ci"]), _pct_ci(r["undecided_share"])]
+            stat_rows = [[n, r["attack"], percent_ci(r["flip_rate"], r["flip_rate_ci"]),
+                          percent_ci(r["flip_rate_null"]),
+                          percent_ci(r["noise_aware"], r["noise_aware_ci"]), percent_ci(r["control"]),
+                          percent_ci(r["excess"], r["excess_ci"]), percent_ci(r["undecided_share"])]
                          for n, res in cases.items() if res.get("ok") for r in res["attacks"]]
             print(f"\n#### {model}: what the audits found (percent; intervals 95 %)\n")
             print(table(["n_train", "attack", "flip rate", "by noise", "noise-aware", "control", "excess (pts)",

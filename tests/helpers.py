@@ -1,4 +1,4 @@
-"""Small trained reference models shared by the end-to-end tests (kept tiny for CI speed)."""
+"""Small trained reference models shared by the end-to-end tests (kept tiny for CI speed), and the metrics' passes."""
 
 from __future__ import annotations
 
@@ -28,3 +28,27 @@ def trained_classifier(name: str = "2l-relu", width: int = 64, epochs: int = 500
 
 def arrays_equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def metric_passes(before, after, n_bootstrap=25, seed=0, block=None, top=None, given=False, **clean_options):
+    """
+    One clean and one perturbed metrics pass over two influence matrices, in blocks of ``block`` queries (default:
+    all at once), as an audit feeds them.
+
+    :param given: Hand the clean matrix over whole (nothing stored) instead of block by block into the store.
+    :param clean_options: ``top_fraction``, ``rank_by``, ``memory_bytes``, ``folder`` of :class:`CleanScores`.
+    :return: ``(clean, perturbed)``.
+    """
+    from art_malleability.metrics import QueryResampling
+    from art_malleability.metrics._accumulators import CleanScores, PerturbedScores
+
+    step = block or len(before)
+    clean = CleanScores(QueryResampling(len(before), n_bootstrap, seed), before.shape[1],
+                        given=before if given else None, **clean_options)
+    for s in range(0, len(before), step):
+        clean.add(before[s : s + step])
+    clean.finish(top)
+    perturbed = PerturbedScores(clean)
+    for s in range(0, len(after), step):
+        perturbed.add(after[s : s + step])
+    return clean, perturbed

@@ -7,6 +7,7 @@ the streamed noise-aware rate is the one of whole matrices.
 
 import numpy as np
 import pytest
+from helpers import metric_passes
 
 from art_malleability import metrics as M
 from art_malleability.metrics import _spearman
@@ -15,14 +16,7 @@ from art_malleability.metrics._summary import pass_metrics
 
 
 def _metrics(before, after, block, memory_bytes=None, folder=None, control=None, keep_draws=False, **kwargs):
-    clean = CleanScores(M.QueryResampling(len(before), 60, 3), before.shape[1], 0.1, "abs",
-                        memory_bytes=memory_bytes, folder=folder)
-    for s in range(0, len(before), block):
-        clean.add(before[s : s + block])
-    clean.finish()
-    perturbed = PerturbedScores(clean)
-    for s in range(0, len(after), block):
-        perturbed.add(after[s : s + block])
+    _, perturbed = metric_passes(before, after, 60, 3, block, memory_bytes=memory_bytes, folder=folder)
     return pass_metrics(perturbed, control=control, keep_draws=keep_draws, **kwargs)
 
 

@@ -3,12 +3,12 @@
 import numpy as np
 import pytest
 import torch
+from helpers import metric_passes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scipy.stats import spearmanr
 
 from art_malleability import metrics as M
-from art_malleability.metrics._accumulators import CleanScores, PerturbedScores
 
 
 def test_top_k_count():
@@ -89,14 +89,7 @@ def test_jaccard_hand_computed():
 
 
 def _passes(before, after, n_bootstrap=25, seed=0, block=4, top_fraction=0.2, rank_by="abs"):
-    clean = CleanScores(M.QueryResampling(len(before), n_bootstrap, seed), before.shape[1], top_fraction, rank_by)
-    for s in range(0, len(before), block):
-        clean.add(before[s : s + block])
-    clean.finish()
-    perturbed = PerturbedScores(clean)
-    for s in range(0, len(after), block):
-        perturbed.add(after[s : s + block])
-    return clean, perturbed
+    return metric_passes(before, after, n_bootstrap, seed, block, top_fraction=top_fraction, rank_by=rank_by)
 
 
 @pytest.mark.parametrize("ties", [False, True])

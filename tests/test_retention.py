@@ -7,9 +7,10 @@ tests/test_statistics.py.)
 
 import numpy as np
 import pytest
+from helpers import metric_passes
 
 from art_malleability import metrics as M
-from art_malleability.metrics._accumulators import CleanScores, PerturbedScores
+from art_malleability.metrics._accumulators import PerturbedScores
 from art_malleability.metrics._retention import NormalMeansPrior, RetentionBasis, relative_error_variance
 from art_malleability.metrics._summary import EB_LOADINGS, pass_metrics, replicated
 
@@ -32,12 +33,7 @@ def test_the_prior_recovers_a_two_point_distribution_and_its_posterior_means_fol
 
 
 def _passes(before, after, top=None, n_bootstrap=50, seed=0):
-    clean = CleanScores(M.QueryResampling(len(before), n_bootstrap, seed), before.shape[1], given=before)
-    clean.add(before)
-    clean.finish(top)
-    perturbed = PerturbedScores(clean)
-    perturbed.add(after)
-    return clean, perturbed
+    return metric_passes(before, after, n_bootstrap, seed, top=top, given=True)
 
 
 @pytest.mark.parametrize("selected", [True, False])

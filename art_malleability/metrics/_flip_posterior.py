@@ -334,8 +334,11 @@ class FlipPosterior:
         """:return: The likelihood-ratio statistic of "no member flips" (``G`` on sign-keeping atoms only)."""
         if not self.keep.any():
             return float("nan")
-        _, _, total = self.profile()
-        return max(0.0, 2.0 * (max(_total_loglik(self.loglik, self.weights), float(total.max())) - float(total[0])))
+        return max(0.0, 2.0 * (self._best_loglik() - float(self.profile()[2][0])))
+
+    def _best_loglik(self) -> float:
+        """The largest log-likelihood of the fits: the unconstrained one, or a constrained one that EM took further."""
+        return max(_total_loglik(self.loglik, self.weights), float(self.profile()[2].max()))
 
     def null_raw_flip_rate(self) -> float:
         """
@@ -370,7 +373,7 @@ class FlipPosterior:
             return float("nan"), float("nan")
         critical = chi2.ppf(confidence, 1)
         shares, weights, total = self.profile()
-        best = max(_total_loglik(self.loglik, self.weights), float(total.max()))
+        best = self._best_loglik()
         cells = np.flatnonzero((2.0 * (best - total[:-1]) - critical) * (2.0 * (best - total[1:]) - critical) < 0)
         if cells.size:
             inner = (shares[cells, None] + np.arange(1, REFINE_POINTS + 1) / (REFINE_POINTS + 1) / (PROFILE_SHARES - 1))

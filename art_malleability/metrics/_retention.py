@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from art_malleability._utils.torch_utils import single_thread
+from art_malleability.metrics._flip_posterior import PairedSums
 
 #: Atoms of the prior's grid (plus one at 0), EM steps, and bins of the standardised aggregates.
 GRID_SIZE, EM_STEPS, BINS = 100, 500, 400
@@ -192,13 +193,13 @@ class RetentionBasis:
         variance = relative_error_variance(prior, se[usable], int(in_set), rank_by if selected else None, seed)
         return cls(signs, clean, corrected, denominator, w, variance)
 
-    def retention(self, count: np.ndarray, b: np.ndarray, a: np.ndarray, bb: np.ndarray, ab: np.ndarray,
-                  perturbed: np.ndarray, resampled_clean: np.ndarray,
+    def retention(self, sums: PairedSums, perturbed: np.ndarray, resampled_clean: np.ndarray,
                   resampled_perturbed: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
         """
         One pass's retention.
 
-        :param count: ``(k,)`` pairs finite on both sides, per member; ``b``, ``a``, ``bb``, ``ab``: their sums.
+        :param sums: The set's paired sums over all queries (one row; the slopes ``β`` are their covariance over the
+            clean variance, :meth:`~._flip_posterior.PairedSums.moments`).
         :param perturbed: ``(k,)`` perturbed aggregates of the set.
         :param resampled_clean: ``(B, k)`` clean aggregates of the set in every resample.
         :param resampled_perturbed: ``(B, k)`` perturbed ones.
@@ -209,10 +210,9 @@ class RetentionBasis:
         if self.denominator <= 0 or not np.isfinite(self.denominator):
             nan = np.full(len(resampled_clean), np.nan)
             return float("nan"), nan, np.full(self.signs.size, np.nan)
-        n = np.maximum(count, 1.0)
-        sbb = bb - b * b / n
-        sab = ab - a * b / n
-        slope = np.where(sbb > 0, sab / np.where(sbb > 0, sbb, 1.0), 0.0)
+        _, cov = sums.moments()
+        clean_variance, covariance = cov[0, :, 0, 0], cov[0, :, 0, 1]
+        slope = np.where(clean_variance > 0, covariance / np.where(clean_variance > 0, clean_variance, 1.0), 0.0)
         s, d = self.signs, self.denominator
         residual = np.nansum(s * (perturbed - slope * self.clean)) / d
         point = float(residual + np.sum(s * slope * self.corrected) / d)

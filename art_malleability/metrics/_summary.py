@@ -136,9 +136,7 @@ def replicated(perturbed: PerturbedScores, spearman: bool = True,
     b_top, a_top = clean.aggregates[top], agg_a[top]
     boot_b, boot_a = (t.cpu().numpy() for t in perturbed.resampled_top())
     if top.size:
-        sums = perturbed.paired_sums()
-        retention = clean.retention_basis(selected).retention(
-            sums.count[0], sums.b[0], sums.a[0], sums.bb[0], sums.ab[0], a_top, boot_b, boot_a)
+        retention = clean.retention_basis(selected).retention(perturbed.paired_sums(), a_top, boot_b, boot_a)
     else:
         retention = (float("nan"), np.full(len(boot_b), np.nan), np.zeros(0))
     points = {
