@@ -40,6 +40,7 @@ from art_malleability.metrics._accumulators import (
     CleanScores,
     PerturbedScores,
     QueryResampling,
+    _ColumnSums,
     metrics_plan,
 )
 from art_malleability.metrics._flip_posterior import projection_noise
@@ -127,15 +128,11 @@ class AuditRun:
             yield block
 
     def _aggregate(self, estimator: InfluenceEstimator) -> np.ndarray:
-        """The aggregate score of every training example (its mean over the queries), from rank 0's blocks."""
-        total = count = None
+        """The aggregate score of every training example (its mean over the queries), rank 0's on every process."""
+        sums = _ColumnSums(self.source.n, torch.device("cpu"))
         for block in self._score_blocks(estimator):
-            finite = np.isfinite(block)
-            total = np.where(finite, block, 0.0).sum(0) + (0.0 if total is None else total)
-            count = finite.sum(0) + (0 if count is None else count)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            means = np.where(count > 0, total / np.maximum(count, 1), np.nan)
-        return self.shard.broadcast_object(means)
+            sums.add(0, torch.as_tensor(block))  # no resampling weights: the rows' position does not matter
+        return self.shard.broadcast_object(sums.means().numpy())
 
     def _fit_on(self, estimator: InfluenceEstimator, x_train: Any, warm_start: bool = False) -> None:
         if self.transductive:
