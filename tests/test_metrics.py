@@ -110,6 +110,27 @@ def test_the_jackknife_values_are_spearman_without_each_group(rng, ties):
         assert value == pytest.approx(M.spearman(before[kept], after[kept]), abs=1e-12)
 
 
+
+def test_the_passes_of_one_clean_pass_share_its_sorted_side_and_stay_exact(rng):
+    """The clean side's sort is kept between passes while every pair is finite: passes with and without excluded
+    pairs, in any order, each equal scipy's correlation on their own matrices (and so do their jackknife values)."""
+    from art_malleability.metrics._accumulators import PerturbedScores
+
+    before = np.round(rng.normal(size=(23, 30)), 1)
+    afters = [before + rng.normal(size=before.shape) for _ in range(3)]
+    afters[1][4, 7] = afters[1][9, 0] = np.nan
+    clean, _ = _passes(before, afters[0])
+    groups = clean.pairs.groups.numpy()
+    for after in afters + afters[::-1]:
+        perturbed = PerturbedScores(clean)
+        for s in range(0, len(after), 5):
+            perturbed.add(after[s : s + 5])
+        point, replicates = perturbed.spearman()
+        assert point == pytest.approx(M.spearman(before, after), abs=1e-12)
+        for g, value in enumerate(replicates):
+            kept = groups != g
+            assert value == pytest.approx(M.spearman(before[kept], after[kept]), abs=1e-12)
+
 def test_a_single_query_has_statistics_but_no_intervals(rng):
     before = rng.normal(size=(40, 50))
     after = before + 0.5 * rng.normal(size=before.shape)

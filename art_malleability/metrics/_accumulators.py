@@ -429,7 +429,7 @@ def metrics_plan(n_query: int, n_train: int, k: int, n_bootstrap: int, excluded_
         + 8 * b * n_train * (2 if excluded_pairs else 1)  # the resampled perturbed sums
         + 8 * 6 * k  # the noise-aware rate's paired sums
         + 8 * k * (6 * GRID_SIZE**2 + 2 * PROFILE_SHARES)  # its likelihood, posteriors and the profile's products
-        + 8 * 6 * pairs  # the correlation's pairs, their two sides' sorts and ranks
+        + 8 * 18 * pairs  # the correlation's pairs, the clean side's kept sort and ranks, the perturbed side's
         + 8 * _STEP_ELEMENTS * 4  # a step of the resampled top sets
         + 8 * min(rows, n_query) * n_train * 6  # one block and its temporaries (mask, sort, keys)
     )
