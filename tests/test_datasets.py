@@ -232,6 +232,5 @@ def test_npz_labels_that_look_wrong_are_warnings(tmp_path, caplog):
     np.savez(tmp_path / "single.npz", x=x, y=np.zeros(20, dtype=int))
     load_dataset(tmp_path / "shifted.npz", n_train=10, n_test=10)
     assert "no example of class(es) [0] of 0..10" in caplog.text
-    caplog.clear()
-    load_dataset(tmp_path / "single.npz", n_train=10, n_test=10)
-    assert "holds a single class (0)" in caplog.text
+    with pytest.raises(ValueError, match=r"at least two classes in y, got a single class \(0\)"):  # issue 35
+        load_dataset(tmp_path / "single.npz", n_train=10, n_test=10)

@@ -220,6 +220,16 @@ def test_custom_estimators() -> None:
         Missing(device="cpu")
 
 
+def _engine_reserve(model, x):
+    """The kernel engine's chunks as the estimator reserves them for ``len(x)`` examples (float64 factors, batches of
+    256, the default chunk of a small budget)."""
+    import art_malleability.influence._ntk_memory as memory
+    from art_malleability.ntk.empirical import JacobianGram
+
+    example_bytes = 8 * JacobianGram(model).factor_elements(np.asarray(x[:2]), compressed=False)
+    return memory.engine_reserve(len(x), example_bytes)
+
+
 @pytest.mark.parametrize("where", ["memory", "disk"])
 def test_the_tiled_exact_solve_equals_the_dense_one(tmp_path, where):
     """A memory budget too small for two n x n matrices: tiles in memory, or (smaller) on disk; the same scores and
@@ -233,11 +243,12 @@ def test_the_tiled_exact_solve_equals_the_dense_one(tmp_path, where):
     model = trained_classifier("2l-relu", epochs=30).model
     x, y, xq, yq = data.x_train, data.y_train, data.x_test[:8], data.y_test[:8]
     dense = NTKInfluence(projection_dim=None, device="cpu").fit(model, x, y)
-    fixed = memory.update_bytes(120)
+    reserve = _engine_reserve(model, x)
+    fixed = memory.update_bytes(120, reserve=reserve)
     # disk: room for the changed rows' blocks and two block columns of 32 rows, not for the tiles in memory;
     # memory: room for half the matrix in tiles of 30 rows (n / 4), not for two n x n matrices
     extra = 2 * 8 * 120 * 32 if where == "disk" else 8 * (120 * 120 // 2 + 3 * 120 * 30) + 1000
-    assert fixed + extra < memory.exact_bytes(120)
+    assert fixed + extra < memory.exact_bytes(120, reserve=reserve)
     tiled = NTKInfluence(projection_dim=None, device="cpu", memory_limit_gb=(fixed + extra) / 2**30,
                          tile_folder=tmp_path)
     tiled.fit(model, x, y)
@@ -281,7 +292,7 @@ def test_the_tiled_exact_solve_on_cuda_matches_the_cpu(tmp_path, where):
     model = _mlp()
     x, y, xq, yq = _data(n=60, n_query=5)
     cpu = NTKInfluence(projection_dim=None, device="cpu").fit(model, x, y)
-    fixed = memory.update_bytes(60, device=torch.device("cuda"))
+    fixed = memory.update_bytes(60, device=torch.device("cuda"), reserve=_engine_reserve(model, x))
     extra = 2 * 8 * 60 * 32 if where == "disk" else 8 * (60 * 60 // 2 + 3 * 60 * 15) + 1000
     gpu = NTKInfluence(projection_dim=None, device="cuda", memory_limit_gb=(fixed + extra) / 2**30,
                        tile_folder=tmp_path).fit(model, x, y)

@@ -207,14 +207,18 @@ def test_allocations_that_cannot_fit_stop_before_the_work():
         NTKInfluence(projection_dim=40, memory_limit_gb=1e-6, device="cpu").fit(model, x, y)
 
 
-def test_auto_mode_rule():
+def test_auto_mode_rule(monkeypatch):
+    import art_malleability.influence.ntk as ntk_module
+
     model = _mlp()
     x, y = np.random.default_rng(0).normal(size=(30, 4)).astype(np.float32), np.arange(30) % 3
     assert NTKInfluence(device="cpu").fit(model, x, y).mode_ == "exact"
     est = NTKInfluence(max_exact_n=20, device="cpu").fit(model, x, y)
     assert est.mode_ == "projected" and est.projection_dim_ == 3 * 51  # capped at the full dimension
-    # the budget decides too: no room for the exact mode's matrices -> projected
-    assert NTKInfluence(memory_limit_gb=0.5, device="cpu").fit(model, x, y).mode_ == "projected"
+    # the budget decides too: no room for the exact mode's solve in any form -> projected
+    monkeypatch.setattr(ntk_module, "exact_plan", lambda *args, **kwargs: None)
+    est = NTKInfluence(device="cpu").fit(model, x, y)
+    assert est.mode_ == "projected" and "does not fit" in est.mode_reason_
 
 
 def test_dataset_and_dataloader_give_the_array_scores():
@@ -320,15 +324,25 @@ def test_the_exact_estimate_counts_the_factors_the_kernel_computes():
     assert factor_passes(100, 10, block=25) == 8 * (25 + 25 * 3)  # columns once per panel of 10 rows
     rate, n, d = 1e10, 1000, 100
     m = n // 10 + 1
-    free = exact_seconds(n, d, rate, example_seconds=0.0, panel=n)  # the contraction and the solve alone
+    # the contraction and the solve alone: the fit's two factorisations and one refit's Schur complement
+    free = exact_seconds(n, d, rate, example_seconds=0.0, panel=n)
     assert free == pytest.approx(2.0 * (n + m) * n * d / CONTRACTION_EFFICIENCY / rate
-                                 + 4.0 * n**3 / 3.0 / SOLVE_EFFICIENCY / rate)
+                                 + (4.0 * n**3 / 3.0 + 2.0 * (n - m) ** 2 * m) / SOLVE_EFFICIENCY / rate)
     # the fit's n, the refit's m and one more pass over the set, at one millisecond each
     assert exact_seconds(n, d, rate, example_seconds=1e-3, panel=n) == pytest.approx(free + (n + m + n) * 1e-3)
     assert exact_seconds(n, d, rate, example_seconds=1e-3, panel=100) > exact_seconds(
         n, d, rate, example_seconds=1e-3, panel=n)
     assert exact_seconds(n, d, rate, world=2, example_seconds=1e-3, panel=n) == pytest.approx(
         exact_seconds(n, d, rate, example_seconds=1e-3, panel=n) / 2)
+    # an audit's work: 8 refits, and 50 queries after the fit and each refit (their kernel rows, factors and solves)
+    audit = exact_seconds(n, d, rate, example_seconds=1e-3, panel=n, refits=8, queries=50)
+    expected = (2.0 * (n + 8 * m + 9 * 50) * n * d / CONTRACTION_EFFICIENCY / rate
+                + (4.0 * n**3 / 3.0 + 8 * 2.0 * (n - m) ** 2 * m + 9 * 4.0 * n * n * 50) / SOLVE_EFFICIENCY / rate
+                + (n + 8 * (m + n) + 9 * (50 + n)) * 1e-3)
+    assert audit == pytest.approx(expected)
+    # with the set's factors kept, only the changed rows' and the queries' own factors are computed again
+    kept = exact_seconds(n, d, rate, example_seconds=1e-3, panel=n, refits=8, queries=50, kept=True)
+    assert kept == pytest.approx(expected - (8 * n + 9 * n) * 1e-3)
 
 
 def test_projection_matrices_that_cannot_fit_are_refused_before_they_are_drawn():

@@ -94,7 +94,7 @@ def test_summary_markdown_and_comparison():
     assert "+15.0 pts [-5.0, +45.0]" in summary and "5.0%" in summary  # excess over the control, control
     markdown = report.to_markdown()
     assert ("| fgsm | 0.250 [0.125, 0.375] | 0.600 | -0.350 [-0.500, -0.200] | 20.0% [0.0, 60.0] | 15.0% | "
-            "10.0% [0.0, 40.0] | 5.0% | +15.0 pts") in markdown
+            "undecided [0.0, 40.0] | 5.0% | +15.0 pts") in markdown
     assert "positive = helpful" in markdown and "noise-aware" in markdown and "retention" in markdown
     assert "| fgsm | 0.3 | 5 | 0.600 [0.500, 0.700] | 5.0% [0.0, 20.0] | 4.0% |" in markdown  # the controls' table
     table = comparison_table([report, report])

@@ -121,7 +121,13 @@ def test_a_rule_is_refused_before_the_work_where_no_single_kernel_exists(tmp_pat
     model, x, y, _, _ = _mlp_and_data(n=120)
     weights = [p.detach().clone() for p in model.parameters()]
     x_copy = x.copy()
-    tiny = (3 * memory.DEFAULT_CHUNK_MB * 2**20 + 8 * (120 * 120 // 2 + 3 * 120 * 30) + 1000) / 2**30
+    from art_malleability.ntk.empirical import JacobianGram
+
+    # room for tiles of 30 rows in memory beside the update's blocks and the engine's chunks (reserved at the size
+    # 120 examples' factors need), not for two n x n matrices
+    reserve = memory.engine_reserve(120, 8 * JacobianGram(model).factor_elements(x[:2], compressed=False))
+    tiny = (memory.update_bytes(120, reserve=reserve) + 8 * (120 * 120 // 2 + 3 * 120 * 30) + 1000) / 2**30
+    assert tiny * 2**30 < memory.exact_bytes(120, reserve=reserve)
     with pytest.raises(ValueError, match="ridge must be a number for the exact solve in tiles"):
         NTKInfluence(ridge="loo", projection_dim=None, device="cpu", memory_limit_gb=tiny).fit(model, x, y)
     with pytest.raises(ValueError, match="ridge must be a number for the projected mode"):

@@ -95,6 +95,32 @@ def check_features(x: object, name: str, input_shape: tuple[int, ...]) -> np.nda
     return np.array(x, dtype=np.float32, copy=True)
 
 
+def check_finite(x: np.ndarray, name: str) -> None:
+    """
+    Inputs must be real and finite: a NaN or infinite input makes every score of its row (or, in a training set,
+    every score) NaN. One pass without a copy (a float64 sum, finite exactly when every value is, barring an
+    overflow); the bad index is searched only when it is not.
+
+    :param x: Inputs ``(n, ...)`` (not changed).
+    :param name: Argument name used in error messages.
+    :raises TypeError: When ``x`` does not hold real numbers.
+    :raises ValueError: Naming the first example with a NaN or infinite value.
+    """
+    if x.dtype.kind in "biu":
+        return
+    if x.dtype.kind != "f":
+        raise TypeError(f"{name} must hold real numbers, got dtype {x.dtype}")
+    with np.errstate(over="ignore", invalid="ignore"):
+        if np.isfinite(np.add.reduce(x, axis=None, dtype=np.float64)):
+            return
+    finite = np.isfinite(x.reshape(x.shape[0], -1)).all(axis=1) if x.ndim else np.isfinite(x).reshape(1)
+    if not finite.all():  # else the sum overflowed
+        raise ValueError(
+            f"{name} must hold finite values, got a NaN or infinite value at index {int(np.argmin(finite))} "
+            f"({int((~finite).sum())} such example(s))"
+        )
+
+
 def check_range(x: np.ndarray, name: str, clip_values: tuple | None) -> None:
     """
     Inputs must lie in the classifier's valid range: attacks clip to it, so data outside it (pixels in 0..255

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -11,18 +12,45 @@ from typing import Any
 
 import numpy as np
 
+#: Seconds between two lines of a progress bar written to a file or a pipe (a log, CI).
+LOG_INTERVAL = 30.0
+
 
 def progress_bar(iterable: Any = None, *, verbose: bool = True, **kwargs: Any) -> Any:
     """
-    A ``tqdm`` progress bar, off with ``verbose=False``. When stderr is not a terminal (a log file, CI) it is
-    redrawn at most every 30 s instead of on every step, so a redirected run writes a line now and then, not
-    one per step.
+    A ``tqdm`` progress bar, off with ``verbose=False``. On a terminal (or in a notebook) it is redrawn as tqdm
+    does. When its stream (``file``, by default stderr) is not a terminal (a log file, a pipe, CI) it writes its
+    first line, then at most one line every ``LOG_INTERVAL`` seconds, also where the caller asks for a redraw
+    (``set_postfix``, ``set_description``), and its last line when it closes: a redirected run writes a line now and
+    then, not one per step.
     """
     from tqdm.auto import tqdm
 
-    interactive = hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
-    kwargs.setdefault("mininterval", 0.1 if interactive else 30.0)
-    return tqdm(iterable, disable=not verbose, **kwargs)
+    stream = kwargs.get("file") or sys.stderr
+    notebook = any(cls.__module__ == "tqdm.notebook" for cls in tqdm.__mro__)
+    if notebook or (hasattr(stream, "isatty") and stream.isatty()):
+        return tqdm(iterable, disable=not verbose, **kwargs)
+    kwargs.setdefault("mininterval", LOG_INTERVAL)
+    return _log_bar(tqdm)(iterable, disable=not verbose, **kwargs)
+
+
+@functools.cache
+def _log_bar(tqdm: type) -> type:
+    """``tqdm`` whose redraws, asked for or not, come at most every ``mininterval`` seconds (the first is shown)."""
+
+    class LogBar(tqdm):
+        _shown = False
+
+        def refresh(self, *args: Any, **kwargs: Any) -> Any:
+            if self.disable:  # verbose=False: tqdm's own no-op
+                return super().refresh(*args, **kwargs)
+            now = self._time()
+            if self._shown and now - self.last_print_t < self.mininterval:
+                return None
+            self._shown, self.last_print_t = True, now
+            return super().refresh(*args, **kwargs)
+
+    return LogBar
 
 
 def figure_png(figure: Any) -> bytes:

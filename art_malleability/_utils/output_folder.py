@@ -5,12 +5,16 @@ Every report the package writes goes through an :class:`OutputFolder`:
 
 - **Lock.** Opening one takes ``.art-malleability.lock`` in the folder (an exclusive ``flock`` where the platform
   has it): a second run into the same folder is refused with :class:`OutputFolderBusy`, naming the run that holds
-  it. The lock goes with the process (a killed run leaves a stale lock file, detected and taken over by the next
-  run) and is removed on any exit.
+  it. The lock is the kernel's: it goes with the process whatever ends it. Its file is removed on any exit that
+  runs Python code; one left by a run killed outright (SIGKILL, a power cut) is held by nobody and is taken over by
+  the next run, which removes that run's staging folder.
 - **Staging.** Files are written into a hidden staging folder inside the output folder; nothing visible changes
   while the run works. Only when the run has succeeded are the staged files renamed into place (one atomic rename
   each, while SIGINT and SIGTERM wait); a failed or interrupted run removes its staging folder and leaves the
   previous report exactly as it was.
+- **Signals.** While a folder is open in the main thread, SIGTERM (where the process has no handler of its own)
+  ends the process like SIGINT does, through the ``finally`` blocks: :class:`SystemExit` with status 143, after the
+  staging folder and the lock are removed.
 - **Manifest.** ``.art-malleability-manifest.json`` lists every file a run wrote (path, SHA-256 digest, and the
   writer: a command or a report class) and the folders it created. A file is *ours* when a manifest in its folder
   or above lists it with the digest it still has. A commit replaces only files that are ours (another file of the
@@ -142,6 +146,12 @@ def is_ours(path: Path) -> bool:
     return False
 
 
+def _terminated(signum: int, frame: object) -> None:
+    """SIGTERM's handler while a folder is open: exit through the ``finally`` blocks, status 128 + 15."""
+    logger.warning("terminated (signal %d): the run stops; its staged files are removed", signum)
+    raise SystemExit(128 + signum)
+
+
 @contextlib.contextmanager
 def _signals_deferred() -> Iterator[None]:
     """SIGINT and SIGTERM wait until the block is done (main thread only; elsewhere a no-op), then take effect."""
@@ -186,6 +196,7 @@ class OutputFolder:
         self.staged: dict[str, str] = {}
         self.staging: Path | None = None
         self._lock_fd: int | None = None
+        self._handles_sigterm = False
         self._created_root = False
         self._manifest: dict = {"files": {}, "folders": [], "incoming": {}}
 
@@ -220,12 +231,13 @@ class OutputFolder:
                 f"({type(err).__name__}: {err.strerror or err})"
             ) from err
         try:
+            self._handle_sigterm()
             self._manifest = read_manifest(root)
             self.staging = root / f"{STAGING_PREFIX}{secrets.token_hex(6)}"
             self.staging.mkdir()
             self._record_lock(staging=self.staging.name)
         except BaseException:
-            self._release()
+            self.close(success=False)
             raise
 
     def close(self, success: bool) -> None:
@@ -233,7 +245,7 @@ class OutputFolder:
         Commit the staged files when ``success`` (see :meth:`commit`), else discard them; release the lock. A
         conflict at commit keeps the staged files (the error names their folder).
         """
-        if self.staging is None:
+        if self._lock_fd is None:
             return
         keep_staging = False
         try:
@@ -244,10 +256,27 @@ class OutputFolder:
                     keep_staging = True
                     raise
         finally:
-            if not keep_staging and self.staging.exists():
-                shutil.rmtree(self.staging)  # created by this run, under a name of its own
-            self.staging = None
-            self._release()
+            try:
+                with _signals_deferred():  # the clean-up, whole
+                    if not keep_staging and self.staging is not None and self.staging.exists():
+                        shutil.rmtree(self.staging)  # created by this run, under a name of its own
+                    self.staging = None
+                    self._release()
+            finally:
+                self._restore_sigterm()
+
+    def _handle_sigterm(self) -> None:
+        """SIGTERM exits through the ``finally`` blocks while the folder is open (main thread, default handler)."""
+        main = threading.current_thread() is threading.main_thread()
+        if main and hasattr(signal, "SIGTERM") and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _terminated)
+            self._handles_sigterm = True
+
+    def _restore_sigterm(self) -> None:
+        if self._handles_sigterm:
+            self._handles_sigterm = False
+            if signal.getsignal(signal.SIGTERM) is _terminated:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     def _remove_created_root(self) -> None:
         if self._created_root:

@@ -119,11 +119,14 @@ class SavedReport:
         :param directory: Output folder (created if missing).
         :return: The folder.
         :raises NotADirectoryError: When ``directory`` is an existing file.
-        :raises FileExistsError: When it holds a file of a report's name that this package did not write.
+        :raises FileExistsError: When it holds a file of a report's name that this package did not write (the folder
+            is then left exactly as it was).
         :raises RuntimeError: When another run is writing to it.
         """
         with OutputFolder(directory, writer=type(self).__name__, description=f"{type(self).__name__}.save") as out:
-            self.stage(out)
+            files = self.rendered_files()
+            out.claim(files)  # a file of the user's is refused before anything is staged: a refusal leaves nothing
+            out.write_all(files)
         logger.info("%s written to %s", type(self).__name__, directory)
         return Path(directory)
 

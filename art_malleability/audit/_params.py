@@ -6,6 +6,8 @@ the attacks and the influence estimator built from them.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -56,6 +58,8 @@ PARAM_NAMES = (
     "distributed",
     "controls",
     "control_draws",
+    "memory_limit_gb",
+    "time_budget_s",
 )
 
 
@@ -98,6 +102,9 @@ def check_params(est: Any) -> None:
         raise ValueError(f"distributed must be 'auto', True or False, got {est.distributed!r}")
     if not isinstance(est.controls, bool):
         raise TypeError(f"controls must be True or False, got {est.controls!r}")
+    if est.memory_limit_gb is not None:
+        est.memory_limit_gb = _positive_number("memory_limit_gb", est.memory_limit_gb)
+    est.time_budget_s = _positive_number("time_budget_s", est.time_budget_s)
 
 
 def check_query_budget(
@@ -137,6 +144,37 @@ def check_query_budget(
     return plan
 
 
+def audit_refits(est: Any) -> int:
+    """Refits of the influence an audit runs: one per attack and, with controls, ``control_draws`` per distinct
+    control budget (an attack without a scalar ℓ∞ budget has no control)."""
+    from art_malleability.audit.attacks import control_eps
+
+    budgets = {eps for a in est._attacks if (eps := control_eps(a)) is not None} if est.controls else set()
+    return len(est._attacks) + len(budgets) * int(est.control_draws)
+
+
+@contextmanager
+def planned_work(influence: InfluenceEstimator, refits: int, queries: int) -> Iterator[None]:
+    """
+    Within the block, an NTK influence plans (``exact_budget_s``'s estimate, hence the mode of
+    ``projection_dim="auto"``) for the audit's work: ``refits`` refits and ``queries`` queries scored after each. Its
+    own ``planned_refits`` and ``planned_queries`` are restored afterwards (an estimator the user gave keeps its
+    parameters).
+    """
+    from art_malleability.influence import NTKInfluence
+
+    if not isinstance(influence, NTKInfluence):
+        yield
+        return
+    saved = {"planned_refits": influence.planned_refits, "planned_queries": influence.planned_queries}
+    influence.planned_refits, influence.planned_queries = int(refits), int(queries)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(influence, name, value)
+
+
 def build_attacks(est: Any) -> list[EvasionAttack]:
     """:return: The ART attacks of an estimator's ``attacks`` (named ones built on its classifier), distinct."""
     attacks = [
@@ -164,6 +202,8 @@ def build_influence(est: Any) -> InfluenceEstimator:
             projection_seed=int(est.seed),
             distributed=est.distributed,
             verbose=est.verbose,
+            memory_limit_gb=est.memory_limit_gb,
+            exact_budget_s=est.time_budget_s,
         )
     return get_influence(est.influence, loss=loss_name(est.classifier), device=est.device)
 

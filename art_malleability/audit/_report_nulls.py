@@ -17,8 +17,9 @@ _FIELDS = {
     "validation that did not match them is named in the warnings",
     "clean_accuracy": "no query point had a label to score the predictions against",
     "execution.backend": "one process: no torch.distributed process group ran the audit",
-    "execution.params.memory_limit_gb": "no memory limit was set: the estimator plans with the memory available "
-    "when it runs",
+    "execution.params.memory_limit_gb": "no memory limit was set: the estimator plans within 80 % of the device's "
+    "total memory",
+    "config.memory_limit_gb": "no memory limit was set: the audit plans within 80 % of the device's total memory",
     "execution.params.max_exact_n": "no cap on the exact mode's training set size was set: its estimated time "
     "(exact_budget_s) decides",
     "execution.params.tile_folder": "no tile folder was set: an out-of-core exact solve would use the system's "

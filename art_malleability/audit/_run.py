@@ -29,7 +29,7 @@ from art_malleability.audit.attacks import (
     perturb_training_set,
     random_sign_perturbation,
 )
-from art_malleability.audit.report import AttackResult
+from art_malleability.audit.report import AttackResult, undecided_warning
 from art_malleability.data.input_pipeline import with_input_pipeline
 from art_malleability.data.streaming import ExampleSource, is_torch_data
 from art_malleability.distributed import Shard
@@ -110,7 +110,7 @@ class AuditRun:
         self.y = source.labels(est.batch_size * 8)
         self.train_data = self.x_all if self.x_all is not None else source.given
         self.noise: tuple[float, float] | None = None
-        self.attack_warnings: list[str] = []
+        self.undecided: dict[str, float] = {}
         self.plan = metrics_plan(len(x_q), source.n, 0, est.n_bootstrap, self_pairs is not None)
         self.metrics_device = resolve_device(est.device)
 
@@ -332,13 +332,7 @@ class AuditRun:
         logger.info("%s: flip rate %.3f", label, metrics["flip_rate"])
         undecided = metrics.get("undecided_share")
         if undecided is not None and undecided > UNDECIDED_WARNING:
-            self.attack_warnings.append(
-                f"{label}: {100 * undecided:.0f}% of the influential set has a perturbed aggregate within one standard "
-                "error of zero, where the sign of the population aggregate can hardly be decided from these queries; "
-                "the noise-aware flip rate is then only partly identified (its interval is wide; docs/metrics.md) and "
-                "the raw flip rate is mostly noise (compare it with its 'by noise' value); the signed retention, a "
-                "mean over the set, is the decided reading; more queries (n_queries) decide more signs"
-            )
+            self.undecided[label] = undecided  # one warning for all of them (warnings)
         return result
 
     def _attack_rows(self, attack: EvasionAttack) -> tuple[np.ndarray, int, float]:
@@ -388,7 +382,7 @@ class AuditRun:
     # ------------------------------------------------------------------ what the report states
     def warnings(self) -> list[str]:
         """:return: Warnings on the run: undecidable signs, attacks without a control, and a projected influence."""
-        found = list(self.attack_warnings)
+        found = [undecided_warning(self.undecided)] if self.undecided else []
         missing = [attack_label(a) for a in self.est._attacks if a not in self.controls]
         if self.est.controls and missing:
             found.append(
@@ -427,6 +421,8 @@ class AuditRun:
         details: dict[str, Any] = {"influence": type(influence).__name__, "params": params}
         if hasattr(influence, "mode_"):
             details["mode"] = influence.mode_
+        if getattr(influence, "mode_reason_", None):
+            details["mode_reason"] = influence.mode_reason_
         if getattr(influence, "ridge_", None) is not None:
             details["ridge"] = float(influence.ridge_)
         if getattr(influence, "projector_", None) is not None:

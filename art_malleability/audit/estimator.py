@@ -19,13 +19,16 @@ from art_malleability._utils.provenance import library_versions, weights_digest
 from art_malleability._utils.state import preserved
 from art_malleability._utils.torch_utils import model_device_dtype, resolve_device
 from art_malleability.audit._classifier import ESTIMATOR_REQUIREMENTS, as_classifier
+from art_malleability.audit._estimate import AuditEstimate, estimate_audit
 from art_malleability.audit._params import (
     PARAM_NAMES,
+    audit_refits,
     build_attacks,
     build_influence,
     check_params,
     check_query_budget,
     default_queries,
+    planned_work,
 )
 from art_malleability.audit._run import AuditRun, timed
 from art_malleability.audit.attacks import ATTACK_NAMES, attack_label
@@ -35,6 +38,7 @@ from art_malleability.data.streaming import ExampleSource, is_torch_data
 from art_malleability.distributed import Shard, current_shard
 from art_malleability.influence import InfluenceEstimator
 from art_malleability.metrics import top_k_count
+from art_malleability.models.reference import is_transductive
 from art_malleability.validation import ValidationReport, estimator_label
 
 logger = logging.getLogger(__name__)
@@ -93,6 +97,8 @@ class MalleabilityEstimator:
         distributed: bool | str = "auto",
         controls: bool = True,
         control_draws: int = 5,
+        memory_limit_gb: float | None = None,
+        time_budget_s: float = 1800.0,
     ) -> None:
         """
         :param classifier: An ART :class:`PyTorchClassifier`, or a raw :class:`torch.nn.Module` together
@@ -137,6 +143,12 @@ class MalleabilityEstimator:
                interval). ``control_draws`` extra influence passes per distinct budget.
         :param control_draws: Independent draws of the random signs of each control; the control's statistics are
                their means, and the spread between draws enters the excess flip rate's interval.
+        :param memory_limit_gb: Memory (GiB) the NTK influence's large matrices and the metrics may take; ``None``:
+               80 % of the device's total memory (a fixed fact: the same command runs the same estimator whatever
+               else the machine is doing, and stops with a ``MemoryError`` if it does not fit what is available now).
+        :param time_budget_s: Longest estimated time (seconds) of the NTK influence's work in the audit (the fit, a
+               refit per attack and control draw, the queries' scores after each) for ``projection_dim="auto"`` to
+               run the exact mode (the NTK influence's ``exact_budget_s``); :meth:`estimate` gives the whole audit's.
         """
         self.classifier = as_classifier(classifier, input_shape, nb_classes, loss, clip_values, device, type(self))
         values = locals()
@@ -278,7 +290,7 @@ class MalleabilityEstimator:
 
         if validation is not None and not hasattr(validation, "fidelity"):
             validation = ValidationReport.load(validation)
-        with preserved(clf.model, clf.loss):
+        with preserved(clf.model, clf.loss), planned_work(self._influence, audit_refits(self), len(x_q)):
             report = self._audit(source, queries, x_q, y_q, self_pairs, k, dataset, shard)
         report.warnings.extend(input_warnings)
         if validation is not None:
@@ -314,8 +326,28 @@ class MalleabilityEstimator:
 
     def _check_queries(self, n_query: int, n_train: int, k: int, from_train: bool) -> None:
         """The metrics of ``n_query`` queries must fit the memory before any work starts (``check_query_budget``)."""
-        check_query_budget(n_query, n_train, k, self.n_bootstrap, from_train,
-                           getattr(self._influence, "memory_limit_gb", None), resolve_device(self.device))
+        limit = self.memory_limit_gb if self.memory_limit_gb is not None else getattr(
+            self._influence, "memory_limit_gb", None)
+        check_query_budget(n_query, n_train, k, self.n_bootstrap, from_train, limit, resolve_device(self.device))
+
+    def estimate(self, x: Any, x_test: Any = None) -> AuditEstimate:
+        """
+        What :meth:`evaluate` on these inputs is estimated to take, before any long work (the classifier need not be
+        trained: its architecture decides the sizes): the NTK influence's mode and why, the seconds of the influence,
+        the attacks and the metrics, and the peak memory, from the sizes, the options and fixed facts of the machine
+        (operations counted at a nominal rate; nothing is timed, so the same inputs always get the same estimate).
+        Its :meth:`~art_malleability.audit._estimate.AuditEstimate.summary` is the line the command line prints.
+
+        :param x: The training inputs (an array or a dataset of ``(x, y)`` pairs).
+        :param x_test: The query inputs, or ``None`` (queries drawn from the training set).
+        :return: An :class:`~art_malleability.audit._estimate.AuditEstimate`.
+        """
+        n_train = len(x)
+        wanted = default_queries(self.n_queries)
+        n_query = min(wanted, len(x_test) if x_test is not None else n_train)
+        rows = range(n_train) if is_transductive(self.classifier.model) else range(min(n_train, 64))
+        inputs = np.stack([np.asarray(x[i][0] if is_torch_data(x) else x[i]) for i in rows]).astype(np.float32)
+        return estimate_audit(self, n_train, n_query, audit_refits(self), inputs)
 
     def _check_budget(self) -> None:
         """An ℓ∞ budget that covers the whole valid input range is a unit mistake (8 meant as 8/255), not an audit."""

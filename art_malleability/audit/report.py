@@ -32,6 +32,27 @@ from art_malleability.audit._report_nulls import null_reasons
 logger = logging.getLogger(__name__)
 
 PERCENT_METRICS = ("flip_rate", "per_query_flip_rate", "top_k_jaccard", "attack_success")
+#: A noise-aware flip rate whose interval is wider than this share of the set reads "undecided" in the tables: such an
+#: interval cannot tell a rate of a few percent (the paper's 2L-ReLU) from one of 20 to 40 % (its MLP-Attn), so its
+#: point value says nothing. The interval itself is shown; the JSON keeps every number.
+UNDECIDED_WIDTH = 0.2
+
+
+def undecided_warning(shares: dict[str, float]) -> str:
+    """
+    The report's one warning on undecidable signs.
+
+    :param shares: The attacks it concerns, each with its ``undecided_share`` (a share of the influential set).
+    :return: One sentence naming them, with their shares.
+    """
+    which = ", ".join(f"{attack} {100 * share:.0f}%" for attack, share in shares.items())
+    return (
+        f"a large share of the influential set has a perturbed aggregate within one standard error of zero ({which}), "
+        "where the sign of the population aggregate can hardly be decided from these queries; the noise-aware flip "
+        "rate is then only partly identified (its interval is wide; docs/metrics.md) and the raw flip rate is mostly "
+        "noise (compare it with its 'by noise' value); the signed retention, a mean over the set, is the decided "
+        "reading; more queries (n_queries) decide more signs"
+    )
 
 
 @dataclass
@@ -217,8 +238,9 @@ class MalleabilityReport(SavedReport):
         """
         :return: A plain-text table: attack; first what a mean over the influential set decides at any number of
                  queries, the signed retention [CI] with the random control's and the excess [CI]; then the paper's
-                 raw flip rate [CI] with its expectation by query noise alone, the noise-aware flip rate [CI], the
-                 control's flip rate and the excess flip rate [CI]; Spearman, top-k overlap, attack success.
+                 raw flip rate [CI] with its expectation by query noise alone, the noise-aware flip rate [CI]
+                 ("undecided [CI]" when its interval is wider than ``UNDECIDED_WIDTH``), the control's flip rate and
+                 the excess flip rate [CI]; Spearman, top-k overlap, attack success.
         """
         lines = [self._title(), *text_table(self._header(), [_row(r) for r in self.results])]
         if self.fidelity is not None:
@@ -257,7 +279,9 @@ class MalleabilityReport(SavedReport):
             "*excess* is the attack's flip rate minus the control's. Intervals (docs/metrics.md gives each one's "
             "estimand and measured coverage): retention, flip rate, excesses and overlap: normal with the bootstrap "
             "standard error over queries; Spearman: delete-a-group jackknife over queries; noise-aware: bootstrap "
-            "refits of the deconvolution.",
+            "refits of the deconvolution. A noise-aware rate whose interval is wider than "
+            f"{100 * UNDECIDED_WIDTH:.0f} percentage points reads *undecided*: such an interval cannot tell a rate of "
+            "a few percent from one of 20 to 40 %.",
             "",
             markdown_table(header, [_row(r) for r in self.results]),
         ]
@@ -272,7 +296,7 @@ class MalleabilityReport(SavedReport):
                                    r.control.get("signed_retention_ci", [None, None])),
                   format_percent_ci(r.control["flip_rate"], r.control["flip_rate_ci"]),
                   format_percent(r.control.get("flip_rate_null")),
-                  format_percent_ci(r.control["flip_rate_above_floor"], r.control["flip_rate_above_floor_ci"]),
+                  _noise_aware(r.control["flip_rate_above_floor"], r.control["flip_rate_above_floor_ci"]),
                   format_number_ci(r.control["spearman"], r.control["spearman_ci"]),
                   format_number_ci(r.control["top_k_jaccard"], r.control["top_k_jaccard_ci"])] for r in controls],
             ))
@@ -445,13 +469,20 @@ def _row(r: AttackResult) -> list[str]:
         value_ci(r.excess_retention, r.excess_retention_ci, 1.0, "+.3f", ""),
         format_percent_ci(r.flip_rate, r.flip_rate_ci),
         format_percent(r.flip_rate_null),
-        format_percent_ci(r.flip_rate_above_floor, r.flip_rate_above_floor_ci),
+        _noise_aware(r.flip_rate_above_floor, r.flip_rate_above_floor_ci),
         "n/a" if r.control is None else format_percent(r.control["flip_rate"]),
         _points_ci(r.excess_flip_rate, r.excess_flip_rate_ci),
         format_number_ci(r.spearman, r.spearman_ci),
         format_number_ci(r.top_k_jaccard, r.top_k_jaccard_ci),
         format_percent(r.attack_success),
     ]
+
+
+def _noise_aware(v: float | None, ci: list[float | None]) -> str:
+    """The noise-aware flip rate [CI]; ``"undecided [CI]"`` when the interval is wider than ``UNDECIDED_WIDTH``."""
+    if v is not None and None not in ci and ci[1] - ci[0] > UNDECIDED_WIDTH + 1e-12:
+        return f"undecided [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]"
+    return format_percent_ci(v, ci)
 
 
 def _number(v: float | None) -> str:

@@ -8,9 +8,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from art_malleability.audit.attacks import ATTACK_NAMES, STRATEGIES
-from art_malleability.cli.checks import build_model, load_data, load_weights, model_names, validation_for
+from art_malleability.cli.checks import (
+    build_model,
+    load_data,
+    load_weights,
+    model_names,
+    note_replaced,
+    validation_for,
+)
 from art_malleability.cli.options import (
     Runner,
+    Typed,
     add_command,
     add_data_options,
     add_model_options,
@@ -49,19 +57,33 @@ def add_audit(sub: argparse._SubParsersAction, run: Runner) -> None:
     group = audit.add_argument_group("audit")
     group.add_argument("--attacks", nargs="+", choices=ATTACK_NAMES, default=list(ATTACK_NAMES))
     group.add_argument("--eps", type=float, default=0.3, help="l-inf attack budget on [0, 1] inputs")
-    group.add_argument("--attack-max-iter", type=int, default=20, help="steps of PGD and MIM")
+    group.add_argument("--attack-max-iter", type=int, default=20, action=Typed, help="steps of PGD and MIM")
     group.add_argument("--influence", choices=INFLUENCE_NAMES, default="ntk", help="influence estimator")
     group.add_argument(
-        "--ridge", type=ridge_value, default=1e-3,
+        "--ridge", type=ridge_value, default=1e-3, action=Typed,
         help="ridge lambda of the NTK influence, or 'loo' / 'gcv' to choose it on the clean training set",
     )
     group.add_argument(
         "--projection-dim",
         type=projection_dim,
         default="auto",
-        help="NTK influence mode: 'auto' (the exact n x n solve when it fits the memory, in memory or in tiles on "
-        "disk, and its estimated time on this machine is under 30 minutes; else projected with k = 4096, after a "
-        "warning naming the options), 'none' (always exact) or the projection dimension k (always projected)",
+        action=Typed,
+        help="NTK influence mode: 'auto' (the exact n x n solve when it fits --memory-limit-gb, in memory or in tiles "
+        "on disk, and the NTK influence's estimated time for the whole audit is under --time-budget; else projected "
+        "with k = 4096, after a warning naming the options), 'none' (always exact) or the projection dimension k "
+        "(always projected)",
+    )
+    group.add_argument(
+        "--time-budget", type=float, default=1800.0, action=Typed, metavar="SECONDS",
+        help="longest estimated time of the NTK influence's work in the audit (the fit, a refit per attack and "
+        "control draw, the queries' scores after each) for --projection-dim auto to run the exact mode; estimated "
+        "from counted operations at a nominal rate of this machine's device and threads, never timed (default 1800)",
+    )
+    group.add_argument(
+        "--memory-limit-gb", type=float, default=None, action=Typed, metavar="GIB",
+        help="memory the NTK influence's large matrices and the metrics may take (default: 80%% of the total "
+        "memory); the mode is chosen within it, and a run whose choice does not fit the memory available now stops "
+        "and says so",
     )
     group.add_argument("--top-fraction", type=float, default=0.1, help="share of training data in the top set")
     group.add_argument("--strategy", choices=STRATEGIES, default="top", help="perturb the top set or all")
@@ -79,7 +101,7 @@ def add_audit(sub: argparse._SubParsersAction, run: Runner) -> None:
         "flip rate",
     )
     group.add_argument(
-        "--control-draws", type=int, default=5,
+        "--control-draws", type=int, default=5, action=Typed,
         help="independent draws of each control's random signs (their mean is the control; their spread enters the "
         "excess flip rate's interval)",
     )
@@ -90,6 +112,10 @@ def add_audit(sub: argparse._SubParsersAction, run: Runner) -> None:
     )
     add_run_options(audit, "malleability-audit")
     _add_distributed_options(audit)
+
+
+#: How the audit plan's line says to change it (the options that set what it estimates).
+PLAN_OPTIONS = "--time-budget, --memory-limit-gb, --projection-dim or --n-queries"
 
 
 def _add_distributed_options(audit: argparse.ArgumentParser) -> None:
@@ -116,6 +142,7 @@ def run_audit(args: argparse.Namespace) -> int:
 
     shard = init_from_env(args.dist_backend, args.dist_timeout)
     lead = shard.rank == 0
+    note_replaced(args)
     start = time.perf_counter()
     data = load_data(args)
     if lead:
@@ -141,7 +168,7 @@ def _check_queries(args: argparse.Namespace, data: Dataset) -> None:
     n_query = min(len(data.x_test), default_queries(args.n_queries))
     try:
         check_query_budget(n_query, len(data.x_train), top_k_count(len(data.x_train), args.top_fraction),
-                           args.n_bootstrap, False, None, resolve_device(args.device))
+                           args.n_bootstrap, False, args.memory_limit_gb, resolve_device(args.device))
     except ValueError as err:
         raise UsageError(str(err).replace("n_queries", "--n-queries (n_queries)", 1)) from err
 
@@ -153,18 +180,24 @@ def _audit_model(args: argparse.Namespace, name: str, data: Dataset, shard: Shar
     from art_malleability.models.training import make_classifier
 
     lead = shard.rank == 0
-    start = time.perf_counter()
-    module, what = _train_or_load(args, name, data, shard, lead)
-    trained = time.perf_counter() - start
+    module = build_model(name, data.input_shape, data.nb_classes, args.width, args.seed, args.attention_context)
     classifier = make_classifier(
         module, data.input_shape, data.nb_classes, loss=args.loss, clip_values=data.clip_values, device=args.device
     )
+    audit = MalleabilityEstimator(classifier, **estimator_params(args), verbose=lead and not args.quiet,
+                                  model_name=name)
+    plan = audit.estimate(data.x_train, data.x_test)  # before the long work (training included), in every process
+    if lead:
+        say(args, f"{name}: {plan.summary(PLAN_OPTIONS)}")
     start = time.perf_counter()
-    report = MalleabilityEstimator(
-        classifier, **estimator_params(args), verbose=lead and not args.quiet, model_name=name
-    ).evaluate(data.x_train, data.y_train, data.x_test, data.y_test, dataset=data.name,
-               validation=validation_for(args.validation, name))
+    what = _train_or_load(args, name, module, data, shard, lead)
+    trained = time.perf_counter() - start
+    start = time.perf_counter()
+    report = audit.evaluate(data.x_train, data.y_train, data.x_test, data.y_test, dataset=data.name,
+                            validation=validation_for(args.validation, name))
+    report.config["estimate"] = plan.to_dict()
     report.seconds["train"] = trained
+    report.config["model"] = _model_settings(args, name)
     if lead:
         report.stage(args.out, slugify(name))
         say(args, f"\n{name}: {what} in {trained:.1f} s, audited in {time.perf_counter() - start:.1f} s -> "
@@ -172,21 +205,42 @@ def _audit_model(args: argparse.Namespace, name: str, data: Dataset, shard: Shar
     return report
 
 
+def _model_settings(args: argparse.Namespace, name: str) -> dict[str, object]:
+    """
+    What the report states of the audited model: its name, the width and attention context of a reference model
+    (those that take them), and the ``--weights`` file or the training settings; the loss of the classifier either way.
+    """
+    from art_malleability.models.reference import REFERENCE_MODELS
+
+    settings: dict[str, object] = {"name": name}
+    if name in REFERENCE_MODELS:
+        settings["width"] = args.width
+        if name != "2l-relu":
+            settings["attention_context"] = args.attention_context
+    settings["weights"] = args.weights
+    if args.weights is None:
+        settings.update(epochs=args.epochs, lr=args.lr, weight_decay=args.weight_decay, batch_size=args.batch_size)
+    settings["loss"] = args.loss
+    return settings
+
+
 def _train_or_load(
-    args: argparse.Namespace, name: str, data: Dataset, shard: Shard, lead: bool
-) -> tuple[torch.nn.Module, str]:
-    """:return: The model of ``--model name`` with ``--weights`` loaded or trained on rank 0, and what was done."""
+    args: argparse.Namespace, name: str, module: torch.nn.Module, data: Dataset, shard: Shard, lead: bool
+) -> str:
+    """Load ``--weights`` into the model of ``--model name``, or train it on rank 0 (in place); :return: what was
+    done."""
     from art_malleability.models.training import train_model
 
-    module = build_model(name, data.input_shape, data.nb_classes, args.width, args.seed, args.attention_context)
     if args.weights is not None:
         load_weights(module, args.weights, name)
-        return module, f"loaded {args.weights}"
+        return f"loaded {args.weights}"
     if lead:
-        module = train_model(
+        trained = train_model(
             module, data.x_train, data.y_train, loss=args.loss, epochs=args.epochs, batch_size=args.batch_size,
             lr=args.lr, weight_decay=args.weight_decay, seed=args.seed, device=args.device, verbose=not args.quiet,
         )
+        if trained is not module:
+            module.load_state_dict(trained.state_dict())
     if shard.world_size > 1:  # every process audits rank 0's weights
         module.load_state_dict(shard.broadcast_object({k: v.cpu() for k, v in module.state_dict().items()}))
-    return module, f"trained {args.epochs} epochs"
+    return f"trained {args.epochs} epochs"

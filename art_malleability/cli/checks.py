@@ -9,17 +9,20 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
+import logging
 import math
 import os
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from art_malleability._utils.torch_utils import eval_mode, model_device_dtype
-from art_malleability.cli.options import DEFAULT_MODELS, estimator_params
+from art_malleability._utils.torch_utils import eval_mode, model_device_dtype, resolve_device
+from art_malleability.cli.options import DEFAULT_MODELS, estimator_params, typed
+from art_malleability.models.reference import REFERENCE_MODELS
 
 if TYPE_CHECKING:
     from art_malleability.data.datasets import Dataset
@@ -33,6 +36,8 @@ _DATA_OPTIONS = {
 _FACTORY_ARGUMENTS = ("input_shape", "nb_classes")
 _DATA_MODULES = ("art_malleability.data.datasets", "art_malleability.data._loaders")
 
+logger = logging.getLogger(__name__)
+
 
 class UsageError(ValueError):
     """A command-line option with a value the command cannot use (exit status 2, like argparse's own errors)."""
@@ -42,9 +47,10 @@ def preflight(args: argparse.Namespace) -> None:
     """
     Check the options every subcommand shares, before any data is read or model trained: the data source, the
     seed, the model names (factories imported and their signatures read), the weights file (read, its values
-    finite), the audit's budget and top set, the process group's timeout, and a validation folder. A problem is a
-    :class:`UsageError` (exit status 2). The ``--output`` folder is checked when the command opens it, also before
-    any data is read.
+    finite), every number and choice of the subcommand (:data:`OPTION_RULES`) and its device, the audit's budget
+    and top set, the process group's timeout, the options that do not go together (:func:`_check_clashes`), and a
+    validation folder. A problem is a :class:`UsageError` (exit status 2), whose line names the options as typed.
+    The ``--output`` folder is checked when the command opens it, also before any data is read.
     """
     from art_malleability.data.datasets import resolve_source
 
@@ -62,11 +68,141 @@ def preflight(args: argparse.Namespace) -> None:
             if len(names) != 1:
                 raise ValueError(f"--weights must come with exactly one --model, got {len(names) or 'no'} --model")
             read_weights(args.weights)
+        _check_option_rules(args)
         _check_settings(args)
+        _check_clashes(args)
         for name in model_names(args) if getattr(args, "validation", None) is not None else []:
             validation_for(args.validation, name)
     except (ValueError, TypeError, OSError) as err:
         raise UsageError(message_of(err)) from err
+
+
+# ----------------------------------------------------------------------------------------------------
+# The numbers and choices of each subcommand: one rule per option, declared once (checked by preflight).
+# ----------------------------------------------------------------------------------------------------
+
+#: A rule: what the value must do (completing "--option must ...") and the test of a parsed value.
+Rule = tuple[str, Callable[[Any], bool]]
+
+_POSITIVE_INT: Rule = ("be a positive integer", lambda v: v >= 1)
+_NON_NEGATIVE_INT: Rule = ("be a non-negative integer", lambda v: v >= 0)
+_POSITIVE: Rule = ("be a positive finite number", lambda v: math.isfinite(v) and v > 0)
+_NON_NEGATIVE: Rule = ("be a non-negative finite number", lambda v: math.isfinite(v) and v >= 0)
+_POSITIVE_OR_DEFAULT: Rule = ("be a positive finite number", lambda v: v is None or (math.isfinite(v) and v > 0))
+_POSITIVE_INTS: Rule = ("hold positive integers", lambda vs: all(v >= 1 for v in vs))
+_DISTINCT: Rule = ("hold distinct values (each one once)", lambda vs: len(set(vs)) == len(vs))
+_TWO_WIDTHS: Rule = ("hold at least two distinct widths (the width exponent is fitted over them)",
+                     lambda vs: len(set(vs)) >= 2)
+_TWO_SEEDS: Rule = ("hold at least two distinct seeds (the intervals are over them)", lambda vs: len(set(vs)) >= 2)
+
+
+def _names(choices: tuple[str, ...], why: str = "") -> Rule:
+    """The rule of an option that names models: each one of ``choices``."""
+    return (f"name models of {choices}{why}", lambda vs: all(v in choices for v in vs))
+
+
+#: Models whose infinite-width NTK ``ntk-check`` knows (MLP-Attn-QKV's trained attention has none).
+NTK_MODELS = ("2l-relu", "mlp-attn")
+_DATA_RULES: dict[str, tuple[Rule, ...]] = {"--n-train": (_POSITIVE_INT,), "--n-test": (_POSITIVE_INT,)}
+_TRAINING_RULES: dict[str, tuple[Rule, ...]] = {
+    "--width": (_POSITIVE_INT,), "--epochs": (_POSITIVE_INT,), "--batch-size": (_POSITIVE_INT,),
+    "--lr": (_POSITIVE,), "--weight-decay": (_NON_NEGATIVE,),
+}
+#: Every subcommand's options and their rules (the audit's own parameters are the estimator's to check as well:
+#: :func:`_check_estimator_params`; ``--seed``, ``--eps``, ``--n-queries``, ... are shared: :func:`_check_settings`).
+OPTION_RULES: dict[str, dict[str, tuple[Rule, ...]]] = {
+    "audit": {**_DATA_RULES, **_TRAINING_RULES, "--time-budget": (_POSITIVE,),
+              "--memory-limit-gb": (_POSITIVE_OR_DEFAULT,)},
+    "validate": {
+        **_DATA_RULES, **_TRAINING_RULES, "--loo-queries": (_NON_NEGATIVE_INT,), "--loo-top": (_POSITIVE_INT,),
+        "--loo-seeds": (_POSITIVE_INT,), "--n-bootstrap": (_POSITIVE_INT,),
+    },
+    "ntk-check": {
+        **_DATA_RULES,
+        "--models": (_names(NTK_MODELS, " (MLP-Attn-QKV's trained attention has no infinite-width kernel here)"),
+                     _DISTINCT),
+        "--widths": (_POSITIVE_INTS, _TWO_WIDTHS), "--seeds": (_TWO_SEEDS,), "--ridge": (_POSITIVE,),
+        "--gd-steps": (_POSITIVE_INT,), "--adam-epochs": (_POSITIVE_INT,),
+        "--gd-lr-scale": (("lie in (0, 2), where the linearised gradient descent is stable", lambda v: 0 < v < 2),),
+    },
+    "spectrum": {"--n-train": (_POSITIVE_INT,)},
+    "reproduce": {
+        **_DATA_RULES, **{k: v for k, v in _TRAINING_RULES.items() if k != "--batch-size"},  # the paper's 128
+        "--models": (_names(REFERENCE_MODELS), _DISTINCT),
+        "--widths": (_POSITIVE_INTS, _DISTINCT), "--seeds": (_DISTINCT,), "--adv-epochs": (_POSITIVE_INT,),
+        "--lds-models": (("be 0 (no LDS) or at least 2 (the LDS correlates over the retrained models)",
+                          lambda v: v == 0 or v >= 2),),
+        "--ntk-n-train": (_POSITIVE_INT,), "--ntk-adam-epochs": (_POSITIVE_INT,),
+    },
+}
+
+
+def as_typed(value: object) -> str:
+    """A parsed option value as it is typed on the command line (a list space-separated, a float as ``%g``)."""
+    if isinstance(value, (list, tuple)):
+        return " ".join(map(as_typed, value))
+    if value is None:
+        return "none"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _check_option_rules(args: argparse.Namespace) -> None:
+    """The subcommand's numbers and choices against :data:`OPTION_RULES`, then its ``--device``."""
+    for option, rules in OPTION_RULES.get(getattr(args, "command", None), {}).items():
+        value = getattr(args, option[2:].replace("-", "_"))
+        for must, test in rules:
+            if not test(value):
+                raise ValueError(f"{option} must {must}, got {as_typed(value)}")
+    if getattr(args, "device", None) is not None:
+        try:
+            resolve_device(args.device)
+        except ValueError as err:
+            raise ValueError(f"--{err}" if str(err).startswith("device must") else str(err)) from err
+
+
+def _check_clashes(args: argparse.Namespace) -> None:
+    """
+    Options that do not go together: one typed where another makes it pointless (it would be ignored while the
+    report still listed it), and the settings the library would refuse together only after training.
+    """
+    command = getattr(args, "command", None)
+    pointless: list[tuple[str, bool, str]] = []  # (option, whether it was typed where it has no effect, beside what)
+    if command == "audit":
+        ntk = args.influence == "ntk"
+        pointless += [
+            ("--control-draws", args.no_controls, "--no-controls"),
+            ("--ridge", not ntk, f"--influence {args.influence} (it is the NTK influence's ridge)"),
+            ("--projection-dim", not ntk, f"--influence {args.influence} (it is the NTK influence's mode)"),
+            ("--time-budget", not ntk or args.projection_dim != "auto",
+             f"--influence {args.influence}" if not ntk else
+             f"--projection-dim {as_typed(args.projection_dim)} (it decides the mode of --projection-dim auto)"),
+            ("--attack-max-iter", not {"pgd", "mim"} & set(args.attacks),
+             f"--attacks {as_typed(args.attacks)} (it sets the steps of PGD and MIM)"),
+        ]
+        ridges, dims = [args.ridge], [args.projection_dim]
+    elif command == "validate":
+        ntk = "ntk" in args.estimators
+        beside = f"--estimators {as_typed(args.estimators)}"
+        pointless += [("--ridge", not ntk, f"{beside} (it is the NTK influence's ridge)"),
+                      ("--projection-dim", not ntk, f"{beside} (it sets the NTK influence's modes)")]
+        ridges, dims = args.ridge if ntk else [], args.projection_dim
+    else:
+        ridges, dims = [], []
+    for option, no_effect, beside in pointless:
+        if no_effect and typed(args, option[2:].replace("-", "_")):
+            raise ValueError(f"{option} has no effect with {beside}; drop one of them")
+    rule = next((r for r in ridges if isinstance(r, str)), None)
+    small = next((k for k in dims if isinstance(k, int) and k < args.n_train), None)
+    if rule is not None and small is not None:  # the NTK influence refuses it once the projection is planned
+        raise ValueError(
+            f"--ridge {rule} cannot go with --projection-dim {small} and --n-train {args.n_train}: the rule chooses "
+            "the ridge on the n x n kernel, which the projected mode holds only for at most --projection-dim training "
+            f"examples; pass --projection-dim none (exact), a --projection-dim of at least {args.n_train}, or a "
+            "number for --ridge"
+        )
+    if command == "reproduce" and "table1" in args.tables and len(set(args.widths)) < 2:
+        raise ValueError(f"--widths must hold at least two distinct widths for Table 1 (its width exponent is fitted "
+                         f"over them), got {as_typed(args.widths)}; add a width or drop table1 from --tables")
 
 
 def _check_settings(args: argparse.Namespace) -> None:
@@ -186,6 +322,31 @@ def output_claims(args: argparse.Namespace) -> list[str]:
 
     report = {"ntk-check": ConvergenceReport, "spectrum": SpectralReport, "reproduce": Reproduction}[args.command]
     return [report.json_name, report.markdown_name]
+
+
+def note_replaced(args: argparse.Namespace) -> None:
+    """
+    Before any work, one warning that names the reports an earlier run of the same command left in ``--output`` and
+    that this run removes when it succeeds (the folder of a model it does not write now: see
+    :meth:`~art_malleability._utils.output_folder.OutputFolder.commit`). Nothing on the processes that write nothing.
+    """
+    from art_malleability._utils.output_folder import file_digest, read_manifest
+
+    if getattr(args, "out", None) is None:
+        return
+    root, kept = Path(args.output), set(output_claims(args))
+    replaced = set()
+    for rel, entry in read_manifest(root).get("files", {}).items():
+        top, path = rel.split("/", 1)[0], root / rel
+        if entry["writer"] != args.command or top in kept or not path.is_file() or path.is_symlink():
+            continue
+        if file_digest(path) == entry["sha256"]:  # a changed file stays (the commit leaves it)
+            replaced.add(top + "/" if "/" in rel else top)
+    if replaced:
+        logger.warning(
+            "--output %s holds the reports of an earlier %s in %s, which this run replaces: removed when it succeeds "
+            "(pass another --output to keep them)", args.output, args.command, ", ".join(sorted(replaced))
+        )
 
 
 def validation_for(folder: str | None, name: str) -> Path | None:

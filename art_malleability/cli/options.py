@@ -40,6 +40,24 @@ def add_command(
     return parser
 
 
+class Typed(argparse.Action):
+    """
+    Store an option's value (as ``store`` does) and note in ``args.typed`` that it was given on the command line,
+    even when its value is the default: an option that another option makes pointless is refused when typed
+    (:func:`~art_malleability.cli.checks.preflight`), never when it only holds its default.
+    """
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.typed = {*getattr(namespace, "typed", ()), self.dest}
+
+
+def typed(args: argparse.Namespace, dest: str) -> bool:
+    """:return: Whether the option of ``dest`` (declared with ``action=Typed``) was given on the command line."""
+    return dest in getattr(args, "typed", ())
+
+
 def add_data_options(parser: argparse.ArgumentParser, n_train: int, n_test: int | None) -> None:
     """``--dataset``, ``--data-root``, ``--classes``, ``--n-train`` and (unless ``n_test`` is None) ``--n-test``."""
     group = parser.add_argument_group("data")
@@ -162,5 +180,5 @@ def estimator_params(args: argparse.Namespace) -> dict[str, Any]:
         strategy=args.strategy, ridge=args.ridge, n_queries=args.n_queries, rank_by=args.rank_by,
         n_bootstrap=args.n_bootstrap, attack_max_iter=args.attack_max_iter, batch_size=args.batch_size,
         seed=args.seed, device=args.device, projection_dim=args.projection_dim, controls=not args.no_controls,
-        control_draws=args.control_draws,
+        control_draws=args.control_draws, time_budget_s=args.time_budget, memory_limit_gb=args.memory_limit_gb,
     )

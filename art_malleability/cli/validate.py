@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from art_malleability.cli import options
-from art_malleability.cli.checks import build_model, load_data, model_names
+from art_malleability.cli.checks import build_model, load_data, model_names, note_replaced
 from art_malleability.influence import INFLUENCE_NAMES, InfluenceEstimator
 from art_malleability.validation import OUTCOMES
 
@@ -43,11 +43,12 @@ def add_validate(sub: argparse._SubParsersAction, run: options.Runner) -> None:
         type=options.projection_dim,
         nargs="+",
         default=[None, 512],
+        action=options.Typed,
         help="NTK influence modes, one estimator each: 'none' (exact), an integer k (projected), 'auto'; "
         "default: exact and projected with k = 512",
     )
     group.add_argument(
-        "--ridge", type=options.ridge_value, nargs="+", default=[1e-3],
+        "--ridge", type=options.ridge_value, nargs="+", default=[1e-3], action=options.Typed,
         help="ridge lambda of the NTK influence, or 'loo' / 'gcv' (chosen on the training set); several values give "
         "one estimator each, all checked against the same retrained models",
     )
@@ -72,6 +73,7 @@ def run_validate(args: argparse.Namespace) -> int:
     from art_malleability._utils.report_base import slugify
     from art_malleability.validation import validate
 
+    note_replaced(args)
     start = time.perf_counter()
     data = load_data(args)
     rows = np.sort(np.random.default_rng(args.seed).permutation(len(data.x_test))[: args.n_queries])

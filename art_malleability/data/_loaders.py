@@ -301,9 +301,11 @@ def _labels_from_array(y: np.ndarray, n: int, path: Path) -> np.ndarray:
     y = y.astype(np.int64)
     present = np.unique(y)
     if len(present) < 2:
-        logger.warning("Array y in %s holds a single class (%d): a classifier of it learns nothing.", path,
-                       int(present[0]) if present.size else -1)
-    elif len(present) < int(present.max()) + 1:
+        raise ValueError(
+            f"name_or_path must hold labels of at least two classes in y, got a single class ({int(present[0])}) in "
+            f"{str(path)!r}: a classifier of it learns nothing and its accuracy and flip rates would mean nothing"
+        )
+    if len(present) < int(present.max()) + 1:
         empty = sorted(set(range(int(present.max()) + 1)) - set(present.tolist()))
         logger.warning("Array y in %s has no example of class(es) %s of 0..%d (labels 1..C instead of 0..C-1?).",
                        path, empty[:10], int(present.max()))

@@ -1,18 +1,26 @@
 """
 The memory and time of the NTK influence: what its large buffers take in each mode, the budget they may take, and
 what its modes are estimated to cost on this machine.
+
+Every decision these feed (the mode of ``projection_dim="auto"``, the exact solve's form, the chunk sizes) depends
+only on the inputs, the options and fixed facts of the machine: its total memory (not what other processes leave
+free), the number of threads and the device's kind (a nominal GEMM rate, :func:`nominal_gemm_rate`, not one timed at
+that moment), and operation counts (:func:`factor_flops`, not a timed probe). The same command and seed thus run the
+same estimator whatever else the machine is doing; a run that cannot fit its chosen estimator in the memory available
+now stops with an error (:func:`check_available`) instead of switching estimators.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import platform
 import time
 
 import numpy as np
 import torch
 
-from art_malleability._utils.torch_utils import available_memory
+from art_malleability._utils.torch_utils import available_memory, total_memory
 from art_malleability.distributed import ONE_PROCESS, Shard
 from art_malleability.ntk.empirical import DEFAULT_CHUNK_MB, JacobianGram
 
@@ -21,27 +29,53 @@ MEMORY_SHARE = 0.8
 _GIB = 2**30
 
 
-def exact_bytes(n: int, device: torch.device | None = None) -> int:
+def engine_reserve(n: int, example_bytes: int | None = None, batch_size: int = 256,
+                   chunk_mb: float = DEFAULT_CHUNK_MB) -> int:
     """
-    Bytes of the exact mode's large buffers: two ``n × n`` float64 matrices on the CPU (five on
-    other devices, where the factorisation needs temporaries) and the kernel engine's chunks.
+    Bytes the exact kernel engine's chunks take: raw output gradients of one sub-batch (at most one chunk) and kept
+    factors or a panel with one more block (at most two chunks), each no larger than what ``n`` examples need, so
+    that a small problem reserves little.
+
+    :param n: Training examples.
+    :param example_bytes: Bytes of one example's largest (uncompressed) Jacobian factors, or ``None`` (unknown: three
+        whole chunks).
+    :param batch_size: Examples per sub-batch.
+    :param chunk_mb: The engine's chunk budget (MiB).
+    :return: Bytes.
     """
-    matrices = 2 if device is None or device.type == "cpu" else 5
-    return 8 * matrices * n * n + 3 * int(DEFAULT_CHUNK_MB * 2**20)
+    chunk = int(chunk_mb * 2**20)
+    if example_bytes is None:
+        return 3 * chunk
+    return min(chunk, batch_size * example_bytes) + min(2 * chunk, (n + batch_size) * example_bytes)
+
+
+def matrices_bytes(n: int, device: torch.device | None = None) -> int:
+    """Bytes of the exact mode's ``n × n`` float64 matrices: two on the CPU, five elsewhere (the factorisation's
+    temporaries)."""
+    return 8 * (2 if device is None or device.type == "cpu" else 5) * n * n
+
+
+def exact_bytes(n: int, device: torch.device | None = None, reserve: int | None = None) -> int:
+    """
+    Bytes of the exact mode's large buffers: the ``n × n`` matrices (:func:`matrices_bytes`) and the kernel engine's
+    chunks (``reserve``, :func:`engine_reserve`; ``None``: three whole chunks of the default size).
+    """
+    return matrices_bytes(n, device) + (engine_reserve(n) if reserve is None else reserve)
 
 
 def engine_chunk_mb(n: int, budget: int, device: torch.device | None = None) -> float:
     """
-    The exact kernel engine's chunk budget (MiB): a third of what the two ``n × n`` matrices leave of ``budget``
+    The exact kernel engine's chunk budget (MiB): a third of what the ``n × n`` matrices leave of ``budget``
     (raw gradients, and kept factors or a panel with one more block, take three chunks), at most 8 GiB, at least
     the default.
     """
-    spare = max(budget - exact_bytes(n, device), 0)
+    spare = max(budget - matrices_bytes(n, device), 0)
     return max(DEFAULT_CHUNK_MB, min(spare / 3, 8 * _GIB) / 2**20)
 
 
 def tiled_block(
-    n: int, budget: int, changed_share: float = 0.1, world: int = 1, device: torch.device | None = None
+    n: int, budget: int, changed_share: float = 0.1, world: int = 1, device: torch.device | None = None,
+    reserve: int | None = None,
 ) -> int | None:
     """
     The tile size of the out-of-core exact mode (tiles on disk) within a memory budget per process, or ``None`` when
@@ -54,30 +88,32 @@ def tiled_block(
     :param changed_share: Share of rows an update changes (the audit's top set).
     :param world: Processes of the group.
     :param device: The compute device.
+    :param reserve: The kernel engine's chunks (:func:`engine_reserve`; ``None``: three whole default chunks).
     :return: The tile size (rows), between 32 and 4,096.
     """
-    spare = budget - update_bytes(n, changed_share, world, device)
+    spare = budget - update_bytes(n, changed_share, world, device, reserve)
     if spare <= 0:
         return None
     block = min(4096, n, spare // (2 * 8 * max(n, 1)))
     return int(block) if block >= min(32, n) else None
 
 
-def update_bytes(n: int, changed_share: float = 0.1, world: int = 1, device: torch.device | None = None) -> int:
+def update_bytes(n: int, changed_share: float = 0.1, world: int = 1, device: torch.device | None = None,
+                 reserve: int | None = None) -> int:
     """
     Bytes per process beside the tiles during an update of ``m = changed_share · n`` rows: two sets of
     ``(n − m) × m`` blocks dealt out over the ``world`` processes by tile row (the kernel columns ``A_QP`` or
     ``M A_QP``, then ``X``), five ``m × m`` matrices on the CPU (``A_PP``, the Gram matrix and its sum over the
     processes, the Schur complement, its factor; three more elsewhere, where the factorisation needs temporaries) and
-    the kernel engine's chunks.
+    the kernel engine's chunks (``reserve``, :func:`engine_reserve`).
     """
     m = int(changed_share * n + 1)
     squares = 5 if device is None or device.type == "cpu" else 8
-    return 8 * (2 * m * max(n - m, 0) // world + squares * m * m) + 3 * int(DEFAULT_CHUNK_MB * 2**20)
+    return 8 * (2 * m * max(n - m, 0) // world + squares * m * m) + (engine_reserve(n) if reserve is None else reserve)
 
 
 def exact_plan(
-    n: int, budget: int, device: torch.device | None = None, world: int = 1
+    n: int, budget: int, device: torch.device | None = None, world: int = 1, reserve: int | None = None
 ) -> tuple[int | None, bool] | None:
     """
     How the exact mode's dual solve runs within a memory budget per process, the cheapest way that fits:
@@ -92,15 +128,33 @@ def exact_plan(
     :param budget: Bytes per process.
     :param device: The compute device.
     :param world: Processes of the group.
+    :param reserve: The kernel engine's chunks (:func:`engine_reserve`; ``None``: three whole default chunks).
     :return: ``(block, on_disk)`` or ``None``.
     """
-    if world == 1 and exact_bytes(n, device) <= budget:
+    if world == 1 and exact_bytes(n, device, reserve) <= budget:
         return None, False
     block = int(min(2048, max(1, -(-n // (4 * world)))))
-    if 8 * (n * n // (2 * world) + 3 * n * block) + update_bytes(n, world=world, device=device) <= budget:
+    if tiles_bytes(n, block, world, device, reserve) <= budget:
         return block, False
-    block = tiled_block(n, budget, world=world, device=device)
+    block = tiled_block(n, budget, world=world, device=device, reserve=reserve)
     return None if block is None else (block, True)
+
+
+def tiles_bytes(n: int, block: int, world: int = 1, device: torch.device | None = None,
+                reserve: int | None = None) -> int:
+    """Bytes per process of the exact solve in tiles of ``block`` rows held in memory (:func:`exact_plan`)."""
+    return 8 * (n * n // (2 * world) + 3 * n * block) + update_bytes(n, world=world, device=device, reserve=reserve)
+
+
+def plan_bytes(plan: tuple[int | None, bool], n: int, device: torch.device | None = None, world: int = 1,
+               reserve: int | None = None) -> int:
+    """Bytes per process that an exact plan (:func:`exact_plan`) holds at once."""
+    block, on_disk = plan
+    if block is None:
+        return exact_bytes(n, device, reserve)
+    if on_disk:
+        return update_bytes(n, world=world, device=device, reserve=reserve) + 2 * 8 * n * block
+    return tiles_bytes(n, block, world, device, reserve)
 
 
 def projected_bytes(n_local: int, n_total: int, k: int) -> int:
@@ -112,9 +166,11 @@ def projected_bytes(n_local: int, n_total: int, k: int) -> int:
 
 def memory_budget(memory_limit_gb: float | None, device: torch.device, shard: Shard = ONE_PROCESS) -> int:
     """
-    Bytes the large matrices may take: ``memory_limit_gb``, or 80 % of the memory available on
-    the device when the fit starts. In a sharded run the processes of one machine share it
-    (``LOCAL_WORLD_SIZE``, set by ``torchrun``), and every process uses the smallest budget of all.
+    Bytes the large matrices may take: ``memory_limit_gb``, or :data:`MEMORY_SHARE` of the device's total memory (a
+    fixed fact of the machine, not what other processes leave free at the moment: the same inputs and options choose
+    the same estimator; :func:`check_available` then says whether it fits now). In a sharded run the processes of
+    one machine share it (``LOCAL_WORLD_SIZE``, set by ``torchrun``), and every process uses the smallest budget of
+    all.
 
     :param memory_limit_gb: The estimator's ``memory_limit_gb`` (GiB), or ``None``.
     :param device: The compute device.
@@ -124,10 +180,34 @@ def memory_budget(memory_limit_gb: float | None, device: torch.device, shard: Sh
     if memory_limit_gb is not None:
         budget = int(float(memory_limit_gb) * _GIB)
     else:
-        budget = int(MEMORY_SHARE * available_memory(device))
+        budget = int(MEMORY_SHARE * total_memory(device))
     if shard.world_size > 1:  # the processes of a machine share its memory
         budget //= max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     return -int(shard.all_reduce(torch.tensor([-budget], dtype=torch.int64), "max")[0])
+
+
+def check_available(need: int, device: torch.device, what: str, shard: Shard = ONE_PROCESS) -> None:
+    """
+    The estimator chosen from fixed facts must fit in the memory available now; otherwise stop, saying so (it is
+    not switched for another, which would make the result depend on what else the machine is doing). In a group,
+    every process checks its own need against its machine's share and all stop together.
+
+    :param need: Bytes this process will hold.
+    :param device: The compute device.
+    :param what: What needs it, for the message.
+    :param shard: The process group.
+    :raises MemoryError: Naming the need, what is available and the way out.
+    """
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) if shard.world_size > 1 else 1
+    free = available_memory(device) // local
+    short = torch.tensor([1 if need > free else 0], dtype=torch.int64)
+    if int(shard.all_reduce(short, "max")[0]):
+        raise MemoryError(
+            f"{what} needs about {need / _GIB:.2f} GiB per process, but only {free / _GIB:.2f} GiB "
+            f"{'is' if local == 1 else 'per process are'} available on {device.type} now (other processes hold the "
+            "rest); free memory and run again, or set memory_limit_gb (--memory-limit-gb) to what can be spared: "
+            "the mode and the solve's form are chosen from the budget, so a smaller one may choose another"
+        )
 
 
 #: Share of the fp64 GEMM rate the exact kernel reaches as a whole, where the time of the Jacobian factors is not
@@ -136,13 +216,83 @@ def memory_budget(memory_limit_gb: float | None, device: torch.device, shard: Sh
 #: first two is assumed.
 KERNEL_EFFICIENCY = 0.15
 #: Share of the fp64 GEMM rate of the kernel's contraction of computed factors (``2 n² D``), beside the time of the
-#: factors themselves, which ``"auto"`` measures (measured: the whole kernel at 66-75 % of the rate with the factors'
-#: time in it; the contraction alone is assumed at 50 %, so that an estimate errs long).
+#: factors themselves (measured: the whole kernel at 66-75 % of the rate with the factors' time in it; the
+#: contraction alone is assumed at 50 %, so that an estimate errs long).
 CONTRACTION_EFFICIENCY = 0.5
 #: Share of the fp64 GEMM rate the blocked factorisation and inverse reach (benchmarks/bench_exact_solve.py).
 SOLVE_EFFICIENCY = 0.5
+#: Share of the fp64 GEMM rate at which the Jacobian factors' counted operations (:func:`factor_flops`) run: measured
+#: on one CPU core 14 % for the 2L-ReLU and 7.5 % for the SmallCNN (whose many small launches dominate); 5 % is
+#: assumed, so that an estimate errs long.
+FACTOR_EFFICIENCY = 0.05
+#: Nominal clock (Hz) of :func:`nominal_gemm_rate`: below the base clock of current server CPUs and GPUs, so that an
+#: estimate errs long.
+NOMINAL_CLOCK_HZ = 2.0e9
+#: float64 multiply-adds per cycle and streaming multiprocessor of NVIDIA GPUs by compute capability (the data-centre
+#: parts; every other part has 2, a sixty-fourth of their rate or less).
+_CUDA_FP64_UNITS = {(6, 0): 32, (7, 0): 32, (8, 0): 32, (9, 0): 64, (10, 0): 64}
 
 _RATES: dict[str, float] = {}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as handle:
+            for line in handle:
+                if line.startswith(("flags", "Features")):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def nominal_gemm_rate(device: torch.device, threads: int | None = None) -> tuple[float, str]:
+    """
+    A nominal float64 GEMM rate from fixed facts of the machine (never timed, so that a decision taken on it does not
+    depend on what else the machine is doing): on the CPU, ``threads`` (default: torch's) × the float64 operations per
+    cycle of its widest vector unit (AVX-512: 32, AVX2 with FMA or an ARM64 core: 16, else 8) ×
+    :data:`NOMINAL_CLOCK_HZ`; on a CUDA device, its multiprocessors × float64 units per multiprocessor (by compute
+    capability) × 2 × the nominal clock. Real rates are usually higher (a 2-thread AVX-512 CPU measured 97 GFLOP/s
+    against a nominal 128; an H200 67 TFLOP/s against 34), so estimates are of the right order and err long.
+
+    :param device: The compute device.
+    :param threads: CPU threads (``None``: ``torch.get_num_threads()``).
+    :return: ``(operations per second, the facts it came from)``.
+    """
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        units = _CUDA_FP64_UNITS.get((props.major, props.minor), 2)
+        rate = props.multi_processor_count * units * 2.0 * NOMINAL_CLOCK_HZ
+        return rate, (f"{props.name}: {props.multi_processor_count} multiprocessors x {units} fp64 units "
+                      f"(compute capability {props.major}.{props.minor}) at a nominal {NOMINAL_CLOCK_HZ / 1e9:g} GHz")
+    threads = torch.get_num_threads() if threads is None else int(threads)
+    flags = _cpu_flags()
+    if "avx512f" in flags:
+        per_cycle, unit = 32, "AVX-512"
+    elif {"avx2", "fma"} <= flags or platform.machine().lower() in ("arm64", "aarch64"):
+        per_cycle, unit = 16, "AVX2/FMA" if flags & {"avx2"} else "ARM64"
+    else:
+        per_cycle, unit = 8, "no wide vector unit known"
+    rate = threads * per_cycle * NOMINAL_CLOCK_HZ
+    return rate, f"{threads} CPU thread(s), {unit} ({per_cycle} fp64 operations per cycle) at a nominal " \
+                 f"{NOMINAL_CLOCK_HZ / 1e9:g} GHz"
+
+
+def factor_flops(engine: JacobianGram, probe: np.ndarray) -> float:
+    """
+    Floating-point operations of one example's Jacobian factors, counted (``torch.utils.flop_counter``, not timed)
+    on the kernel of the probe examples, less its contraction (``2 p² D``), per example.
+
+    :param engine: The kernel engine.
+    :param probe: A few training inputs.
+    :return: Operations per example.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        engine.gram(probe)
+    contraction = 2.0 * len(probe) ** 2 * engine.factor_elements(probe)
+    return max(float(counter.get_total_flops()) - contraction, 0.0) / max(len(probe), 1)
 
 
 def gemm_rate(device: torch.device, shard: Shard = ONE_PROCESS) -> float:
@@ -191,39 +341,23 @@ def factor_passes(n: int, panel: int, block: int | None = None) -> float:
     return float(panels * n - panel * panels * (panels - 1) / 2)
 
 
-def example_seconds(engine: JacobianGram, probe: np.ndarray, shard: Shard = ONE_PROCESS) -> float:
-    """
-    Seconds of one example's Jacobian factors: the kernel of the probe examples, timed the second time it is computed
-    (the first one pays the engine's one-time costs), per example; in a group the slowest process's, so that every
-    process takes the same decisions. The probe's factors are computed in one sub-batch, so this errs long for models
-    whose larger sub-batches run faster per example.
-
-    :param engine: The kernel engine, planned.
-    :param probe: A few training inputs.
-    :param shard: The process group.
-    :return: Seconds per example.
-    """
-    engine.gram(probe)
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize(engine.device)
-    start = time.perf_counter()
-    engine.gram(probe)
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize(engine.device)
-    seconds = (time.perf_counter() - start) / len(probe)
-    return float(shard.all_reduce(torch.tensor([seconds], dtype=torch.float64), "max")[0])
-
-
 def exact_seconds(
     n: int, factor: int, rate: float, world: int = 1, example_seconds: float | None = None, panel: int | None = None,
-    block: int | None = None,
+    block: int | None = None, refits: int = 1, queries: int = 0, kept: bool = False,
 ) -> float:
     """
-    Estimated seconds of the exact mode's fit and one refit, shared by ``world`` processes: two factorisations with
-    their inverses (``4 n³ / 3`` at ``SOLVE_EFFICIENCY``) and the kernel. The kernel is the contraction
-    (``2 n² D`` at ``CONTRACTION_EFFICIENCY``) plus the Jacobian factors of :func:`factor_passes` examples and, for
-    the refit, of a tenth of them and one more pass over the set, at ``example_seconds`` each (measured on a
-    probe); without ``example_seconds``, ``2 n² D`` at ``KERNEL_EFFICIENCY``.
+    Estimated seconds of the exact mode's fit, ``refits`` refits of a tenth of the rows (``m = n / 10 + 1``, the
+    same rows each time, as an audit's attacks and controls change its influential set) and the scores of ``queries``
+    queries after the fit and after each refit, shared by ``world`` processes:
+
+    - solve: the base factorisation with its inverse and that of the unchanged rows (``4 n³ / 3``), and per refit the
+      Schur complement of the changed rows (``2 (n − m)² m``), at ``SOLVE_EFFICIENCY``;
+    - kernel: the contraction (``2 n² D`` for the fit, ``2 m n D`` per refit) at ``CONTRACTION_EFFICIENCY`` plus the
+      Jacobian factors of :func:`factor_passes` examples for the fit and, per refit, of the ``m`` changed ones and one
+      more pass over the set (none when the set's factors are ``kept``), at ``example_seconds`` each; without
+      ``example_seconds``, ``2 n² D`` at ``KERNEL_EFFICIENCY``;
+    - queries, per pass: their kernel rows (``2 q n D``, their own factors and, unless ``kept``, the set's once per
+      panel of queries) and ``A⁻¹`` applied to them (``4 n² q``: the factor and its transpose).
 
     :param n: Training examples.
     :param factor: ``D``, elements of one example's Jacobian factors.
@@ -232,24 +366,36 @@ def exact_seconds(
     :param example_seconds: Seconds of one example's Jacobian factors, or ``None``.
     :param panel: Examples whose factors the kernel engine keeps at once (with ``example_seconds``).
     :param block: The tile size of the tiled solve, or ``None``.
+    :param refits: Refits after the fit.
+    :param queries: Queries scored after the fit and each refit.
+    :param kept: Whether the training set's factors are kept between the kernel's computations.
     :return: Seconds.
     """
-    solve = 4.0 * n**3 / 3.0 / SOLVE_EFFICIENCY / rate
+    m, passes = n // 10 + 1, refits + 1
+    solve = (4.0 * n**3 / 3.0 + refits * 2.0 * max(n - m, 0) ** 2 * m + passes * 4.0 * n * n * queries)
+    solve /= SOLVE_EFFICIENCY * rate
     if example_seconds is None:
-        kernel = 2.0 * n * n * factor / KERNEL_EFFICIENCY / rate
+        kernel = 2.0 * (n * n + passes * queries * n) * factor / KERNEL_EFFICIENCY / rate
     else:
-        m, panel = n // 10 + 1, panel or n
-        passes = factor_passes(n, panel, block) + m + n * math.ceil(m / panel)
-        kernel = 2.0 * (n + m) * n * factor / CONTRACTION_EFFICIENCY / rate + passes * example_seconds
+        panel = panel or n
+        again = 0 if kept else n  # the set's factors, computed again per panel of new rows unless kept
+        examples = (factor_passes(n, panel, block) + refits * (m + again * math.ceil(m / panel))
+                    + passes * (queries + again * math.ceil(queries / panel)))
+        contraction = 2.0 * (n + refits * m + passes * queries) * n * factor / CONTRACTION_EFFICIENCY / rate
+        kernel = contraction + examples * example_seconds
     return (kernel + solve) / max(world, 1)
 
 
-def projected_seconds(n: int, factor: int, k: int, rate: float, world: int = 1) -> float:
+def projected_seconds(n: int, factor: int, k: int, rate: float, world: int = 1, refits: int = 1,
+                      queries: int = 0) -> float:
     """
-    Estimated seconds of the projected mode's fit and one refit: projecting every example's Jacobian factors
-    (``2 n D k``) at ``KERNEL_EFFICIENCY`` and two primal solves (``2 · 2 n k²`` and ``2 k³ / 3``) at
+    Estimated seconds of the projected mode's fit, ``refits`` refits of a tenth of the rows and the scores of
+    ``queries`` queries after each: projecting the Jacobian factors of the training set, of the changed rows per
+    refit and of the queries once (``2 D k`` each) at ``KERNEL_EFFICIENCY``; per pass the primal solve with the hat
+    diagonal (``2 · 2 n k²`` and ``2 k³ / 3``) and the queries' leave-one-out factors (``2 q k (k + n)``) at
     ``SOLVE_EFFICIENCY``.
     """
-    features = 2.0 * n * factor * k / KERNEL_EFFICIENCY / max(world, 1)
-    solve = (4.0 * n * k * k / max(world, 1) + 2.0 * k**3 / 3.0) / SOLVE_EFFICIENCY
+    m, passes, w = n // 10 + 1, refits + 1, max(world, 1)
+    features = 2.0 * (n / w + refits * m / w + queries) * factor * k / KERNEL_EFFICIENCY
+    solve = passes * (4.0 * n * k * k / w + 2.0 * k**3 / 3.0 + 2.0 * queries * k * (k + n / w)) / SOLVE_EFFICIENCY
     return (features + solve) / rate

@@ -19,6 +19,7 @@ from torch import nn
 
 from art_malleability._utils.checks import (  # noqa: F401 - labels_to_indices: public path of the influence package
     LOSS_NAMES,
+    check_finite,
     check_labels,
     check_loss,
     check_positive_int,
@@ -115,7 +116,9 @@ def check_data(x: np.ndarray, y: np.ndarray, x_name: str, y_name: str) -> tuple[
     :param x_name: Name of the input argument (for error messages).
     :param y_name: Name of the label argument (for error messages).
     :return: ``(x, y)`` with ``x`` as a numpy array (not copied) and ``y`` as ``int64`` indices.
-    :raises ValueError: On empty inputs or mismatched lengths.
+    :raises TypeError: When ``x`` does not hold real numbers.
+    :raises ValueError: On empty inputs, a NaN or infinite input (naming the first such example) or mismatched
+        lengths.
     """
     if isinstance(x, torch.Tensor):
         x = x.detach().cpu().numpy()
@@ -124,6 +127,7 @@ def check_data(x: np.ndarray, y: np.ndarray, x_name: str, y_name: str) -> tuple[
         raise ValueError(
             f"{x_name} must be a non-empty array of shape (n, *input_shape), got shape {x.shape}"
         )
+    check_finite(x, x_name)
     if isinstance(y, torch.Tensor):
         y = y.detach().cpu().numpy()
     return x, check_labels(np.asarray(y), y_name, n=x.shape[0])
@@ -326,8 +330,7 @@ class InfluenceEstimator(abc.ABC):
                 f"x_changed must have shape {(len(changed), *self.input_shape_)} (one row per changed index), "
                 f"got {x_changed.shape}"
             )
-        if not np.issubdtype(x_changed.dtype, np.number) or not np.all(np.isfinite(x_changed)):
-            raise ValueError("x_changed must hold finite real numbers, got NaN, infinite or non-numeric values")
+        check_finite(x_changed, "x_changed")
         if is_transductive(self.model_):
             raise ValueError(
                 f"model must not be transductive (with set_context) for refit, got {type(self.model_).__name__}: its "
@@ -420,13 +423,22 @@ class InfluenceEstimator(abc.ABC):
     def _check_query(self, x_query: np.ndarray, y_query: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Validate queries against the fitted training data; labels become ``int64`` indices."""
         x_query, y_query = check_data(x_query, y_query, "x_query", "y_query")
-        if tuple(x_query.shape[1:]) != self.input_shape_:
-            raise ValueError(
-                f"x_query must have input shape {self.input_shape_} like x_train, "
-                f"got {tuple(x_query.shape[1:])}"
-            )
+        self._check_input_shape(x_query, "x_query")
         self._check_labels(y_query, "y_query")
         return x_query, y_query
+
+    def _check_inputs(self, x: Any, name: str) -> np.ndarray:
+        """Inputs without labels (``predict``): a non-empty, finite array of the fitted input shape (not copied)."""
+        x = np.asarray(x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else x)
+        if x.ndim < 1 or x.shape[0] == 0:
+            raise ValueError(f"{name} must be a non-empty array of shape (n, *input_shape), got shape {x.shape}")
+        check_finite(x, name)
+        self._check_input_shape(x, name)
+        return x
+
+    def _check_input_shape(self, x: np.ndarray, name: str) -> None:
+        if tuple(x.shape[1:]) != self.input_shape_:
+            raise ValueError(f"{name} must have input shape {self.input_shape_} like x_train, got {tuple(x.shape[1:])}")
 
     def _check_labels(self, y: np.ndarray, name: str) -> None:
         """Class indices must name one of the model's outputs (any index for a single-output model)."""

@@ -23,13 +23,18 @@ Two modes compute it (see :mod:`art_malleability.influence.ridge` for the solves
   keeps every dimension the scores equal the exact ones.
 
 ``projection_dim="auto"`` (the default) runs the exact mode when ``n ≤ max_exact_n`` (no cap by default), its
-solve fits the memory budget in one of its three forms and its estimated time (the kernel, ``2 n² D``
-operations with ``D`` the size of an example's Jacobian factors: a few thousand for the reference
-models, about 50,000 for a small CNN, millions for a ResNet; and two factorisations, ``4 n³ / 3``, at
-this machine's measured GEMM rate, shared by the processes) stays below ``exact_budget_s`` (30
-minutes); otherwise the projected mode with ``k = DEFAULT_PROJECTION_DIM``, after a warning that
-says why and what the other options would cost. The rule is the same in one process and over a
-``torch.distributed`` group, except that the time is shared by the processes: a group never runs the
+solve fits the memory budget in one of its three forms and its estimated time for the planned work (the fit,
+``planned_refits`` refits and the scores of ``planned_queries`` queries after each: the kernel, ``2 n² D``
+operations with ``D`` the size of an example's Jacobian factors, a few thousand for the reference
+models, about 50,000 for a small CNN, millions for a ResNet; the factorisations, ``4 n³ / 3``, and the updates;
+the queries' kernel rows and solves) stays below ``exact_budget_s`` (30 minutes); otherwise the projected mode with
+``k = DEFAULT_PROJECTION_DIM``, after a warning that says why and what the other options would cost. The choice
+depends only on the inputs, the options and fixed facts of the machine (the memory budget is ``memory_limit_gb`` or
+a share of the *total* memory; the time comes from counted operations at a nominal rate of the device's kind and
+threads, :func:`~art_malleability.influence._ntk_memory.nominal_gemm_rate`): the same command runs the same estimator
+whatever else the machine is doing, and ``mode_reason_`` says why. A mode whose memory is not available at the moment
+stops with a ``MemoryError`` that says so, rather than switching estimators. The rule is the same in one process and
+over a ``torch.distributed`` group, except that the time is shared by the processes: a group never runs the
 projected mode where one process would run the exact one. The exact solve's forms, the cheapest that
 fits first (:func:`~art_malleability.influence._ntk_memory.exact_plan`): two ``n × n`` matrices in
 memory (one process); the lower tiles of the kernel and its factor in memory, dealt out over the
@@ -58,19 +63,23 @@ from torch import nn
 from art_malleability._utils import cache as _cache
 from art_malleability._utils.cache import BoundedCache
 from art_malleability._utils.io import progress_bar
-from art_malleability._utils.torch_utils import tensor_digest
+from art_malleability._utils.torch_utils import resolve_device, tensor_digest, working_copy
 from art_malleability.data.streaming import ExampleSource
 from art_malleability.distributed import Shard, current_shard
 from art_malleability.influence._ntk_memory import (  # noqa: F401 - MEMORY_SHARE: its public path
     _GIB,
+    FACTOR_EFFICIENCY,
     MEMORY_SHARE,
+    check_available,
     engine_chunk_mb,
+    engine_reserve,
     exact_bytes,
     exact_plan,
     exact_seconds,
-    example_seconds,
-    gemm_rate,
+    factor_flops,
     memory_budget,
+    nominal_gemm_rate,
+    plan_bytes,
     projected_bytes,
     projected_seconds,
 )
@@ -87,8 +96,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_PROJECTION_DIM = 4096
 #: Largest training set of the exact mode under ``projection_dim="auto"`` (``None``: no cap, the time budget decides).
 DEFAULT_MAX_EXACT_N = None
-#: Longest estimated time (seconds) of the exact mode's fit and one refit under ``projection_dim="auto"``
-#: (:func:`~art_malleability.influence._ntk_memory.exact_seconds`, from this machine's measured GEMM rate).
+#: Longest estimated time (seconds) of the exact mode's planned work under ``projection_dim="auto"``
+#: (:func:`~art_malleability.influence._ntk_memory.exact_seconds`, at the device's nominal rate).
 DEFAULT_EXACT_BUDGET_S = 1800.0
 class NTKInfluence(InfluenceEstimator):
     """
@@ -115,9 +124,10 @@ class NTKInfluence(InfluenceEstimator):
     :param projection_seed: Seed of the projection matrices.
     :param max_exact_n: Largest training set of the exact mode under ``projection_dim="auto"``, or ``None`` (no cap:
         ``exact_budget_s`` decides).
-    :param memory_limit_gb: Memory (GiB) the large matrices may take; ``None``: 80 % of the memory
-        available on the device when :meth:`fit` starts (read once per fit; in a sharded run shared by
-        the processes of a machine, the smallest budget of all processes applies).
+    :param memory_limit_gb: Memory (GiB) the large matrices may take; ``None``: 80 % of the device's total memory (a
+        fixed fact of the machine; in a sharded run shared by the processes of a machine, the smallest budget of all
+        processes applies). The mode and the solve's form are chosen within it; :meth:`fit` then stops with a
+        ``MemoryError`` if what they need is not available at the moment.
     :param distributed: ``"auto"`` (shard over an initialised ``torch.distributed`` group of several processes:
         the exact mode deals the tiles of its kernel and factor out over the processes, the projected mode the
         rows of ``Φ``), ``True`` (require one) or ``False``.
@@ -125,12 +135,19 @@ class NTKInfluence(InfluenceEstimator):
         nor its tiles fit the memory budget): a temporary subfolder is created there and removed when the
         estimator is refitted or closed. ``None``: the system's temporary folder.
     :param verbose: Show a progress bar over the feature computation.
-    :param exact_budget_s: Longest estimated time (seconds) of the exact mode's fit and one refit for
-        ``projection_dim="auto"`` to run it; the estimate comes from this machine's measured GEMM rate and the number
-        of processes. When ``"auto"`` runs the projected mode instead, it says why and what the other options would
+    :param exact_budget_s: Longest estimated time (seconds) of the exact mode's planned work (the fit,
+        ``planned_refits`` refits and ``planned_queries`` queries' scores after each) for ``projection_dim="auto"`` to
+        run it; the estimate counts operations at a nominal rate of the device and the number of processes (nothing
+        is timed). When ``"auto"`` runs the projected mode instead, it says why and what the other options would
         cost in a warning (``auto_note_``) before the long work starts.
+    :param planned_refits: Refits the estimate of ``exact_budget_s`` covers (an audit sets its attacks and control
+        draws).
+    :param planned_queries: Queries scored after the fit and each refit that the estimate covers (an audit sets its
+        number of queries).
 
-    Fitted attributes: ``mode_`` (``"exact"`` or ``"projected"``), ``projection_dim_`` (realised
+    Fitted attributes: ``mode_`` (``"exact"`` or ``"projected"``), ``mode_reason_`` (why, in words: the option, the
+    budget and the estimate it was decided on), ``estimated_seconds_`` (``projection_dim="auto"``: the estimates of
+    both modes for the planned work, by mode), ``projection_dim_`` (realised
     ``k``, ``None`` when exact), ``solver_`` (:class:`~art_malleability.influence.ridge.DualRidge`
     or :class:`~art_malleability.influence.ridge.PrimalRidge`), ``projector_`` (projected mode),
     ``ridge_`` (the ridge used), ``ridge_criteria_`` (with a rule: the grid and its criteria),
@@ -157,6 +174,8 @@ class NTKInfluence(InfluenceEstimator):
         "distributed",
         "tile_folder",
         "exact_budget_s",
+        "planned_refits",
+        "planned_queries",
     )
 
     def __init__(
@@ -175,6 +194,8 @@ class NTKInfluence(InfluenceEstimator):
         verbose: bool = False,
         tile_folder: str | os.PathLike | None = None,
         exact_budget_s: float = DEFAULT_EXACT_BUDGET_S,
+        planned_refits: int = 1,
+        planned_queries: int = 100,
     ) -> None:
         self._init_params(locals())
 
@@ -203,6 +224,10 @@ class NTKInfluence(InfluenceEstimator):
             math.isfinite(float(budget_s)) and budget_s >= 0
         ):
             raise ValueError(f"exact_budget_s must be a non-negative number of seconds, got {budget_s!r}")
+        for name in ("planned_refits", "planned_queries"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
         if self.distributed not in ("auto", True, False):
             raise ValueError(f"distributed must be 'auto', True or False, got {self.distributed!r}")
         if self.tile_folder is not None and not os.path.isdir(self.tile_folder):
@@ -210,9 +235,36 @@ class NTKInfluence(InfluenceEstimator):
 
     # ------------------------------------------------------------------ mode and memory
     def _choose_mode(self, n: int, shard: Shard, model: nn.Module, probe: np.ndarray) -> str:
+        """
+        The mode, from the inputs, the options and fixed facts of the machine only (its total memory, threads and
+        device kind, and counted operations: nothing timed, nothing read of what other processes hold); the reason
+        goes to ``mode_reason_``. The chosen mode must then fit the memory available now (:meth:`_check_available`).
+        """
         budget, world = self._budget, shard.world_size
-        plan = exact_plan(n, budget, self.device_, world)
-        self._plan, self.auto_note_ = plan, None
+        self._plan, self.auto_note_, self._reserve, self.estimated_seconds_ = None, None, None, None
+        self._kept_bytes = 0
+        budget_text = (f"memory_limit_gb={self.memory_limit_gb:g}" if self.memory_limit_gb is not None
+                       else f"{MEMORY_SHARE:.0%} of the {self.device_.type.upper()} device's total memory")
+        engine = self._engine(model, n, budget)
+        factor = engine.factor_elements(probe)
+        example_bytes = engine.factor_elements(probe, compressed=False) * torch.finfo(engine.dtype).bits // 8
+        self._reserve = engine_reserve(n, example_bytes, engine.batch_size, engine.chunk_mb)
+        plan = exact_plan(n, budget, self.device_, world, self._reserve)
+        self._plan = plan
+        rate, facts = nominal_gemm_rate(self.device_)
+        rate = -float(shard.all_reduce(torch.tensor([-rate], dtype=torch.float64), "max")[0])  # the slowest's
+        seconds = factor_flops(engine, probe) / (rate * FACTOR_EFFICIENCY)
+        work = dict(refits=int(self.planned_refits), queries=int(self.planned_queries))
+        kept = plan is not None and plan[0] is None and self._keeps_factors(n, example_bytes)
+        self._kept_bytes = n * example_bytes if kept else 0
+        estimate = exact_seconds(n, factor, rate, world, seconds, engine.panel_rows(), plan and plan[0], kept=kept,
+                                 **work)
+        k = DEFAULT_PROJECTION_DIM if self.projection_dim in (None, "auto") else int(self.projection_dim)
+        projected = projected_seconds(n, factor, k, rate, world, **work)
+        self.estimated_seconds_ = {"exact": estimate, "projected": projected}
+        if self.projection_dim not in (None, "auto"):
+            self.mode_reason_ = f"projected: projection_dim={self.projection_dim} was given"
+            return "projected"
         if self.projection_dim is None:
             if plan is None:
                 raise ValueError(
@@ -221,40 +273,97 @@ class NTKInfluence(InfluenceEstimator):
                     "out-of-core solve (tiles on disk) needs more for its blocks of the changed rows; raise "
                     "memory_limit_gb or shard over more processes"
                 )
+            self.mode_reason_ = (f"exact: projection_dim=None was given; the solve ({self._form()}) fits the "
+                                 f"{_gib(budget)} budget per process ({budget_text})")
             self._log_plan(n, world)
             return "exact"
-        if self.projection_dim != "auto":
-            return "projected"
         # "auto": the same rule in one process and in a group, so that a group never runs the projected mode where
         # one process would run the exact one
-        engine = self._engine(model, n, budget)
-        factor = engine.factor_elements(probe)
-        rate = gemm_rate(self.device_, shard)
-        block = None if plan is None else plan[0]
-        estimate = exact_seconds(n, factor, rate, world, example_seconds(engine, probe, shard), engine.panel_rows(),
-                                 block)
+        what = (f"the fit, {work['refits']} refit(s) and the scores of {work['queries']} queries after each "
+                f"(nominal {rate / 1e9:.0f} GFLOP/s: {facts})")
         if self.max_exact_n is not None and n > self.max_exact_n:
             reason = f"{n} training examples exceed max_exact_n={self.max_exact_n}"
         elif plan is None:
-            reason = f"its solve does not fit the {budget / _GIB:.1f} GiB budget per process, even with tiles on disk"
+            reason = (f"its solve does not fit the {_gib(budget)} budget per process ({budget_text}), even "
+                      "with tiles on disk")
         elif estimate > self.exact_budget_s:
-            reason = (f"it would take about {_minutes(estimate)} here, over exact_budget_s={self.exact_budget_s:g} s "
-                      f"({n} examples, {factor} Jacobian factor elements each)")
+            reason = (f"it would take about {_minutes(estimate)} for {what}, over exact_budget_s="
+                      f"{self.exact_budget_s:g} s ({n} examples, {factor} Jacobian factor elements each)")
         else:
+            self.mode_reason_ = (
+                f"exact: projection_dim='auto', the solve ({self._form()}) fits the {_gib(budget)} budget "
+                f"per process ({budget_text}) and the estimated {_minutes(estimate)} for {what} is within "
+                f"exact_budget_s={self.exact_budget_s:g} s"
+            )
             self._log_plan(n, world)
             return "exact"
         self.auto_note_ = (
             f"the exact NTK influence is not affordable here: {reason}. Running the projected mode "
-            f"(k = {DEFAULT_PROJECTION_DIM}, about "
-            f"{_minutes(projected_seconds(n, factor, DEFAULT_PROJECTION_DIM, rate, world))}), whose scores two "
+            f"(k = {DEFAULT_PROJECTION_DIM}, about {_minutes(projected)}), whose scores two "
             "projection seeds reproduce only loosely at small ridges (the report states this run's seed agreement). "
             f"Other options: the exact mode (projection_dim=None: about {_minutes(estimate)} with "
             f"{world} process{'es' if world > 1 else ''}, about {_minutes(estimate / 4)} with "
             f"{4 * world} under torchrun), a GPU (device='cuda'), or the gradient estimator (influence='gradient', "
             "TracIn at the final weights: a different estimator, minutes)"
         )
-        logger.warning("NTK influence: %s", self.auto_note_)
+        self.mode_reason_ = f"projected: projection_dim='auto' and {reason}"
+        if not getattr(self, "_planning", False):  # plan() reports it instead
+            logger.warning("NTK influence: %s", self.auto_note_)
         return "projected"
+
+    def _keeps_factors(self, n: int, example_bytes: int) -> bool:
+        """Whether the dense exact mode keeps the training set's factors: they fit half the memory its matrices
+        leave."""
+        return example_bytes * n <= (self._budget - exact_bytes(n, self.device_, self._reserve)) // 2
+
+    def _form(self) -> str:
+        """The exact solve's form, in words."""
+        block, on_disk = self._plan
+        if block is None:
+            return "two n x n matrices in memory"
+        return f"tiles of {block} rows {'on disk' if on_disk else 'in memory'}"
+
+    def _need(self, n: int) -> tuple[int, str]:
+        """Bytes per process of the chosen mode's large buffers, and what they are for."""
+        shard = self.shard_
+        if self.mode_ == "exact":  # the solve's form, the engine's chunks, and the set's factors where they are kept
+            need = plan_bytes(self._plan, n, self.device_, shard.world_size, self._reserve) + self._kept_bytes
+            return need, f"the exact NTK influence of {n} examples ({self._form()})"
+        start, stop = shard.bounds(n)
+        dim = DEFAULT_PROJECTION_DIM if self.projection_dim == "auto" else int(self.projection_dim)
+        return projected_bytes(stop - start, n, dim), f"the projected NTK influence of {n} examples (k = {dim})"
+
+    def _check_available(self, n: int) -> None:
+        """The chosen mode's memory must be available now (:func:`~._ntk_memory.check_available`)."""
+        need, what = self._need(n)
+        check_available(need, self.device_, what, self.shard_)
+
+    def plan(self, model: nn.Module, x_probe: np.ndarray, n_train: int) -> dict:
+        """
+        What :meth:`fit` on ``n_train`` examples like ``x_probe`` would run, decided the same way and without the
+        long work (on a copy of this estimator, which is left as it is): the mode and why, the estimated seconds of
+        the planned work in both modes, and the bytes per process the chosen mode's large buffers take.
+
+        :param model: The model (its architecture decides the sizes; the weights do not matter).
+        :param x_probe: A few training inputs (up to 64 are used).
+        :param n_train: Training examples.
+        :return: ``{"mode", "reason", "seconds" (by mode), "bytes", "budget", "note"}`` (``note``: the warning of
+            ``"auto"`` when it projects, else ``None``).
+        """
+        other = type(self)(**self.get_params())
+        other._check_params()
+        other._planning = True
+        other.device_ = resolve_device(other.device)
+        shard = current_shard(other.distributed)
+        other.shard_ = shard
+        copy = working_copy(model, other.device_, other.dtype)
+        other._budget = memory_budget(other.memory_limit_gb, other.device_, shard)
+        other._jacobian_gram = None
+        probe = np.asarray(x_probe[:64])
+        mode = other._choose_mode(int(n_train), shard, copy, probe)
+        other.mode_ = mode
+        return {"mode": mode, "reason": other.mode_reason_, "seconds": dict(other.estimated_seconds_),
+                "bytes": other._need(int(n_train))[0], "budget": other._budget, "note": other.auto_note_}
 
     def _check_ridge_rule(self, n: int) -> None:
         """
@@ -330,6 +439,7 @@ class NTKInfluence(InfluenceEstimator):
         probe, _ = source.take(np.arange(min(n, 64)), self.batch_size)
         self.mode_ = self._choose_mode(n, shard, model, probe)
         self._check_ridge_rule(n)
+        self._check_available(n)
         self._prev_local = np.zeros(0, dtype=np.int64)
         if self.mode_ == "exact":
             self._fit_exact(model, source)
@@ -456,12 +566,11 @@ class NTKInfluence(InfluenceEstimator):
     def _exact_fit_kernel(self, model: nn.Module, x: np.ndarray) -> torch.Tensor:
         """
         The training kernel; the training set's Jacobian factors are kept for the queries and the
-        refits when they fit the memory left beside the two ``n × n`` matrices (otherwise every
-        later call computes them again).
+        refits when they fit the memory left beside the two ``n × n`` matrices (decided with the mode,
+        :meth:`_choose_mode`; otherwise every later call computes them again).
         """
         engine = self._engine(model, len(x), self._budget)
-        spare = self._budget - exact_bytes(len(x), self.device_)
-        if engine.factor_elements(x, compressed=False) * len(x) * 8 <= spare // 2:
+        if self._kept_bytes:
             self._kept = KeptFactors(engine, x)
             return self._kept.gram().to(torch.float64)
         logger.info("NTK influence: the training set's Jacobian factors do not fit the memory; not kept")
@@ -627,7 +736,7 @@ class NTKInfluence(InfluenceEstimator):
         :return: ``float64`` array ``(n_query, C)``.
         """
         self._check_fitted("predict")
-        f, _, _ = self._query_parts(np.asarray(x_query))
+        f, _, _ = self._query_parts(self._check_inputs(x_query, "x_query"))
         return f.cpu().numpy()
 
     def loo_predictions(self, x_query: np.ndarray) -> np.ndarray:
@@ -639,7 +748,7 @@ class NTKInfluence(InfluenceEstimator):
         :return: ``float64`` array ``(n_query, n_train, C)``.
         """
         self._check_fitted("loo_predictions")
-        f, b, beta = self._query_parts(np.asarray(x_query))
+        f, b, beta = self._query_parts(self._check_inputs(x_query, "x_query"))
         if isinstance(self.solver_, PrimalRidge):
             b, beta = self.shard_.all_gather_columns(b), self.shard_.all_gather_rows(beta)
         return (f[:, None, :] - b[:, :, None] * beta[None, :, :]).cpu().numpy()
@@ -649,6 +758,11 @@ class NTKInfluence(InfluenceEstimator):
             f, b, beta = self._query_parts(x_query)
             y = torch.as_tensor(y_query, device=f.device)
             return self._gather(loo_scores(f, b, beta, y, self.loss)).cpu().numpy()
+
+
+def _gib(nbytes: float) -> str:
+    """``nbytes`` in GiB for a message, with the digits a small budget needs."""
+    return f"{nbytes / _GIB:.2f} GiB" if nbytes < 10 * _GIB else f"{nbytes / _GIB:.1f} GiB"
 
 
 def _minutes(seconds: float) -> str:

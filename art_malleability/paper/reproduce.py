@@ -52,7 +52,7 @@ from art_malleability._utils.output_folder import OutputFolder, staged_output
 from art_malleability._utils.report_base import SavedReport, markdown_table
 from art_malleability._utils.state import preserved_rng
 from art_malleability.data.datasets import Dataset, load_dataset, subsample
-from art_malleability.models.reference import CONTEXTS, is_transductive
+from art_malleability.models.reference import CONTEXTS, REFERENCE_MODELS, is_transductive
 from art_malleability.models.training import make_classifier
 from art_malleability.paper.common import (
     ATTACKS,
@@ -98,7 +98,8 @@ class ReproductionConfig:
     :param data_root: Local torchvision root.
     :param n_train: Training examples of the flip-rate tables.
     :param n_test: Test examples (queries are drawn from them).
-    :param models: Models of Tables 1–2 (Tables 3–4 use the first two).
+    :param models: Models of Tables 1–2 (Tables 3–4 use the first two): reference model names
+                   (:data:`~art_malleability.models.reference.REFERENCE_MODELS`), at least one.
     :param width: Hidden width of the flip-rate tables.
     :param attention_context: The attention context of MLP-Attn and MLP-Attn-QKV: ``"centred"`` (default) or
                               ``"gram"``, the paper's literal form (:class:`~art_malleability.models.MLPAttn`).
@@ -165,6 +166,11 @@ class ReproductionConfig:
                 raise ValueError(f"tables must be drawn from {TABLES + STUDIES}, got {t!r}")
         if len(self.seeds) < 1:
             raise ValueError(f"seeds must hold at least one seed, got {self.seeds!r}")
+        if not self.models:
+            raise ValueError(f"models must name at least one of the reference models {REFERENCE_MODELS}, got none")
+        for m in self.models:
+            if m not in REFERENCE_MODELS:
+                raise ValueError(f"models must name reference models {REFERENCE_MODELS}, got {m!r}")
         if self.attention_context not in CONTEXTS:
             raise ValueError(f"attention_context must be one of {CONTEXTS}, got {self.attention_context!r}")
         for w in (16, 1024, 4096):

@@ -1,0 +1,101 @@
+"""
+The whole audit's pre-flight estimate (issue 35, item 2): printed before the long work on the command line, decided
+from fixed facts (the same inputs always get the same estimate), the mode of "auto" chosen on the audit's own work
+within ``--time-budget`` / ``time_budget_s``, and ``--memory-limit-gb`` / ``memory_limit_gb`` in both.
+"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from helpers import digits, trained_classifier
+
+from art_malleability import MalleabilityEstimator
+from art_malleability.cli import main
+
+SMALL = ["--model", "2l-relu", "--width", "16", "--epochs", "2", "--n-train", "60", "--n-test", "20",
+         "--n-queries", "5", "--n-bootstrap", "10", "--attacks", "fgsm", "--no-controls"]
+
+
+def test_the_command_line_prints_the_audit_plan_before_training_and_records_it(tmp_path, capsys):
+    out = tmp_path / "audit"
+    assert main(["audit", *SMALL, "--output", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    plan = [i for i, line in enumerate(lines) if "audit plan:" in line]
+    trained = [i for i, line in enumerate(lines) if "trained 2 epochs" in line]
+    assert len(plan) == 1 and trained and plan[0] < trained[0], lines
+    assert lines[plan[0]].startswith("2l-relu: audit plan: exact NTK influence on 60 training examples, 5 queries, "
+                                     "1 refits; about ")
+    assert "change with --time-budget, --memory-limit-gb, --projection-dim or --n-queries" in lines[plan[0]]
+    report = json.loads((out / "2l-relu" / "report.json").read_text())
+    assert report["config"]["estimate"]["mode"] == report["execution"]["mode"] == "exact"
+    assert report["config"]["time_budget_s"] == 1800.0 and report["config"]["memory_limit_gb"] is None
+
+
+def test_the_time_budget_decides_the_mode_on_the_audits_work(tmp_path, capsys):
+    out = tmp_path / "audit"
+    assert main(["audit", *SMALL, "--time-budget", "1e-9", "--memory-limit-gb", "2", "--output", str(out)]) == 0
+    assert "audit plan: projected NTK influence" in capsys.readouterr().out
+    report = json.loads((out / "2l-relu" / "report.json").read_text())
+    execution = report["execution"]
+    assert execution["mode"] == "projected" and "over exact_budget_s=1e-09 s" in execution["mode_reason"]
+    assert execution["params"]["memory_limit_gb"] == 2.0
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--time-budget", "0"], "--time-budget must be a positive finite number, got 0"),
+    (["--memory-limit-gb", "-1"], "--memory-limit-gb must be a positive finite number, got -1"),
+    (["--time-budget", "60", "--influence", "gradient"], "--time-budget has no effect with --influence gradient"),
+    (["--time-budget", "60", "--projection-dim", "64"], "--time-budget has no effect with --projection-dim 64"),
+])
+def test_budget_options_that_cannot_work_are_refused_before_any_data_is_read(tmp_path, capsys, args, words):
+    assert main(["audit", *args, "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert words in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def relu():
+    return trained_classifier("2l-relu", epochs=5), digits(200, 40)
+
+
+def test_the_estimate_is_the_same_every_time_changes_nothing_and_names_the_mode_evaluate_runs(relu):
+    clf, data = relu
+    before = {k: v.clone() for k, v in clf.model.state_dict().items()}
+    audit = MalleabilityEstimator(clf, n_queries=30, n_bootstrap=50, verbose=False, device="cpu")
+    first, again = audit.estimate(data.x_train, data.x_test), audit.estimate(data.x_train, data.x_test)
+    assert first.to_dict() == again.to_dict()
+    assert (first.n_train, first.n_queries, first.refits) == (200, 30, 8)  # three attacks, five control draws
+    assert all(v > 0 for v in first.seconds.values())
+    assert first.seconds["total"] == pytest.approx(sum(v for k, v in first.seconds.items() if k != "total"))
+    assert all(torch.equal(v, clf.model.state_dict()[k]) for k, v in before.items())
+    assert not hasattr(audit._influence, "mode_")  # the influence was not fitted by the estimate
+    report = audit.evaluate(data.x_train, data.y_train, data.x_test, data.y_test)
+    assert report.execution["mode"] == first.mode == "exact"
+    squeezed = MalleabilityEstimator(clf, n_queries=30, n_bootstrap=50, verbose=False, device="cpu",
+                                     time_budget_s=first.seconds["influence"] / 2)
+    assert squeezed.estimate(data.x_train, data.x_test).mode == "projected"
+
+
+def test_budget_parameters_are_checked():
+    clf = trained_classifier("2l-relu", epochs=1)
+    for name, bad in (("time_budget_s", 0.0), ("time_budget_s", np.inf), ("memory_limit_gb", -1.0)):
+        with pytest.raises(ValueError, match=name):
+            MalleabilityEstimator(clf, **{name: bad})
+
+
+def test_a_transductive_model_is_estimated_with_its_training_set_as_context_and_left_without_one():
+    """MLP-Attn attends over its training set: the estimate gives a copy that context (the CLI estimates the model
+    before training, when it has none) and leaves the model as it was."""
+    from art_malleability.models import build_reference_model, make_classifier
+
+    data = digits(120, 20)
+    model = build_reference_model("mlp-attn", (1, 8, 8), 10, width=16, seed=0)
+    audit = MalleabilityEstimator(make_classifier(model, (1, 8, 8), 10, device="cpu"), n_queries=10, verbose=False,
+                                  device="cpu")
+    plan = audit.estimate(data.x_train, data.x_test)
+    assert plan.mode == "exact" and plan.seconds["total"] > 0
+    with pytest.raises(RuntimeError, match="no context"):
+        model(torch.as_tensor(data.x_test[:2]))

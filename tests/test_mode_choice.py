@@ -1,0 +1,95 @@
+"""
+The NTK influence's estimator is chosen from the inputs, the options and fixed facts of the machine only: not from
+what other processes hold at the moment, nor from a timing; a mode that cannot fit the memory available now stops
+with an error that says so instead of switching estimators; the reason is recorded.
+"""
+
+import numpy as np
+import pytest
+from helpers import digits, trained_classifier
+
+import art_malleability.influence._ntk_memory as memory
+import art_malleability.influence.ntk as ntk_module
+from art_malleability import MalleabilityEstimator
+from art_malleability.influence import NTKInfluence
+
+GIB = 2**30
+
+
+@pytest.fixture(scope="module")
+def relu_data():
+    data = digits(200, 20)
+    return trained_classifier("2l-relu", epochs=5), data
+
+
+def test_a_small_problem_reserves_for_the_engine_what_it_needs(relu_data):
+    """200 examples need a few MiB: a fixed reservation of three 256 MiB chunks made 0.7 GiB projected, 0.76 exact."""
+    clf, data = relu_data
+    modes = {limit: NTKInfluence(device="cpu", memory_limit_gb=limit).fit(clf.model, data.x_train, data.y_train).mode_
+             for limit in (None, 0.76, 0.7, 0.05)}
+    assert set(modes.values()) == {"exact"}, modes
+    assert memory.engine_reserve(200, 8 * 1296) < 16 * 2**20  # the 2L-ReLU's factors of 200 examples, two batches
+    assert memory.engine_reserve(10**6, 8 * 10**6) == 3 * 256 * 2**20  # a large problem takes the whole chunks
+
+
+def test_the_choice_does_not_depend_on_what_other_processes_hold(relu_data, monkeypatch):
+    """With 0.5 GiB left by other processes the same estimator runs (the budget is a share of the total memory);
+    with too little for it, the fit stops and says so, instead of running another estimator."""
+    clf, data = relu_data
+    quiet = NTKInfluence(device="cpu").fit(clf.model, data.x_train, data.y_train)
+    monkeypatch.setattr(memory, "available_memory", lambda device: GIB // 2)
+    busy = NTKInfluence(device="cpu").fit(clf.model, data.x_train, data.y_train)
+    assert (busy.mode_, busy.solver_.block) == (quiet.mode_, quiet.solver_.block) == ("exact", None)
+    np.testing.assert_array_equal(busy.scores(data.x_test, data.y_test), quiet.scores(data.x_test, data.y_test))
+    monkeypatch.setattr(memory, "available_memory", lambda device: 1024)
+    with pytest.raises(MemoryError, match=r"available on cpu now.*memory_limit_gb \(--memory-limit-gb\)"):
+        NTKInfluence(device="cpu").fit(clf.model, data.x_train, data.y_train)
+
+
+def test_the_choice_times_nothing(relu_data, monkeypatch):
+    """The decision of projection_dim='auto' counts operations at a nominal rate: it never times the machine."""
+    clf, data = relu_data
+
+    def timed(*args, **kwargs):
+        raise AssertionError("the mode choice timed the machine")
+
+    monkeypatch.setattr(ntk_module, "gemm_rate", timed, raising=False)
+    monkeypatch.setattr(ntk_module, "example_seconds", timed, raising=False)
+    monkeypatch.setattr(memory, "gemm_rate", timed)
+    first = NTKInfluence(device="cpu").fit(clf.model, data.x_train, data.y_train)
+    again = NTKInfluence(device="cpu").fit(clf.model, data.x_train, data.y_train)
+    assert first.mode_ == "exact" and first.mode_reason_ == again.mode_reason_
+    rate, facts = memory.nominal_gemm_rate(first.device_)
+    assert rate > 1e9 and "thread" in facts and f"{rate / 1e9:.0f} GFLOP/s" in first.mode_reason_
+
+
+def test_the_exact_budget_covers_the_planned_refits_and_queries(relu_data):
+    """A budget that holds the fit and one refit but not the audit's work no longer chooses the exact mode."""
+    clf, data = relu_data
+    light = NTKInfluence(device="cpu", planned_refits=1, planned_queries=0)
+    light.fit(clf.model, data.x_train, data.y_train)
+    heavy = NTKInfluence(device="cpu", planned_refits=8, planned_queries=10_000)
+    heavy.fit(clf.model, data.x_train, data.y_train)
+    light_s, heavy_s = light.estimated_seconds_["exact"], heavy.estimated_seconds_["exact"]
+    assert heavy_s > 10 * light_s
+    budget = (light_s * heavy_s) ** 0.5
+    light = NTKInfluence(device="cpu", planned_refits=1, planned_queries=0, exact_budget_s=budget)
+    heavy = NTKInfluence(device="cpu", planned_refits=8, planned_queries=10_000, exact_budget_s=budget)
+    for est in (light, heavy):
+        est.fit(clf.model, data.x_train, data.y_train)
+    assert light.mode_ == "exact" and heavy.mode_ == "projected"
+    assert "8 refit(s) and the scores of 10000 queries" in heavy.mode_reason_
+    with pytest.raises(ValueError, match="planned_refits must be a non-negative integer"):
+        NTKInfluence(planned_refits=-1)
+
+
+def test_the_audit_plans_its_own_work_records_why_and_leaves_the_estimator_as_given(relu_data):
+    clf, data = relu_data
+    influence = NTKInfluence(device="cpu")
+    audit = MalleabilityEstimator(clf, attacks=["fgsm", "pgd"], influence=influence, control_draws=3, n_queries=15,
+                                  n_bootstrap=50, verbose=False, device="cpu")
+    report = audit.evaluate(data.x_train, data.y_train, data.x_test, data.y_test)
+    reason = report.execution["mode_reason"]
+    assert reason.startswith("exact: projection_dim='auto'"), reason
+    assert "5 refit(s) and the scores of 15 queries" in reason  # 2 attacks, 3 draws of their shared control
+    assert (influence.planned_refits, influence.planned_queries) == (1, 100)
