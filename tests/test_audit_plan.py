@@ -99,3 +99,15 @@ def test_a_transductive_model_is_estimated_with_its_training_set_as_context_and_
     assert plan.mode == "exact" and plan.seconds["total"] > 0
     with pytest.raises(RuntimeError, match="no context"):
         model(torch.as_tensor(data.x_test[:2]))
+
+
+def test_a_planned_projection_fits_its_second_seed_before_the_clean_fit(relu):
+    """When "auto" will project (decided from fixed facts, so known before the fit), the noise model's second
+    projection seed is fitted first and dropped before the clean fit: two fitted estimators never share the memory."""
+    clf, data = relu
+    audit = MalleabilityEstimator(clf, attacks=["fgsm"], n_queries=20, n_bootstrap=50, control_draws=1,
+                                  verbose=False, device="cpu", time_budget_s=1e-9)
+    report = audit.evaluate(data.x_train, data.y_train, data.x_test, data.y_test)
+    assert report.execution["mode"] == "projected"
+    order = list(report.seconds)
+    assert order.index("influence_other_seeds") < order.index("influence_clean"), order

@@ -182,7 +182,7 @@ class AuditRun:
         those of this process).
         """
         influence, twins = self.influence, []
-        twin_first = _projection_likely(influence, self.source.n)
+        twin_first = self._projection_planned()
         if twin_first:  # large runs: before the clean fit, so that two fitted estimators never share the memory
             self.steps.set_postfix_str("influence (other projection seeds)", refresh=False)
             with timed(self.seconds, "influence_other_seeds"):
@@ -211,6 +211,22 @@ class AuditRun:
         self.perturbed = self.top if self.est.strategy == "top" else np.arange(self.source.n)
         lo, hi = self.shard.bounds(self.source.n)
         self.local = np.sort(self.perturbed[(self.perturbed >= lo) & (self.perturbed < hi)])
+
+    def _projection_planned(self) -> bool:
+        """
+        Whether the NTK influence will run projected (then its second seed is fitted before the clean fit, so that
+        two fitted estimators never share the memory): given, or the plan of ``"auto"`` says so (the same decision as
+        the fit's, from fixed facts; a transductive model's plan would need its context first, so it is not asked).
+        """
+        influence, n = self.influence, self.source.n
+        if not isinstance(influence, NTKInfluence) or influence.projection_dim is None:
+            return False
+        if influence.projection_dim != "auto" or (influence.max_exact_n is not None and n > influence.max_exact_n):
+            return True
+        if self.transductive:
+            return False
+        probe, _ = self.source.take(np.arange(min(n, 64)), self.est.batch_size)
+        return influence.plan(self.work, probe, n)["mode"] == "projected"
 
     def _clean_pass(self, blocks: Iterator[np.ndarray], k: int) -> CleanScores | None:
         """
@@ -453,13 +469,6 @@ def _combine_attack_stats(changed: int, linf: float, total: int, shard: Shard) -
     changed = int(shard.all_reduce(torch.tensor([changed], dtype=torch.int64))[0])
     linf = float(shard.all_reduce(torch.tensor([linf], dtype=torch.float64), "max")[0])
     return changed / total, linf
-
-
-def _projection_likely(influence: InfluenceEstimator, n: int) -> bool:
-    """Whether an NTK influence will surely run projected (then its second seed is fitted before the clean fit)."""
-    if not isinstance(influence, NTKInfluence) or influence.projection_dim is None:
-        return False
-    return influence.projection_dim != "auto" or (influence.max_exact_n is not None and n > influence.max_exact_n)
 
 
 def _control_summary(control: dict | None, eps: float | None) -> dict[str, Any] | None:
