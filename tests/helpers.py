@@ -26,6 +26,23 @@ def trained_classifier(name: str = "2l-relu", width: int = 64, epochs: int = 500
     return make_classifier(model, data.input_shape, data.nb_classes, loss=loss, device="cpu")
 
 
+#: The smallest audit the command line runs (one attack, no controls, quiet): the output-folder tests' workload.
+TINY_AUDIT = [
+    "--n-train", "60", "--n-test", "20", "--epochs", "2", "--width", "16", "--n-queries", "5",
+    "--n-bootstrap", "10", "--attacks", "fgsm", "--no-controls", "--quiet",
+]
+
+
+def folder_snapshot(folder) -> dict:
+    """Every file below a folder (hidden ones too) with its bytes."""
+    import os
+
+    return {
+        os.path.relpath(os.path.join(d, f), folder): open(os.path.join(d, f), "rb").read()
+        for d, _, files in os.walk(folder) for f in files
+    }
+
+
 def arrays_equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 

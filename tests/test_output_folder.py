@@ -10,6 +10,8 @@ import textwrap
 import time
 
 import pytest
+from helpers import TINY_AUDIT as TINY
+from helpers import folder_snapshot as snapshot
 
 from art_malleability._utils.output_folder import (
     LOCK_NAME,
@@ -20,20 +22,6 @@ from art_malleability._utils.output_folder import (
     is_ours,
 )
 from art_malleability.cli import main
-
-TINY = [
-    "--n-train", "60", "--n-test", "20", "--epochs", "2", "--width", "16", "--n-queries", "5",
-    "--n-bootstrap", "10", "--attacks", "fgsm", "--no-controls", "--quiet",
-]
-
-
-def snapshot(folder):
-    """Every file below a folder (hidden ones too) with its bytes."""
-    return {
-        os.path.relpath(os.path.join(d, f), folder): open(os.path.join(d, f), "rb").read()
-        for d, _, files in os.walk(folder) for f in files
-    }
-
 
 # ---------------------------------------------------------------------------------------------- the CLI's --output
 

@@ -2,7 +2,6 @@
 the report's undecided cells and warning, progress bars in logs."""
 
 import io
-import os
 import re
 import signal
 import subprocess
@@ -12,24 +11,13 @@ import time
 import numpy as np
 import pytest
 import torch
+from helpers import TINY_AUDIT as TINY
+from helpers import folder_snapshot as snapshot
 from torch import nn
 
 from art_malleability._utils.output_folder import LOCK_NAME, STAGING_PREFIX
 from art_malleability.cli import main
 from art_malleability.influence import get_influence
-
-TINY = [
-    "--n-train", "60", "--n-test", "20", "--epochs", "2", "--width", "16", "--n-queries", "5",
-    "--n-bootstrap", "10", "--attacks", "fgsm", "--no-controls", "--quiet",
-]
-
-
-def snapshot(folder):
-    """Every file below a folder (hidden ones too) with its bytes."""
-    return {
-        os.path.relpath(os.path.join(d, f), folder): open(os.path.join(d, f), "rb").read()
-        for d, _, files in os.walk(folder) for f in files
-    }
 
 
 def leftovers(folder):

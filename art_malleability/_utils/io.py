@@ -1,4 +1,5 @@
-"""What every report shares for its files: JSON-ready values, reading a report's JSON, figures as PNG, progress bars."""
+"""What every report shares for its files: JSON-ready values, reading a report's JSON, figures as PNG, progress bars,
+durations in messages."""
 
 from __future__ import annotations
 
@@ -14,6 +15,15 @@ import numpy as np
 
 #: Seconds between two lines of a progress bar written to a file or a pipe (a log, CI).
 LOG_INTERVAL = 30.0
+
+
+def duration_text(seconds: float) -> str:
+    """``seconds`` as a short duration for a message: seconds below 90 (at least 1), minutes below 90, else hours."""
+    if seconds < 90:
+        return f"{max(seconds, 1):.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def progress_bar(iterable: Any = None, *, verbose: bool = True, **kwargs: Any) -> Any:

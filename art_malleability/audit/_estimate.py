@@ -17,8 +17,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from art_malleability._utils.io import duration_text
 from art_malleability._utils.torch_utils import eval_mode, model_device_dtype, resolve_device
+from art_malleability.audit._params import planned_work
+from art_malleability.influence import NTKInfluence
 from art_malleability.influence._ntk_memory import FACTOR_EFFICIENCY, SOLVE_EFFICIENCY, nominal_gemm_rate
+from art_malleability.metrics import top_k_count
 from art_malleability.metrics._accumulators import metrics_plan
 from art_malleability.metrics._spearman import SPEARMAN_PAIRS
 from art_malleability.models.reference import is_transductive
@@ -61,16 +65,15 @@ class AuditEstimate:
     seconds: dict[str, float | None] = field(default_factory=dict)
     peak_bytes: int = 0
     facts: str = ""
-    note: str | None = None
 
     def summary(self, how: str = "time_budget_s, memory_limit_gb, projection_dim or n_queries") -> str:
         """One line: the mode, the estimated time and peak memory, and how to change them."""
-        parts = ", ".join(f"{name} {_duration(value)}" for name, value in self.seconds.items()
+        parts = ", ".join(f"{name} {duration_text(value)}" for name, value in self.seconds.items()
                           if name != "total" and value is not None)
         influence = "influence" if self.mode is None else f"{self.mode} NTK influence"
         unknown = "" if self.seconds.get("influence") is not None else " (the influence's time not estimated)"
         return (f"audit plan: {influence} on {self.n_train} training examples, {self.n_queries} queries, "
-                f"{self.refits} refits; about {_duration(self.seconds['total'])}{unknown} ({parts}) and "
+                f"{self.refits} refits; about {duration_text(self.seconds['total'])}{unknown} ({parts}) and "
                 f"{self.peak_bytes / 1e9:.1f} GB peak memory; change with {how}")
 
     def to_dict(self) -> dict[str, Any]:
@@ -88,10 +91,6 @@ def estimate_audit(est: Any, n_train: int, n_query: int, refits: int, x_probe: n
     :param x_probe: A few training inputs (all of them for a transductive model: its context).
     :return: The estimate.
     """
-    from art_malleability.audit._params import planned_work
-    from art_malleability.influence import NTKInfluence
-    from art_malleability.metrics._scores import top_k_count
-
     k = top_k_count(n_train, est.top_fraction)
     changed = k if est.strategy == "top" else n_train
     rate, facts = nominal_gemm_rate(resolve_device(est.device))
@@ -121,8 +120,7 @@ def estimate_audit(est: Any, n_train: int, n_query: int, refits: int, x_probe: n
     metric_bytes = metrics_plan(n_query, n_train, k, est.n_bootstrap)["memory_bytes"]
     peak = PROCESS_BYTES + inputs + metric_bytes + (0 if plan is None else plan["bytes"])
     return AuditEstimate(n_train, n_query, refits, None if plan is None else plan["mode"],
-                         None if plan is None else plan["reason"], seconds, int(peak), facts,
-                         None if plan is None else plan["note"])
+                         None if plan is None else plan["reason"], seconds, int(peak), facts)
 
 
 def _forward_operations(model: torch.nn.Module, x_probe: np.ndarray) -> float:
@@ -135,10 +133,3 @@ def _forward_operations(model: torch.nn.Module, x_probe: np.ndarray) -> float:
         model(x)
     return float(counter.get_total_flops()) / max(len(x), 1)
 
-
-def _duration(seconds: float) -> str:
-    if seconds < 90:
-        return f"{max(seconds, 1):.0f} s"
-    if seconds < 5400:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"

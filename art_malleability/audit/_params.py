@@ -16,7 +16,7 @@ from art.attacks import EvasionAttack
 
 from art_malleability._utils.checks import check_positive_int, loss_name
 from art_malleability._utils.torch_utils import resolve_device, total_memory
-from art_malleability.audit.attacks import ATTACK_NAMES, STRATEGIES, attack_label, make_attack
+from art_malleability.audit.attacks import ATTACK_NAMES, STRATEGIES, attack_label, control_eps, make_attack
 from art_malleability.influence import INFLUENCE_NAMES, InfluenceEstimator, get_influence
 from art_malleability.influence.ntk import MEMORY_SHARE
 from art_malleability.influence.ridge_choice import check_ridge
@@ -144,13 +144,16 @@ def check_query_budget(
     return plan
 
 
-def audit_refits(est: Any) -> int:
-    """Refits of the influence an audit runs: one per attack and, with controls, ``control_draws`` per distinct
-    control budget (an attack without a scalar ℓ∞ budget has no control)."""
-    from art_malleability.audit.attacks import control_eps
+def control_budgets(est: Any) -> dict[EvasionAttack, float]:
+    """The random-sign control's budget of each attack that has one (a scalar ℓ∞ budget), none without controls."""
+    if not est.controls:
+        return {}
+    return {a: eps for a in est._attacks if (eps := control_eps(a)) is not None}
 
-    budgets = {eps for a in est._attacks if (eps := control_eps(a)) is not None} if est.controls else set()
-    return len(est._attacks) + len(budgets) * int(est.control_draws)
+
+def audit_refits(est: Any) -> int:
+    """Refits of the influence an audit runs: one per attack and ``control_draws`` per distinct control budget."""
+    return len(est._attacks) + len(set(control_budgets(est).values())) * int(est.control_draws)
 
 
 @contextmanager

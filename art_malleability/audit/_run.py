@@ -21,11 +21,11 @@ from art.utils import compute_success_array
 from art_malleability._utils.checks import one_hot
 from art_malleability._utils.io import progress_bar
 from art_malleability._utils.torch_utils import resolve_device
+from art_malleability.audit._params import control_budgets
 from art_malleability.audit.attacks import (
     CONTROL_LABEL,
     attack_config,
     attack_label,
-    control_eps,
     perturb_training_set,
     random_sign_perturbation,
 )
@@ -98,9 +98,7 @@ class AuditRun:
                 "influence must be the NTK influence (influence='ntk') in a sharded audit, got "
                 f"{type(self.influence).__name__}, which runs in one process"
             )
-        self.controls = {}
-        if est.controls:
-            self.controls = {a: eps for a in est._attacks if (eps := control_eps(a)) is not None}
+        self.controls = control_budgets(est)
         self.seconds: dict[str, float] = {}
         self.steps = progress_bar(
             total=1 + 2 * len(est._attacks) + len(set(self.controls.values())), desc="malleability", verbose=est.verbose

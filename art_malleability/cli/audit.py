@@ -234,13 +234,11 @@ def _train_or_load(
     if args.weights is not None:
         load_weights(module, args.weights, name)
         return f"loaded {args.weights}"
-    if lead:
-        trained = train_model(
+    if lead:  # in place
+        train_model(
             module, data.x_train, data.y_train, loss=args.loss, epochs=args.epochs, batch_size=args.batch_size,
             lr=args.lr, weight_decay=args.weight_decay, seed=args.seed, device=args.device, verbose=not args.quiet,
         )
-        if trained is not module:
-            module.load_state_dict(trained.state_dict())
     if shard.world_size > 1:  # every process audits rank 0's weights
         module.load_state_dict(shard.broadcast_object({k: v.cpu() for k, v in module.state_dict().items()}))
     return f"trained {args.epochs} epochs"

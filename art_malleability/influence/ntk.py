@@ -62,7 +62,7 @@ from torch import nn
 
 from art_malleability._utils import cache as _cache
 from art_malleability._utils.cache import BoundedCache
-from art_malleability._utils.io import progress_bar
+from art_malleability._utils.io import duration_text, progress_bar
 from art_malleability._utils.torch_utils import resolve_device, tensor_digest, working_copy
 from art_malleability.data.streaming import ExampleSource
 from art_malleability.distributed import Shard, current_shard
@@ -245,24 +245,30 @@ class NTKInfluence(InfluenceEstimator):
         self._kept_bytes = 0
         budget_text = (f"memory_limit_gb={self.memory_limit_gb:g}" if self.memory_limit_gb is not None
                        else f"{MEMORY_SHARE:.0%} of the {self.device_.type.upper()} device's total memory")
+        given_k = self.projection_dim not in (None, "auto")
+        estimating = self.projection_dim == "auto" or getattr(self, "_planning", False)  # plan() estimates any mode
+        if given_k and not estimating:
+            self.mode_reason_ = f"projected: projection_dim={self.projection_dim} was given"
+            return "projected"
         engine = self._engine(model, n, budget)
         factor = engine.factor_elements(probe)
         example_bytes = engine.factor_elements(probe, compressed=False) * torch.finfo(engine.dtype).bits // 8
         self._reserve = engine_reserve(n, example_bytes, engine.batch_size, engine.chunk_mb)
         plan = exact_plan(n, budget, self.device_, world, self._reserve)
         self._plan = plan
-        rate, facts = nominal_gemm_rate(self.device_)
-        rate = -float(shard.all_reduce(torch.tensor([-rate], dtype=torch.float64), "max")[0])  # the slowest's
-        seconds = factor_flops(engine, probe) / (rate * FACTOR_EFFICIENCY)
-        work = dict(refits=int(self.planned_refits), queries=int(self.planned_queries))
         kept = plan is not None and plan[0] is None and self._keeps_factors(n, example_bytes)
         self._kept_bytes = n * example_bytes if kept else 0
-        estimate = exact_seconds(n, factor, rate, world, seconds, engine.panel_rows(), plan and plan[0], kept=kept,
-                                 **work)
-        k = DEFAULT_PROJECTION_DIM if self.projection_dim in (None, "auto") else int(self.projection_dim)
-        projected = projected_seconds(n, factor, k, rate, world, **work)
-        self.estimated_seconds_ = {"exact": estimate, "projected": projected}
-        if self.projection_dim not in (None, "auto"):
+        if estimating:  # counted operations at the nominal rate: the fit of a given mode needs none of it
+            rate, facts = nominal_gemm_rate(self.device_)
+            rate = -float(shard.all_reduce(torch.tensor([-rate], dtype=torch.float64), "max")[0])  # the slowest's
+            seconds = factor_flops(engine, probe) / (rate * FACTOR_EFFICIENCY)
+            work = dict(refits=int(self.planned_refits), queries=int(self.planned_queries))
+            estimate = exact_seconds(n, factor, rate, world, seconds, engine.panel_rows(), plan and plan[0],
+                                     kept=kept, **work)
+            k = int(self.projection_dim) if given_k else DEFAULT_PROJECTION_DIM
+            projected = projected_seconds(n, factor, k, rate, world, **work)
+            self.estimated_seconds_ = {"exact": estimate, "projected": projected}
+        if given_k:
             self.mode_reason_ = f"projected: projection_dim={self.projection_dim} was given"
             return "projected"
         if self.projection_dim is None:
@@ -287,22 +293,22 @@ class NTKInfluence(InfluenceEstimator):
             reason = (f"its solve does not fit the {_gib(budget)} budget per process ({budget_text}), even "
                       "with tiles on disk")
         elif estimate > self.exact_budget_s:
-            reason = (f"it would take about {_minutes(estimate)} for {what}, over exact_budget_s="
+            reason = (f"it would take about {duration_text(estimate)} for {what}, over exact_budget_s="
                       f"{self.exact_budget_s:g} s ({n} examples, {factor} Jacobian factor elements each)")
         else:
             self.mode_reason_ = (
                 f"exact: projection_dim='auto', the solve ({self._form()}) fits the {_gib(budget)} budget "
-                f"per process ({budget_text}) and the estimated {_minutes(estimate)} for {what} is within "
+                f"per process ({budget_text}) and the estimated {duration_text(estimate)} for {what} is within "
                 f"exact_budget_s={self.exact_budget_s:g} s"
             )
             self._log_plan(n, world)
             return "exact"
         self.auto_note_ = (
             f"the exact NTK influence is not affordable here: {reason}. Running the projected mode "
-            f"(k = {DEFAULT_PROJECTION_DIM}, about {_minutes(projected)}), whose scores two "
+            f"(k = {DEFAULT_PROJECTION_DIM}, about {duration_text(projected)}), whose scores two "
             "projection seeds reproduce only loosely at small ridges (the report states this run's seed agreement). "
-            f"Other options: the exact mode (projection_dim=None: about {_minutes(estimate)} with "
-            f"{world} process{'es' if world > 1 else ''}, about {_minutes(estimate / 4)} with "
+            f"Other options: the exact mode (projection_dim=None: about {duration_text(estimate)} with "
+            f"{world} process{'es' if world > 1 else ''}, about {duration_text(estimate / 4)} with "
             f"{4 * world} under torchrun), a GPU (device='cuda'), or the gradient estimator (influence='gradient', "
             "TracIn at the final weights: a different estimator, minutes)"
         )
@@ -347,8 +353,7 @@ class NTKInfluence(InfluenceEstimator):
         :param model: The model (its architecture decides the sizes; the weights do not matter).
         :param x_probe: A few training inputs (up to 64 are used).
         :param n_train: Training examples.
-        :return: ``{"mode", "reason", "seconds" (by mode), "bytes", "budget", "note"}`` (``note``: the warning of
-            ``"auto"`` when it projects, else ``None``).
+        :return: ``{"mode", "reason", "seconds" (by mode), "bytes", "budget"}``.
         """
         other = type(self)(**self.get_params())
         other._check_params()
@@ -363,7 +368,7 @@ class NTKInfluence(InfluenceEstimator):
         mode = other._choose_mode(int(n_train), shard, copy, probe)
         other.mode_ = mode
         return {"mode": mode, "reason": other.mode_reason_, "seconds": dict(other.estimated_seconds_),
-                "bytes": other._need(int(n_train))[0], "budget": other._budget, "note": other.auto_note_}
+                "bytes": other._need(int(n_train))[0], "budget": other._budget}
 
     def _check_ridge_rule(self, n: int) -> None:
         """
@@ -763,12 +768,3 @@ class NTKInfluence(InfluenceEstimator):
 def _gib(nbytes: float) -> str:
     """``nbytes`` in GiB for a message, with the digits a small budget needs."""
     return f"{nbytes / _GIB:.2f} GiB" if nbytes < 10 * _GIB else f"{nbytes / _GIB:.1f} GiB"
-
-
-def _minutes(seconds: float) -> str:
-    """``seconds`` as a short duration for a message."""
-    if seconds < 90:
-        return f"{max(seconds, 1):.0f} s"
-    if seconds < 5400:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
