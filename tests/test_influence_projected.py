@@ -168,7 +168,9 @@ def test_refit_equals_a_fit_from_scratch(projection_dim):
     x, y = rng.normal(size=(50, 4)).astype(np.float32), rng.integers(0, 3, 50)
     xq, yq = rng.normal(size=(5, 4)).astype(np.float32), rng.integers(0, 3, 5)
     est = NTKInfluence(projection_dim=projection_dim, ridge=0.05, device="cpu").fit(model, x, y)
-    for changed in ([3, 7, 40], [7, 11], []):
+    est.scores(xq, yq)
+    # the same rows changed again with new values (what is kept of the queries between updates is reused), others
+    for changed in ([3, 7, 40], [3, 7, 40], [7, 11], [7, 11], [], [7, 11]):
         changed = np.array(changed, dtype=int)
         x_new = x.copy()
         x_new[changed] = rng.normal(size=(len(changed), 4)).astype(np.float32)

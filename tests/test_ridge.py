@@ -91,6 +91,41 @@ def test_dual_row_update_equals_fit_from_scratch(changed):
     assert _rel(dual.alpha_.numpy(), base.alpha_.numpy()) < 1e-10
 
 
+@pytest.mark.parametrize("block", [None, 7])
+def test_the_queries_solves_kept_between_updates_of_the_same_rows(monkeypatch, block):
+    """The part of the queries' solve that updates of the same rows leave alone is computed once per factor, and
+    every answer equals a fit from scratch: updates of the same rows, of other rows, back to the base set."""
+    from art_malleability._utils import cache
+
+    n, k, ridge = 20, 30, 1e-2
+    phi, phi_q, targets = _problem(n, k, seed=8)
+    rng = np.random.default_rng(9)
+    dual = DualRidge(ridge, block=block).fit(torch.tensor(phi @ phi.T), torch.tensor(targets))
+    factor_products = []
+    for changed in ([2, 9, 13], [2, 9, 13], [4], [4], [], [2, 9, 13]):
+        changed = np.array(changed, dtype=int)
+        new = phi.copy()
+        new[changed] = rng.normal(size=(len(changed), k))
+        dual.update(changed, torch.tensor((new @ new.T)[changed]))
+        matmul = dual._m.matmul
+        calls = []
+        monkeypatch.setattr(dual._m, "matmul", lambda v, f=matmul, c=calls: c.append(1) or f(v))
+        fresh = DualRidge(ridge).fit(torch.tensor(new @ new.T), torch.tensor(targets))
+        k_q = torch.tensor(phi_q @ new.T)
+        for _ in range(2):
+            for a, b in zip(dual.loo_parts(k_q), fresh.loo_parts(k_q), strict=True):
+                assert _rel(a.numpy(), b.numpy()) < 1e-9
+        factor_products.append(len(calls))
+    # once per factor: the second ask, and the same rows updated again, reuse it (a new factor for other rows)
+    assert factor_products == [1, 0, 1, 0, 1, 1]
+    monkeypatch.setattr(cache, "QUERY_CACHE_BYTES", 1)  # nothing kept: the same answers
+    dual.close()
+    dual.update(np.array([4]), torch.tensor((phi @ phi.T)[[4]]))
+    k_q = torch.tensor(phi_q @ phi.T)
+    fresh = DualRidge(ridge).fit(torch.tensor(phi @ phi.T), torch.tensor(targets))
+    assert _rel(dual.loo_parts(k_q)[1].numpy(), fresh.loo_parts(k_q)[1].numpy()) < 1e-9
+
+
 def test_primal_row_update_equals_fit_from_scratch():
     n, k, ridge = 60, 10, 1e-1
     phi, phi_q, targets = _problem(n, k, seed=4)

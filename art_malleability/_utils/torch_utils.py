@@ -255,5 +255,5 @@ def tensor_digest(x: torch.Tensor) -> tuple:
     :param x: A tensor.
     :return: ``(shape, dtype, SHA-1 of the bytes)``.
     """
-    data = x.detach().cpu().contiguous().numpy().tobytes()
+    data = x.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()  # hashed in place, not copied
     return tuple(x.shape), str(x.dtype), hashlib.sha1(data).hexdigest()

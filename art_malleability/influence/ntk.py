@@ -707,11 +707,13 @@ class NTKInfluence(InfluenceEstimator):
     def _query_parts(self, x_query: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Predictions ``f`` (n_q, C) and the leave-one-out factors ``b`` (n_q, n here) and ``β`` (n here, C)."""
         if self.mode_ == "exact":
+            # the queries' rows on the examples a refit leaves alone depend on the queries only: one key for both
+            key = tensor_digest(torch.as_tensor(np.ascontiguousarray(x_query)))
             if self._kept is not None:
-                k_q = self._kept.rows(x_query).to(torch.float64)
+                k_q = self._kept.rows(x_query, key).to(torch.float64)
             else:
                 k_q = self._train_columns(x_query, self.x_train_)
-            return self.solver_.loo_parts(k_q)
+            return self.solver_.loo_parts(k_q, key)
         phi_q = self._cached_query_features(x_query)
         if isinstance(self.solver_, DualRidge):
             return self.solver_.loo_parts(phi_q @ self._phi.T)

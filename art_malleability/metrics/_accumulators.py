@@ -81,16 +81,17 @@ class _ColumnSums:
             self.r_missing: torch.Tensor | None = None  # weight of the non-finite entries of each column
 
     def add(self, start: int, block: torch.Tensor) -> None:
-        finite = torch.isfinite(block)
-        filled = torch.where(finite, block, 0.0)
-        self.count += finite.sum(0, dtype=torch.float64)
+        # a finite sum means every entry is finite (an overflow past 1e308 only takes the masked path)
+        finite = None if bool(torch.isfinite(block.sum())) else torch.isfinite(block)
+        filled = block if finite is None else torch.where(finite, block, 0.0)
+        self.count += len(block) if finite is None else finite.sum(0, dtype=torch.float64)
         self.total += filled.sum(0)
         self.squares += (filled * filled).sum(0)
         if self.weights is None or not len(self.weights):
             return
         w = self.weights[:, start : start + len(block)]
         self.r_total.addmm_(w, filled)
-        if not bool(finite.all()):
+        if finite is not None and not bool(finite.all()):
             q, j = torch.nonzero(~finite, as_tuple=True)
             if self.r_missing is None:
                 self.r_missing = torch.zeros_like(self.r_total)

@@ -71,6 +71,7 @@ class KeptFactors:
     def _build(self) -> None:
         engine = self.engine
         self._last = BoundedCache(_cache.QUERY_CACHE_BYTES, lambda blocks: sum(b.nbytes() for b in blocks))
+        self._base_rows = BoundedCache(_cache.QUERY_CACHE_BYTES, lambda t: t.numel() * t.element_size())
         with eval_mode(engine.model):
             engine._plan(self.x[:2], None)
         while True:
@@ -130,18 +131,21 @@ class KeptFactors:
             )
         return rows
 
-    def rows(self, x_new: np.ndarray | torch.Tensor) -> torch.Tensor:
+    def rows(self, x_new: np.ndarray | torch.Tensor, key: object = None) -> torch.Tensor:
         """
         :param x_new: Inputs ``(m, *input_shape)``.
+        :param key: What identifies ``x_new`` (equal keys promise equal inputs); ``None``: their digest.
         :return: ``(m, n)`` traced kernel between ``x_new`` and the kept examples (changed rows swapped in).
         """
         x_new = to_tensor(x_new, self.engine.device, self.engine.dtype)
-        key = tensor_digest(x_new)
+        key = tensor_digest(x_new) if key is None else key
 
         def compute() -> torch.Tensor:
-            # the factors of inputs asked for are kept too: an audit asks for the same blocks of queries again
+            # an audit asks for the same blocks of queries after every swap: their factors and their rows against
+            # the examples given at construction are kept, and only the swapped columns are contracted again
             f = self._last.get(key, lambda: self._blocks_of(x_new))
-            return self._swap_columns(self._contract_all(f, self._blocks, self.n), f)
+            base = self._base_rows.get(key, lambda: self._contract_all(f, self._blocks, self.n))
+            return self._swap_columns(base.clone(), f)
 
         return self._retrying(compute)
 
