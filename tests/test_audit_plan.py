@@ -111,3 +111,22 @@ def test_a_planned_projection_fits_its_second_seed_before_the_clean_fit(relu):
     assert report.execution["mode"] == "projected"
     order = list(report.seconds)
     assert order.index("influence_other_seeds") < order.index("influence_clean"), order
+
+
+def test_the_peak_estimate_counts_what_is_kept_of_the_queries_between_passes(relu, monkeypatch):
+    """The exact mode keeps the queries' solves on the unchanged rows, their rows on the set and their factors (each
+    up to QUERY_CACHE_BYTES): the plan counts them, and the audit's peak estimate with them."""
+    from art_malleability._utils import cache
+    from art_malleability.influence import NTKInfluence
+
+    clf, data = relu
+    n, q = len(data.x_train), 30
+    ntk = NTKInfluence(projection_dim=None, planned_queries=q, device="cpu")
+    plan = ntk.plan(clf.model, data.x_train, n)
+    assert plan["mode"] == "exact" and plan["cache_bytes"] > 2 * 8 * q * n  # solves, rows and the queries' factors
+    monkeypatch.setattr(cache, "QUERY_CACHE_BYTES", 1000)
+    assert ntk.plan(clf.model, data.x_train, n)["cache_bytes"] == 3000
+    audit = MalleabilityEstimator(clf, influence=ntk, n_queries=q, verbose=False, device="cpu")
+    small = audit.estimate(data.x_train, data.x_test).peak_bytes
+    monkeypatch.setattr(cache, "QUERY_CACHE_BYTES", 2**30)
+    assert audit.estimate(data.x_train, data.x_test).peak_bytes - small == plan["cache_bytes"] - 3000

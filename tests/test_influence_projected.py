@@ -312,7 +312,8 @@ def test_the_time_estimates_grow_as_their_operation_counts():
     assert projected_seconds(10_000, 100, 512, rate) < exact_seconds(10_000, 100, rate)
 
 
-def test_the_exact_estimate_counts_the_factors_the_kernel_computes():
+def test_the_exact_estimate_counts_the_factors_the_kernel_computes(monkeypatch):
+    from art_malleability._utils import cache
     from art_malleability.influence._ntk_memory import (
         CONTRACTION_EFFICIENCY,
         SOLVE_EFFICIENCY,
@@ -339,12 +340,25 @@ def test_the_exact_estimate_counts_the_factors_the_kernel_computes():
     # an audit's work: 8 refits, and 50 queries after the fit and each refit (their kernel rows, factors and solves)
     audit = exact_seconds(n, d, rate, example_seconds=1e-3, panel=n, refits=8, queries=50)
     expected = (2.0 * (n + 8 * m + 9 * 50) * n * d / CONTRACTION_EFFICIENCY / rate
-                + (4.0 * n**3 / 3.0 + 8 * 2.0 * (n - m) ** 2 * m + 9 * 4.0 * n * n * 50) / SOLVE_EFFICIENCY / rate
+                + (4.0 * n**3 / 3.0 + 8 * 2.0 * (n - m) ** 2 * m + 2 * 4.0 * n * n * 50 + 7 * 4.0 * n * 50 * m)
+                / SOLVE_EFFICIENCY / rate
                 + (n + 8 * (m + n) + 9 * (50 + n)) * 1e-3)
     assert audit == pytest.approx(expected)
-    # with the set's factors kept, only the changed rows' and the queries' own factors are computed again
-    kept = exact_seconds(n, d, rate, example_seconds=1e-3, panel=n, refits=8, queries=50, kept=True)
-    assert kept == pytest.approx(expected - (8 * n + 9 * n) * 1e-3)
+    # with the set's factors kept, only the changed rows' factors are computed again, and the queries' rows on the
+    # set as given and their factors are kept: the refits contract them with the changed rows only
+    kept = exact_seconds(n, d, rate, example_seconds=1e-3, panel=n, refits=8, queries=50, kept=True,
+                         query_bytes=8 * d)
+    assert kept == pytest.approx(expected - (8 * n + 9 * n + 8 * 50) * 1e-3
+                                 - 2.0 * 8 * 50 * (n - m) * d / CONTRACTION_EFFICIENCY / rate)
+    # queries whose solves, rows and factors do not all fit the caches: the share beyond them is computed again
+    monkeypatch.setattr(cache, "QUERY_CACHE_BYTES", 8 * 50 * n // 4)
+    partly = exact_seconds(n, d, rate, example_seconds=1e-3, panel=n, refits=8, queries=50, kept=True,
+                           query_bytes=8 * n)
+    assert partly > kept
+    solved, rows = 0.25 * n / (n - m), 0.25
+    assert partly - kept == pytest.approx(
+        7 * 4.0 * n * 50 * (1 - solved) * n / SOLVE_EFFICIENCY / rate
+        + 2.0 * 8 * 50 * n * (1 - rows) * d / CONTRACTION_EFFICIENCY / rate + 8 * 50 * (1 - 0.25) * 1e-3)
 
 
 def test_projection_matrices_that_cannot_fit_are_refused_before_they_are_drawn():
@@ -447,8 +461,8 @@ def test_the_exact_modes_query_factors_of_blocks_are_kept_between_refits():
     est.refit(np.array([1, 2]), rng.normal(size=(2, 4)).astype(np.float32))
     kept = est._kept
     calls = []
-    blocks_of = kept._blocks_of
-    kept._blocks_of = lambda rows: calls.append(len(rows)) or blocks_of(rows)
+    features = kept.engine.features
+    kept.engine.features = lambda rows: calls.append(len(rows)) or features(rows)
     first = [est.scores(xq[s : s + 4], yq[s : s + 4]) for s in range(0, 9, 4)]
     est.refit(np.array([5]), rng.normal(size=(1, 4)).astype(np.float32))
     second = [est.scores(xq[s : s + 4], yq[s : s + 4]) for s in range(0, 9, 4)]
@@ -456,3 +470,39 @@ def test_the_exact_modes_query_factors_of_blocks_are_kept_between_refits():
     assert calls == [4, 4, 1, 1]  # each block of queries once; then the second refit's own changed row
     assert _rel(np.concatenate(second), fresh.scores(xq, yq)) < 1e-8
     assert len(first) == 3
+
+
+def test_the_first_query_factors_stay_when_not_all_fit(monkeypatch):
+    """Blocks asked for in the same order after every refit: the first ones that fit are hits in every later pass
+    (evicting the oldest would miss on every block), and the answers equal a fresh fit's."""
+    from art_malleability._utils import cache
+
+    model = _mlp(d=4, m=8, c=3)
+    rng = np.random.default_rng(5)
+    x, y = rng.normal(size=(40, 4)).astype(np.float32), rng.integers(0, 3, 40)
+    xq, yq = rng.normal(size=(12, 4)).astype(np.float32), rng.integers(0, 3, 12)
+    est = NTKInfluence(projection_dim=None, ridge=0.05, device="cpu").fit(model, x, y)
+    kept = est._kept
+    monkeypatch.setattr(kept.engine, "_block_rows", lambda: 4)
+    est.refit(np.array([0]), x[:1] + 1)
+    est.scores(xq, yq)
+    assert len(kept._last._items) == 3
+    monkeypatch.setattr(cache, "QUERY_CACHE_BYTES", 2 * kept._last.nbytes // 3)  # two of the three blocks fit
+    kept._build()
+    calls = []
+    features = kept.engine.features
+    monkeypatch.setattr(kept.engine, "features", lambda rows: calls.append(len(rows)) or features(rows))
+    for changed in ([1, 2], [1, 2], [7]):
+        changed = np.array(changed)
+        x_new = x.copy()
+        x_new[changed] = rng.normal(size=(len(changed), 4)).astype(np.float32)
+        est.refit(changed, x_new[changed])
+        del calls[:]
+        scores = est.scores(xq, yq)
+        assert calls == ([4] if len(calls) == 1 else [4, 4, 4])  # the third block only, after the first pass
+        fresh = NTKInfluence(projection_dim=None, ridge=0.05, device="cpu").fit(model, x_new, y)
+        assert _rel(scores, fresh.scores(xq, yq)) < 1e-8
+    cache_unit = cache.BoundedCache(10, len)
+    for _ in range(2):
+        assert [cache_unit.get(k, lambda k=k: "x" * k) for k in (6, 3, 5)] == ["x" * 6, "x" * 3, "x" * 5]
+    assert cache_unit.nbytes == 9 and set(cache_unit._items) == {6, 3}

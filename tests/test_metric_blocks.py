@@ -5,8 +5,11 @@ the streamed noise-aware rate is the one of whole matrices.
 """
 
 
+import os
+
 import numpy as np
 import pytest
+import torch
 from helpers import metric_passes
 
 from art_malleability import metrics as M
@@ -57,6 +60,31 @@ def test_a_clean_matrix_spilled_to_disk_gives_the_same_metrics_and_its_folder_go
     clean.finish()
     assert list(tmp_path.iterdir()) == []  # the folder it created, and only that, is gone
     _same(_metrics(before, after, 6), _metrics(before, after, 6, memory_bytes=100, folder=tmp_path))
+    assert list(tmp_path.iterdir()) == []
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the resident set from /proc (Linux)")
+def test_a_clean_matrix_on_disk_stays_out_of_the_resident_memory(tmp_path):
+    """Written and read with file calls, not mapped: 256 MiB of clean scores add no more than a block to the RSS."""
+    from art_malleability.metrics._accumulators import _ScoreStore
+
+    n_query, n_train = 2048, 16384
+    store = _ScoreStore(n_query, n_train, torch.device("cpu"), memory_bytes=0, folder=tmp_path)
+    block = torch.ones((64, n_train), dtype=torch.float64)  # 8 MiB
+    before = _resident_bytes()
+    for s in range(0, n_query, 64):
+        store.put(s, block * s)
+    grown = _resident_bytes() - before
+    columns = store.columns(np.array([0, 5, n_train - 1]))
+    assert grown < 64 * 2**20, f"{grown / 2**20:.0f} MiB"
+    expected = np.repeat(np.arange(0, n_query, 64, dtype=np.float64), 64)[:, None].repeat(3, 1)
+    np.testing.assert_array_equal(columns.numpy(), expected)
+    store.close()
     assert list(tmp_path.iterdir()) == []
 
 

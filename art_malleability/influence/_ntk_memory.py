@@ -20,6 +20,7 @@ import time
 import numpy as np
 import torch
 
+from art_malleability._utils import cache as _cache
 from art_malleability._utils.torch_utils import available_memory, total_memory
 from art_malleability.distributed import ONE_PROCESS, Shard
 from art_malleability.ntk.empirical import DEFAULT_CHUNK_MB, JacobianGram
@@ -343,7 +344,7 @@ def factor_passes(n: int, panel: int, block: int | None = None) -> float:
 
 def exact_seconds(
     n: int, factor: int, rate: float, world: int = 1, example_seconds: float | None = None, panel: int | None = None,
-    block: int | None = None, refits: int = 1, queries: int = 0, kept: bool = False,
+    block: int | None = None, refits: int = 1, queries: int = 0, kept: bool = False, query_bytes: int = 0,
 ) -> float:
     """
     Estimated seconds of the exact mode's fit, ``refits`` refits of a tenth of the rows (``m = n / 10 + 1``, the
@@ -356,8 +357,12 @@ def exact_seconds(
       Jacobian factors of :func:`factor_passes` examples for the fit and, per refit, of the ``m`` changed ones and one
       more pass over the set (none when the set's factors are ``kept``), at ``example_seconds`` each; without
       ``example_seconds``, ``2 n² D`` at ``KERNEL_EFFICIENCY``;
-    - queries, per pass: their kernel rows (``2 q n D``, their own factors and, unless ``kept``, the set's once per
-      panel of queries) and ``A⁻¹`` applied to them (``4 n² q``: the factor and its transpose).
+    - queries: ``A⁻¹`` applied to their kernel rows (``4 n² q``: the factor and its transpose) after the fit and the
+      first refit; after the later refits of the same rows only the changed rows' part (``4 m n q``) for the share of
+      the queries whose solve on the unchanged rows is kept (``QUERY_CACHE_BYTES`` of ``8 q (n − m)``); their kernel
+      rows (``2 q n D``, their own factors and, unless ``kept``, the set's once per panel of queries) after every
+      pass, or, with the set's factors ``kept``, once, and then against the ``m`` changed rows, with the factors
+      (``query_bytes`` each) of the queries beyond the kept share computed again.
 
     :param n: Training examples.
     :param factor: ``D``, elements of one example's Jacobian factors.
@@ -369,21 +374,36 @@ def exact_seconds(
     :param refits: Refits after the fit.
     :param queries: Queries scored after the fit and each refit.
     :param kept: Whether the training set's factors are kept between the kernel's computations.
+    :param query_bytes: Bytes of one query's Jacobian factors (kept between passes with ``kept``).
     :return: Seconds.
     """
-    m, passes = n // 10 + 1, refits + 1
-    solve = (4.0 * n**3 / 3.0 + refits * 2.0 * max(n - m, 0) ** 2 * m + passes * 4.0 * n * n * queries)
+    m, passes, later = n // 10 + 1, refits + 1, max(refits - 1, 0)
+    q = queries
+    solved = _kept_share(8 * q * (n - m))  # share of the queries whose unchanged part is kept
+    solve = (4.0 * n**3 / 3.0 + refits * 2.0 * max(n - m, 0) ** 2 * m
+             + (passes - later) * 4.0 * n * n * q + later * 4.0 * n * q * (m + (1.0 - solved) * n))
     solve /= SOLVE_EFFICIENCY * rate
+    if kept:  # the queries' rows on the set as given are kept (a share), the changed columns contracted per refit
+        rows_kept = _kept_share(8 * q * n)
+        row_products = q * n * (1.0 + refits * (1.0 - rows_kept)) + refits * q * m
+        query_factors = q * (1.0 + refits * (1.0 - _kept_share(q * query_bytes)))
+    else:
+        row_products, query_factors = passes * q * n, passes * q
     if example_seconds is None:
-        kernel = 2.0 * (n * n + passes * queries * n) * factor / KERNEL_EFFICIENCY / rate
+        kernel = 2.0 * (n * n * factor + row_products * factor) / KERNEL_EFFICIENCY / rate
     else:
         panel = panel or n
         again = 0 if kept else n  # the set's factors, computed again per panel of new rows unless kept
         examples = (factor_passes(n, panel, block) + refits * (m + again * math.ceil(m / panel))
-                    + passes * (queries + again * math.ceil(queries / panel)))
-        contraction = 2.0 * (n + refits * m + passes * queries) * n * factor / CONTRACTION_EFFICIENCY / rate
+                    + query_factors + passes * again * math.ceil(q / panel))
+        contraction = 2.0 * ((n + refits * m) * n + row_products) * factor / CONTRACTION_EFFICIENCY / rate
         kernel = contraction + examples * example_seconds
     return (kernel + solve) / max(world, 1)
+
+
+def _kept_share(nbytes: float) -> float:
+    """Share of something of ``nbytes`` that an audit's caches of queries keep (``QUERY_CACHE_BYTES``)."""
+    return 1.0 if nbytes <= _cache.QUERY_CACHE_BYTES else _cache.QUERY_CACHE_BYTES / nbytes
 
 
 def projected_seconds(n: int, factor: int, k: int, rate: float, world: int = 1, refits: int = 1,

@@ -258,13 +258,14 @@ class NTKInfluence(InfluenceEstimator):
         self._plan = plan
         kept = plan is not None and plan[0] is None and self._keeps_factors(n, example_bytes)
         self._kept_bytes = n * example_bytes if kept else 0
+        self._example_bytes = example_bytes
         if estimating:  # counted operations at the nominal rate: the fit of a given mode needs none of it
             rate, facts = nominal_gemm_rate(self.device_)
             rate = -float(shard.all_reduce(torch.tensor([-rate], dtype=torch.float64), "max")[0])  # the slowest's
             seconds = factor_flops(engine, probe) / (rate * FACTOR_EFFICIENCY)
             work = dict(refits=int(self.planned_refits), queries=int(self.planned_queries))
             estimate = exact_seconds(n, factor, rate, world, seconds, engine.panel_rows(), plan and plan[0],
-                                     kept=kept, **work)
+                                     kept=kept, query_bytes=example_bytes, **work)
             k = int(self.projection_dim) if given_k else DEFAULT_PROJECTION_DIM
             projected = projected_seconds(n, factor, k, rate, world, **work)
             self.estimated_seconds_ = {"exact": estimate, "projected": projected}
@@ -339,6 +340,17 @@ class NTKInfluence(InfluenceEstimator):
         dim = DEFAULT_PROJECTION_DIM if self.projection_dim == "auto" else int(self.projection_dim)
         return projected_bytes(stop - start, n, dim), f"the projected NTK influence of {n} examples (k = {dim})"
 
+    def _query_cache_bytes(self, n: int) -> int:
+        """Bytes of what is kept of ``planned_queries`` queries between the passes of an audit, at most
+        ``QUERY_CACHE_BYTES`` each: exact, their solves on the unchanged rows and, with the set's factors kept, their
+        kernel rows on the set and their factors; projected, their features."""
+        q, bound = int(self.planned_queries), _cache.QUERY_CACHE_BYTES
+        if self.mode_ != "exact":
+            dim = DEFAULT_PROJECTION_DIM if self.projection_dim == "auto" else int(self.projection_dim)
+            return min(bound, 8 * q * dim)
+        kept = min(bound, 8 * q * n) + min(bound, q * getattr(self, "_example_bytes", 0)) if self._kept_bytes else 0
+        return min(bound, 8 * q * n) + kept
+
     def _check_available(self, n: int) -> None:
         """The chosen mode's memory must be available now (:func:`~._ntk_memory.check_available`)."""
         need, what = self._need(n)
@@ -353,7 +365,8 @@ class NTKInfluence(InfluenceEstimator):
         :param model: The model (its architecture decides the sizes; the weights do not matter).
         :param x_probe: A few training inputs (up to 64 are used).
         :param n_train: Training examples.
-        :return: ``{"mode", "reason", "seconds" (by mode), "bytes", "budget"}``.
+        :return: ``{"mode", "reason", "seconds" (by mode), "bytes", "cache_bytes" (what is kept of the planned queries
+            between passes), "budget"}``.
         """
         other = type(self)(**self.get_params())
         other._check_params()
@@ -368,7 +381,8 @@ class NTKInfluence(InfluenceEstimator):
         mode = other._choose_mode(int(n_train), shard, copy, probe)
         other.mode_ = mode
         return {"mode": mode, "reason": other.mode_reason_, "seconds": dict(other.estimated_seconds_),
-                "bytes": other._need(int(n_train))[0], "budget": other._budget}
+                "bytes": other._need(int(n_train))[0], "cache_bytes": other._query_cache_bytes(int(n_train)),
+                "budget": other._budget}
 
     def _check_ridge_rule(self, n: int) -> None:
         """

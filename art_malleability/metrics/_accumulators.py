@@ -19,6 +19,7 @@ noise-aware rate's and the retention's sums; memory ``O(B·N + Q·k + M)`` besid
 
 from __future__ import annotations
 
+import io
 import shutil
 import tempfile
 import weakref
@@ -176,20 +177,22 @@ class _QueryTops:
 class _ScoreStore:
     """
     The clean scores, kept until the influential set is known: in memory, or, above ``memory_bytes``, in a file of a
-    temporary folder this object creates (and removes, with everything in it, when it is closed or collected).
+    temporary folder this object creates (and removes, with everything in it, when it is closed or collected). The
+    file is written and read with plain file calls, not mapped, so its pages stay out of the process's resident set.
     """
 
     def __init__(self, n_query: int, n_train: int, device: torch.device, memory_bytes: float | None,
                  folder: str | Path | None = None) -> None:
         self.folder: str | None = None
         self.given: np.ndarray | None = None
+        self.shape = (n_query, n_train)
+        self.data: torch.Tensor | np.ndarray | None = None
         if memory_bytes is None or 8 * n_query * n_train <= memory_bytes:
-            self.data: torch.Tensor | np.ndarray = torch.empty((n_query, n_train), dtype=torch.float64, device=device)
+            self.data = torch.empty((n_query, n_train), dtype=torch.float64, device=device)
         else:
             self.folder = tempfile.mkdtemp(prefix="art-malleability-scores-", dir=folder)
-            self._cleanup = weakref.finalize(self, shutil.rmtree, self.folder, True)
-            self.data = np.memmap(Path(self.folder) / "clean_scores.f64", dtype=np.float64, mode="w+",
-                                  shape=(n_query, n_train))
+            self._file = open(Path(self.folder) / "clean_scores.f64", "w+b")  # noqa: SIM115 - closed in _remove
+            self._cleanup = weakref.finalize(self, _remove, self._file, self.folder)
         self.device = device
 
     @classmethod
@@ -197,6 +200,7 @@ class _ScoreStore:
         """A store over a matrix the caller holds (nothing copied)."""
         store = cls.__new__(cls)
         store.folder, store.given, store.data, store.device = None, scores, scores, device
+        store.shape = scores.shape
         return store
 
     def put(self, start: int, block: torch.Tensor) -> None:
@@ -205,25 +209,41 @@ class _ScoreStore:
         if isinstance(self.data, torch.Tensor):
             self.data[start : start + len(block)] = block
         else:
-            self.data[start : start + len(block)] = block.cpu().numpy()
+            self._file.seek(8 * start * self.shape[1])
+            self._file.write(np.ascontiguousarray(block.cpu().numpy(), dtype=np.float64).data)
+            self._file.flush()
+
+    def _rows(self, start: int, stop: int) -> np.ndarray:
+        if self.data is not None:
+            return np.asarray(self.data[start:stop])
+        self._file.seek(8 * start * self.shape[1])
+        rows = np.fromfile(self._file, dtype=np.float64, count=(stop - start) * self.shape[1])
+        return rows.reshape(stop - start, self.shape[1])
 
     def columns(self, columns: np.ndarray) -> torch.Tensor:
         """:return: ``(n_query, len(columns))`` clean scores of some columns, read in row blocks."""
         if isinstance(self.data, torch.Tensor):
             return self.data[:, torch.as_tensor(columns, device=self.device)]
-        n_query, n_train = self.data.shape
+        n_query, n_train = self.shape
         out = torch.empty((n_query, len(columns)), dtype=torch.float64, device=self.device)
         step = max(1, _STEP_ELEMENTS // max(n_train, 1))
         for s in range(0, n_query, step):
-            out[s : s + step] = torch.as_tensor(np.asarray(self.data[s : s + step])[:, columns], device=self.device)
+            stop = min(s + step, n_query)
+            out[s:stop] = torch.as_tensor(self._rows(s, stop)[:, columns], device=self.device)
         return out
 
     def close(self) -> None:
         """Drop the scores (and the temporary folder, which this object created)."""
-        self.data = None  # type: ignore[assignment]
+        self.data = None
         if self.folder is not None:
             self._cleanup()
             self.folder = None
+
+
+def _remove(file: io.BufferedRandom, folder: str) -> None:
+    """Close the store's file and remove the folder the store created."""
+    file.close()
+    shutil.rmtree(folder, True)
 
 
 def _as_block(block: np.ndarray | torch.Tensor, n_train: int, device: torch.device, name: str) -> torch.Tensor:

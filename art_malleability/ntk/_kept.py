@@ -70,7 +70,7 @@ class KeptFactors:
 
     def _build(self) -> None:
         engine = self.engine
-        self._last = BoundedCache(_cache.QUERY_CACHE_BYTES, lambda blocks: sum(b.nbytes() for b in blocks))
+        self._last = BoundedCache(_cache.QUERY_CACHE_BYTES, lambda block: block.nbytes())
         self._base_rows = BoundedCache(_cache.QUERY_CACHE_BYTES, lambda t: t.numel() * t.element_size())
         with eval_mode(engine.model):
             engine._plan(self.x[:2], None)
@@ -139,13 +139,35 @@ class KeptFactors:
         """
         x_new = to_tensor(x_new, self.engine.device, self.engine.dtype)
         key = tensor_digest(x_new) if key is None else key
+        engine = self.engine
+
+        def factors(i: int, bs: int) -> Features:
+            # kept by sub-batch, so that the first ones stay when the whole block does not fit
+            return self._last.get((key, i), lambda: engine.features(x_new[i : i + bs]))
 
         def compute() -> torch.Tensor:
-            # an audit asks for the same blocks of queries after every swap: their factors and their rows against
-            # the examples given at construction are kept, and only the swapped columns are contracted again
-            f = self._last.get(key, lambda: self._blocks_of(x_new))
-            base = self._base_rows.get(key, lambda: self._contract_all(f, self._blocks, self.n))
-            return self._swap_columns(base.clone(), f)
+            # an audit asks for the same blocks of queries after every swap: their rows against the examples given
+            # at construction, and their factors, are kept, and only the swapped columns are contracted again; one
+            # sub-batch's factors are held at a time beyond what is kept
+            base = self._base_rows.lookup(key)
+            known = base is not None
+            if not known:
+                base = torch.empty((x_new.shape[0], self.n), dtype=engine.dtype, device=engine.device)
+            rows = torch.empty_like(base)
+            changed = torch.as_tensor(self._changed, device=rows.device)
+            bs = engine._block_rows()
+            for i in range(0, x_new.shape[0], bs):
+                f = None
+                if not known:
+                    f = factors(i, bs)
+                    base[i : i + bs] = self._contract_all([f], self._blocks, self.n)
+                rows[i : i + bs] = base[i : i + bs]
+                if len(self._changed):
+                    f = f if f is not None else factors(i, bs)
+                    rows[i : i + bs, changed] = self._contract_all([f], self._changed_blocks, len(self._changed))
+            if not known:
+                self._base_rows.put(key, base)
+            return rows
 
         return self._retrying(compute)
 
