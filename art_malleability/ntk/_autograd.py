@@ -1,11 +1,13 @@
 """
 Per-example derivatives of a model's outputs, the building blocks of the NTK strategies: the
 whole-model ``torch.func`` Jacobian (exact for any model), the probe pass that finds the layers a
-factorised strategy can take, and the forward/backward pass that captures those layers' inputs
-and output gradients class by class.
+factorised strategy can take, the forward/backward pass that captures those layers' inputs
+and output gradients class by class, and the single ``torch.func`` pass that gives the same factors
+with the classes batched (:func:`probed_jacobians`).
 
 Hooks live only for the duration of one forward pass (removed in ``finally``) and gradients are
-taken with :func:`torch.autograd.grad`, so the model's ``.grad`` fields are never written.
+taken with :func:`torch.autograd.grad` or ``torch.func`` transforms, so the model's ``.grad`` fields
+are never written.
 """
 
 from __future__ import annotations
@@ -200,3 +202,106 @@ def class_gradients(
             yield c, torch.autograd.grad(logits[:, c].sum(), outs, retain_graph=c < n_out - 1, allow_unused=True)
         else:
             yield c, (None,) * len(outs)
+
+
+def probed_jacobians(
+    model: nn.Module,
+    modules: list[nn.Module],
+    keep_inputs: list[bool],
+    params: list[tuple[str, nn.Parameter]],
+    x: torch.Tensor,
+    y: torch.Tensor | None,
+    output_fn: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
+    zeros: dict[tuple[int, int], torch.Tensor] | None = None,
+) -> tuple[list[torch.Tensor | None], list[torch.Tensor], torch.Tensor | None]:
+    """
+    Per-example factors of one batch in a single ``torch.func`` call: one forward pass and one backward pass
+    batched over the ``C`` outputs (``jacrev``, whose reverse pass is ``vmap``-ped over the one-hot cotangents).
+
+    A zero *probe* is added to the output of every watched module (a forward hook), so the derivative of output
+    ``c`` with respect to a probe is that module's per-example output gradient ``δ_c``; the module's input is
+    returned beside it. Without ``params`` the pass runs on the whole batch (the outputs summed over examples,
+    which treat examples independently, so the gradient of a probe's row is its example's gradient); with
+    ``params`` the call is ``vmap(jacrev(...))`` over the examples, giving the per-example Jacobians of those
+    parameters in the same pass.
+
+    :param model: The model (evaluated as is; call it in evaluation mode).
+    :param modules: Watched modules, each called once per forward pass with a 2-D input and output.
+    :param keep_inputs: Per watched module, whether its input is returned (a trained weight).
+    :param params: ``(name, parameter)`` pairs whose per-example Jacobians are wanted (the others held fixed).
+    :param x: Inputs ``(n, ...)``.
+    :param y: Labels passed to ``output_fn``, or ``None``.
+    :param output_fn: Map ``(model outputs, labels) -> (n, C)``.
+    :param zeros: Zero probes by shape, kept between calls (filled here; never written to).
+    :return: Per watched module its input ``(n, in)`` (``None`` where not kept) and its output gradients
+        ``(n, C, out)``, and the Jacobian ``(n, C, P)`` of ``params`` (``None`` without any).
+    :raises RuntimeError: If a watched module is not called in the pass.
+    """
+    probes: list[torch.Tensor] = []
+    inputs: list[torch.Tensor | None] = [None] * len(modules)
+    called: set[int] = set()
+
+    def hook(k: int, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        called.add(k)
+        if keep_inputs[k]:
+            inputs[k] = args[0].clone()  # a later in-place change of the input must not reach the factor
+        return output + probes[k]
+
+    def captured() -> tuple[torch.Tensor, ...]:
+        if len(called) < len(modules):
+            raise RuntimeError(
+                "model must call every layer seen when planning in each forward pass, got one not called; "
+                "use method='jacobian'"
+            )
+        return tuple(inp for inp, keep in zip(inputs, keep_inputs, strict=True) if keep)
+
+    def run(probe_values: list[torch.Tensor], forward: Callable[[], torch.Tensor]) -> torch.Tensor:
+        probes[:] = probe_values
+        inputs[:] = [None] * len(modules)
+        called.clear()
+        return forward()
+
+    n = x.shape[0]
+    zeros = {} if zeros is None else zeros
+
+    def zero(shape: tuple[int, int]) -> torch.Tensor:
+        z = zeros.get(shape)
+        if z is None or z.dtype != x.dtype or z.device != x.device:
+            z = zeros[shape] = x.new_zeros(shape)
+        return z
+
+    with _hooked(modules, hook, prepend=True), torch.no_grad():
+        if not params:
+
+            def whole(probe_values: list[torch.Tensor]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+                g = run(probe_values, lambda: output_fn(model(x), y))
+                return g.sum(0), captured()
+
+            d, acts = jacrev(whole, has_aux=True)([zero((n, _out_width(m))) for m in modules])
+            grads = [dk.transpose(0, 1).contiguous() for dk in d]  # (C, n, out) -> (n, C, out)
+            jac = None
+        else:
+            names = [name for name, _ in params]
+            values = {name: p.detach() for name, p in params}
+
+            def single(
+                probe_values: list[torch.Tensor], p: dict[str, torch.Tensor], xi: torch.Tensor, *yi: torch.Tensor
+            ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+                labels = yi[0].unsqueeze(0) if yi else None
+                g = run(probe_values, lambda: output_fn(functional_call(model, p, (xi.unsqueeze(0),)), labels))
+                return g.reshape(-1), tuple(a.squeeze(0) for a in captured())
+
+            probe_values = [zero((1, _out_width(m))) for m in modules]
+            args: tuple = (probe_values, values, x) if y is None else (probe_values, values, x, y)
+            in_dims: tuple = (None, None, 0) if y is None else (None, None, 0, 0)
+            (d, jd), acts = vmap(jacrev(single, argnums=(0, 1), has_aux=True), in_dims=in_dims)(*args)
+            grads = [dk.reshape(n, dk.shape[1], -1) for dk in d]  # (n, C, 1, out) -> (n, C, out)
+            parts = [jd[name].reshape(n, jd[name].shape[1], -1) for name in names]
+            jac = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+    it = iter(acts)
+    return [next(it) if keep else None for keep in keep_inputs], grads, jac
+
+
+def _out_width(module: nn.Module) -> int:
+    """Width of a watched ``nn.Linear`` layer's output."""
+    return int(module.out_features)

@@ -86,9 +86,12 @@ def place_block(kernel: torch.Tensor, block: torch.Tensor, i: int, j: int, symme
     def transposed(b: torch.Tensor) -> torch.Tensor:
         return b.T if b.dim() == 2 else b.permute(1, 0, 3, 2)
 
+    target = kernel[i : i + block.shape[0], j : j + block.shape[1]]
     if symmetric and j == i:
-        block = 0.5 * (block + transposed(block))
-    kernel[i : i + block.shape[0], j : j + block.shape[1]] = block
+        torch.add(block, transposed(block), out=target)
+        target.mul_(0.5)
+    else:
+        target.copy_(block)
     if symmetric and j > i:
         kernel[j : j + block.shape[1], i : i + block.shape[0]] = transposed(block)
 

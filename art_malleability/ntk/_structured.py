@@ -70,8 +70,7 @@ def contract(
     :return: The block.
     """
     c = n_outputs
-    shape = (f1.n, f2.n) if trace else (f1.n, f2.n, c, c)
-    k = torch.zeros(shape, dtype=dtype, device=device)
+    k: torch.Tensor | None = None  # the first term is the block itself: no zero fill, no extra add
     for plan, a1, d1, a2, d2 in zip(layers, f1.acts, f1.grads, f2.acts, f2.grads, strict=True):
         if trace:
             # full (n, C, out) factors or rank-one (n, out) factors: the same product
@@ -82,13 +81,20 @@ def contract(
             gram_a = a1 @ a2.T
             if plan.bias:
                 gram_a += 1.0
-            k += s * (gram_a if trace else gram_a[:, :, None, None])
+            s.mul_(gram_a if trace else gram_a[:, :, None, None])
+        if k is None:
+            k = s
         else:
             k += s
         del s
     if f1.jac is not None:
         if trace:
-            k += f1.jac.reshape(f1.n, -1) @ f2.jac.reshape(f2.n, -1).T
+            j1, j2 = f1.jac.reshape(f1.n, -1), f2.jac.reshape(f2.n, -1)
+            k = j1 @ j2.T if k is None else k.addmm_(j1, j2.T)
         else:
-            k += torch.einsum("acp,bdp->abcd", f1.jac, f2.jac)
+            s = torch.einsum("acp,bdp->abcd", f1.jac, f2.jac)
+            k = s if k is None else k.add_(s)
+    if k is None:  # nothing trained reaches the outputs
+        shape = (f1.n, f2.n) if trace else (f1.n, f2.n, c, c)
+        k = torch.zeros(shape, dtype=dtype, device=device)
     return k

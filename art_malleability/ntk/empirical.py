@@ -9,20 +9,33 @@ i.e. the Gram matrix of per-example Jacobians, traced over the model outputs (lo
 ``trace=False`` the full block ``K[a, b, c, d] = Σ_θ ∂f_c(x1_a)/∂θ · ∂f_d(x2_b)/∂θ`` is returned.
 Only parameters with ``requires_grad=True`` count.
 
-Two methods give the same numbers (to float precision):
+Three methods give the same numbers (to float precision):
 
-- ``"structured"`` (``"auto"``): for every ``nn.Linear`` layer called exactly once per forward
+- ``"structured"`` (what ``"auto"`` runs on the CPU): for every ``nn.Linear`` layer called exactly once per forward
   pass on 2-D inputs, the per-example Jacobian factorises into the layer input ``a`` and the
   gradient ``δ_c`` of output ``c`` with respect to the layer output, so the layer's share of the
   kernel is ``(A1 A2ᵀ) ⊙ Σ_c Δ1_c Δ2_cᵀ`` for the weight and ``Σ_c Δ1_c Δ2_cᵀ`` for the bias. This
   costs one forward and ``C`` backward passes per example and never materialises a Jacobian. All
   other trainable parameters (convolutions, shared or reused layers, 3-D inputs, free-standing
   parameters, ...) go through the ``torch.func`` fallback below.
+- ``"batched"``: the same factors as ``"structured"`` (layer inputs and output gradients of the same
+  ``nn.Linear`` layers), from a single ``torch.func`` call per sub-batch: one forward pass with a zero *probe* added
+  to each such layer's output (the derivative with respect to a probe is the layer's output gradient ``δ``) and one
+  reverse pass batched over the ``C`` one-hot cotangents (``jacrev``). Without other trainable parameters the pass
+  runs on the whole sub-batch; otherwise it is ``vmap(jacrev(...))`` over the examples, which also gives the
+  per-example Jacobians of the fallback parameters. No per-class Python loop, no ``torch.autograd.grad`` call and no
+  host synchronisation (the rank-one class factorisation below, whose check the host must read, is not used: the
+  factors keep their ``C`` classes). Fewer, larger operator calls: what a GPU prefers, where each call is a kernel
+  launch. ``"auto"`` runs it on CUDA devices (``AUTO_METHODS``), where the engine waits on launches and host
+  syncs rather than on arithmetic; the price is up to ``C`` times more contraction flops and factor memory for
+  layers that ``"structured"`` would compress (e.g. the reference two-layer models), which a GPU's GEMM rate absorbs
+  at the sizes an exact kernel is computed for. On the CPU, where the contraction's flops dominate, ``"auto"`` runs
+  ``"structured"``.
 - ``"jacobian"``: per-example Jacobians of every trainable parameter with
   ``torch.func.vmap(torch.func.jacrev(...))`` over ``functional_call``, contracted as
   ``Σ_c J1_c J2_cᵀ``. Exact for any model; the reference the structured path is tested against.
 
-Both assume that examples are independent in the forward pass (true in evaluation mode; the
+All assume that examples are independent in the forward pass (true in evaluation mode; the
 model is put in evaluation mode while the kernel is computed and its flags are restored after).
 
 Streaming and memory
@@ -36,7 +49,7 @@ the widths and a memory budget ``chunk_mb``:
 - **Sub-batches.** Forward and backward passes run on sub-batches of at most ``batch_size``
   examples and at most ``chunk_mb`` MiB of raw output gradients (``rows × C × Σ widths``); the
   autograd graph of the pass (a few ``rows × width`` tensors) comes on top.
-- **Class factorisation (rank one).** For ``trace=True`` and ``C > 1``, the output gradients of
+- **Class factorisation (rank one).** For ``trace=True``, ``C > 1`` and ``"structured"``, the output gradients of
   a layer are checked column by column for the structure ``δ_c(x)_j = g_j(x) u_{jc}``, a
   per-example scalar times a fixed per-column class direction ``u_j`` (unit norm). This holds
   exactly whenever the layer output reaches the logits through an elementwise map followed by a
@@ -84,6 +97,7 @@ from art_malleability.ntk._autograd import (
     per_example_jacobian,
     plain_layers,
     probe_calls,
+    probed_jacobians,
 )
 from art_malleability.ntk._checks import check_batch_size, check_chunk_mb
 from art_malleability.ntk._memory import (
@@ -112,13 +126,26 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-NTK_METHODS = ("auto", "structured", "jacobian")
+NTK_METHODS = ("auto", "structured", "batched", "jacobian")
+
+# What ``"auto"`` prefers on each device type (see the module docstring); device types not listed run "structured".
+AUTO_METHODS = {"cpu": "structured", "cuda": "batched"}
 
 
 def _check_method(method: str) -> str:
     if method not in NTK_METHODS:
         raise ValueError(f"method must be one of {NTK_METHODS}, got {method!r}")
     return method
+
+
+def resolve_method(method: str, device: torch.device) -> str:
+    """
+    :param method: One of :data:`NTK_METHODS`.
+    :param device: The model's device.
+    :return: The method that runs: ``method`` itself, or for ``"auto"`` the one chosen for the device's type.
+    """
+    method = _check_method(method)
+    return AUTO_METHODS.get(torch.device(device).type, "structured") if method == "auto" else method
 
 
 class JacobianGram:
@@ -139,7 +166,9 @@ class JacobianGram:
 
     :param model: The model; computations run in its dtype and on its device.
     :param method: ``"auto"`` / ``"structured"`` (factorised ``nn.Linear`` layers plus a
-        ``torch.func`` fallback for the other parameters) or ``"jacobian"`` (``torch.func`` for all).
+        ``torch.func`` fallback for the other parameters), ``"batched"`` (the same factors from one
+        class-batched ``torch.func`` pass per sub-batch) or ``"jacobian"`` (``torch.func`` for all); see the
+        module docstring for what ``"auto"`` runs on each device.
     :param batch_size: Largest number of examples per forward pass and per kernel block.
     :param output_fn: Optional map ``(model outputs (n, C), labels (n,) or None) -> (n, C')``
         (or ``(n,)``) applied after the model; it must treat examples independently.
@@ -161,6 +190,7 @@ class JacobianGram:
         self.device, self.dtype = check_model(model)
         self.model = model
         self.method = _check_method(method)
+        self._path = resolve_method(method, self.device)  # the method that runs
         self.batch_size = check_batch_size(batch_size)
         self.output_fn = output_fn
         self.chunk_mb = check_chunk_mb(chunk_mb)
@@ -175,6 +205,7 @@ class JacobianGram:
         self._rank_one: list[bool] = []
         self._classes = ClassDirections.fresh(0)
         self._compress = False
+        self._zeros: dict[tuple[int, int], torch.Tensor] = {}  # zero probes of the batched method, by shape
 
     # ------------------------------------------------------------------ planning
     def _apply_output_fn(self, out: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
@@ -189,7 +220,7 @@ class JacobianGram:
         """Decide which ``nn.Linear`` layers take the structured path (probe forward pass)."""
         if self._layers is not None:
             return
-        candidates = [] if self.method == "jacobian" else linear_candidates(self.model)
+        candidates = [] if self._path == "jacobian" else linear_candidates(self.model)
         out, calls = probe_calls(self.model, [c.module for c in candidates], x_probe, two_dimensional_call)
         with torch.no_grad():
             self._n_outputs = int(self._apply_output_fn(out, y_probe).shape[1])
@@ -204,7 +235,8 @@ class JacobianGram:
         self._layers = layers
         self._rank_one = [True] * len(layers)
         logger.debug(
-            "eNTK plan: %d structured linear layer(s) %s, %d fallback parameter(s) %s",
+            "eNTK plan (%s): %d structured linear layer(s) %s, %d fallback parameter(s) %s",
+            self._path,
             len(layers),
             [c.name for c in layers],
             len(self._fallback),
@@ -237,7 +269,8 @@ class JacobianGram:
         Set the per-computation state before a kernel computation: fresh class directions, or ``classes`` kept
         from an earlier computation (:class:`~art_malleability.ntk._kept.KeptFactors`).
         """
-        self._compress = trace and self._n_outputs > 1
+        # the batched method never compresses: the rank-one check needs the host to read its outcome
+        self._compress = trace and self._n_outputs > 1 and self._path != "batched"
         self._trace = trace
         self._classes = ClassDirections.fresh(len(self._layers)) if classes is None else classes
 
@@ -245,6 +278,7 @@ class JacobianGram:
         """Release the per-computation state after a kernel computation."""
         self._classes = ClassDirections.fresh(0)
         self._compress = False
+        self._zeros = {}
 
     def _compressed(self, k: int) -> bool:
         return self._compress and self._rank_one[k]
@@ -297,8 +331,20 @@ class JacobianGram:
         return in_sub_batches(self._sub_batch_features, x, y, self._sub_batch_rows())
 
     def _sub_batch_features(self, x: torch.Tensor, y: torch.Tensor | None) -> Features:
-        """Factors of one sub-batch: one forward pass and ``C`` backward passes."""
+        """Factors of one sub-batch: one forward pass and ``C`` backward passes (one batched for ``"batched"``)."""
         n = x.shape[0]
+        if self._path == "batched":
+            acts, grads, jac = probed_jacobians(
+                self.model,
+                [c.module for c in self._layers],
+                [c.weight for c in self._layers],
+                self._fallback,
+                x,
+                y,
+                self._apply_output_fn,
+                self._zeros,
+            )
+            return Features(n=n, acts=acts, grads=grads, jac=jac)
         acts: list[torch.Tensor | None] = []
         grads: list[torch.Tensor] = []
         if self._layers:
@@ -347,7 +393,7 @@ class JacobianGram:
         return g
 
     def _fallback_jacobian(self, x: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
-        if self.output_fn is None and self._trace and self.method != "jacobian":
+        if self.output_fn is None and self._trace and self._path == "structured":
             # traced NTK: exact Jacobians of convolutions and of modules' own parameters from their
             # factors (an unprojected ProjectedNTK), whole-model torch.func only for the rest
             if self._exact_rest is None:
@@ -495,7 +541,8 @@ def empirical_ntk(
     :param x1: Inputs, shape ``(n1, *input_shape)`` (numpy array or tensor).
     :param x2: Inputs, shape ``(n2, *input_shape)``; ``None`` means ``x1`` (symmetric kernel).
     :param method: ``"auto"`` or ``"structured"`` (factorised ``nn.Linear`` layers with a
-        ``torch.func`` fallback for the rest) or ``"jacobian"`` (``torch.func`` Jacobian
+        ``torch.func`` fallback for the rest), ``"batched"`` (the same factors from one class-batched
+        ``torch.func`` pass per sub-batch, without host syncs) or ``"jacobian"`` (``torch.func`` Jacobian
         contraction for every parameter; slow, the reference).
     :param batch_size: Largest number of examples per forward pass and per kernel block.
     :param trace: Sum over outputs (default) or return the full output block.
