@@ -28,7 +28,9 @@ import logging
 import os
 import pickle
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -151,6 +153,21 @@ class Shard:
             raise error
         if failed:
             raise RuntimeError("another process of the group failed (its error is in its own output); stopping")
+
+    def run_everywhere(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """
+        Collective: ``fn(*args)`` on every process, then :meth:`raise_if_any`, so that a failure on one process is
+        raised on every process and none is left waiting in a later collective.
+
+        :return: ``fn``'s result on this process.
+        """
+        error, result = None, None
+        try:
+            result = fn(*args)
+        except Exception as failure:  # noqa: BLE001 - raised on every process below
+            error = failure
+        self.raise_if_any(error)
+        return result
 
     def agree(self, value: object, what: str) -> None:
         """

@@ -488,6 +488,7 @@ def test_the_first_query_factors_stay_when_not_all_fit(monkeypatch):
     est.scores(xq, yq)
     assert len(kept._last._items) == 3
     monkeypatch.setattr(cache, "QUERY_CACHE_BYTES", 2 * kept._last.nbytes // 3)  # two of the three blocks fit
+    kept.query_bytes = cache.QUERY_CACHE_BYTES
     kept._build()
     calls = []
     features = kept.engine.features

@@ -6,6 +6,7 @@ with an error that says so instead of switching estimators; the reason is record
 
 import numpy as np
 import pytest
+import torch
 from helpers import digits, trained_classifier
 
 import art_malleability.influence._ntk_memory as memory
@@ -93,3 +94,42 @@ def test_the_audit_plans_its_own_work_records_why_and_leaves_the_estimator_as_gi
     assert reason.startswith("exact: projection_dim='auto'"), reason
     assert "5 refit(s) and the scores of 15 queries" in reason  # 2 attacks, 3 draws of their shared control
     assert (influence.planned_refits, influence.planned_queries) == (1, 100)
+
+
+def test_the_mode_rule_is_a_pure_function_of_sizes_options_and_facts():
+    """No model, no device query, no clock: the same facts always choose the same mode, for the reasons stated."""
+    from art_malleability.influence._ntk_mode import (
+        MachineFacts,
+        ModelFacts,
+        ModeOptions,
+        choose_mode,
+        needs_model_facts,
+    )
+
+    cpu = torch.device("cpu")
+    machine = MachineFacts(cpu, world=1, budget=8 * 2**30, budget_text="a test budget", rate=1e10, rate_text="test")
+    model = ModelFacts(factor=2000, example_bytes=16_000, batch_size=256, chunk_mb=64.0, panel=1000,
+                       example_seconds=1e-4)
+    given = choose_mode(1000, ModeOptions(projection_dim=64), machine, None)
+    assert (given.mode, given.seconds) == ("projected", None) and "projection_dim=64 was given" in given.reason
+    assert not needs_model_facts(ModeOptions(projection_dim=64), False) and needs_model_facts(ModeOptions(), False)
+    small = choose_mode(1000, ModeOptions(), machine, model)
+    assert small.mode == "exact" and small.plan == (None, False) and small.kept_bytes == 1000 * 16_000
+    assert small == choose_mode(1000, ModeOptions(), machine, model)  # the same facts, the same choice
+    assert small.seconds["exact"] < 1800 and "within exact_budget_s=1800 s" in small.reason
+    slow = choose_mode(1000, ModeOptions(exact_budget_s=small.seconds["exact"] / 2), machine, model)
+    assert slow.mode == "projected" and "over exact_budget_s" in slow.reason and "projection_dim=None" in slow.note
+    capped = choose_mode(1000, ModeOptions(max_exact_n=999), machine, model)
+    assert capped.mode == "projected" and "exceed max_exact_n=999" in capped.reason
+    # more planned work raises the estimate; a group of four shares it
+    busy = choose_mode(1000, ModeOptions(planned_refits=8, planned_queries=4000), machine, model)
+    assert busy.seconds["exact"] > small.seconds["exact"]
+    four = MachineFacts(cpu, world=4, budget=8 * 2**30, budget_text="a test budget", rate=1e10, rate_text="test")
+    assert choose_mode(1000, ModeOptions(), four, model).seconds["exact"] < small.seconds["exact"]
+    # a budget too small for the dense solve takes tiles; one too small for anything refuses projection_dim=None
+    tight = MachineFacts(cpu, world=1, budget=30 * 2**20, budget_text="30 MiB", rate=1e10, rate_text="test")
+    assert choose_mode(1000, ModeOptions(projection_dim=None), tight, model).plan[0] is not None
+    tiny = MachineFacts(cpu, world=1, budget=2**10, budget_text="1 KiB", rate=1e10, rate_text="test")
+    with pytest.raises(ValueError, match="projection_dim must be 'auto' or an integer"):
+        choose_mode(1000, ModeOptions(projection_dim=None), tiny, model)
+    assert "does not fit" in choose_mode(1000, ModeOptions(), tiny, model).reason

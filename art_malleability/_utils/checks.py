@@ -267,3 +267,25 @@ def near_chance_warnings(accuracy: float, y: np.ndarray, source: str) -> list[st
     )
     logger.warning(message)
     return [message]
+
+
+class SignatureParams:
+    """
+    An estimator's ``estimator_params``, read from its constructor's signature (every named parameter but those
+    left out), so that no hand-kept list can drift from what the constructor takes: ``get_params()`` then rebuilds
+    an equal estimator.
+
+    :param leave_out: Constructor parameters that are not the estimator's parameters (what builds its inputs).
+    """
+
+    def __init__(self, leave_out: tuple[str, ...] = ()) -> None:
+        self.leave_out = leave_out
+
+    def __get__(self, obj: object, owner: type) -> tuple[str, ...]:
+        import inspect
+
+        kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        return tuple(
+            name for name, p in inspect.signature(owner.__init__).parameters.items()
+            if name != "self" and p.kind in kinds and name not in self.leave_out
+        )

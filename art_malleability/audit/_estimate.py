@@ -118,7 +118,7 @@ def estimate_audit(est: Any, n_train: int, n_query: int, refits: int, x_probe: n
     seconds["total"] = sum(v for v in seconds.values() if v is not None)
     inputs = int(np.prod(x_probe.shape[1:])) * 4 * (n_train + n_query + changed)
     metric_bytes = metrics_plan(n_query, n_train, k, est.n_bootstrap)["memory_bytes"]
-    peak = PROCESS_BYTES + inputs + metric_bytes + (0 if plan is None else plan["bytes"] + plan["cache_bytes"])
+    peak = PROCESS_BYTES + inputs + metric_bytes + (0 if plan is None else plan["bytes"])
     return AuditEstimate(n_train, n_query, refits, None if plan is None else plan["mode"],
                          None if plan is None else plan["reason"], seconds, int(peak), facts)
 

@@ -37,30 +37,9 @@ def default_queries(n_queries: int | None) -> int:
     """:return: The most queries an audit takes: ``n_queries``, or :data:`DEFAULT_MAX_QUERIES` for ``None``."""
     return DEFAULT_MAX_QUERIES if n_queries is None else int(n_queries)
 
-#: The parameters of :class:`~art_malleability.audit.estimator.MalleabilityEstimator` (its ``estimator_params``).
-PARAM_NAMES = (
-    "attacks",
-    "eps",
-    "influence",
-    "top_fraction",
-    "strategy",
-    "ridge",
-    "n_queries",
-    "rank_by",
-    "n_bootstrap",
-    "confidence",
-    "attack_max_iter",
-    "batch_size",
-    "seed",
-    "device",
-    "verbose",
-    "projection_dim",
-    "distributed",
-    "controls",
-    "control_draws",
-    "memory_limit_gb",
-    "time_budget_s",
-)
+#: Constructor arguments of :class:`~art_malleability.audit.estimator.MalleabilityEstimator` that build its classifier;
+#: every other one is a parameter of the audit (its ``estimator_params``, read from the signature).
+CLASSIFIER_ARGS = ("classifier", "input_shape", "nb_classes", "loss", "clip_values", "model_name")
 
 
 def check_params(est: Any) -> None:

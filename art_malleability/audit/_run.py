@@ -246,9 +246,9 @@ class AuditRun:
                 if clean.k != k:
                     raise ValueError(f"the influential set must hold {k} examples, got {clean.k}")
 
-        clean = self._everywhere(start)
+        clean = self.shard.run_everywhere(start)
         self._consume(blocks, None if clean is None else clean.add)
-        self._everywhere(finish)
+        self.shard.run_everywhere(finish)
         return clean
 
     def _consume(self, blocks: Iterator[np.ndarray], add: Callable[[np.ndarray], None] | None) -> float:
@@ -282,7 +282,7 @@ class AuditRun:
         perturbed = PerturbedScores(self.clean) if self.shard.rank == 0 else None
         accumulating = self._consume(blocks, None if perturbed is None else perturbed.add)
         influence_s = time.perf_counter() - start - accumulating
-        result = self._everywhere(lambda: None if perturbed is None else (
+        result = self.shard.run_everywhere(lambda: None if perturbed is None else (
             pass_metrics(perturbed, est.confidence, self.noise, control, keep_draws=True), perturbed.aggregates()))
         result = self.shard.broadcast_object(result)
         if timing is not None:
@@ -290,15 +290,6 @@ class AuditRun:
             timing["metrics"] = timing.get("metrics", 0.0) + time.perf_counter() - start - influence_s
         return result
 
-    def _everywhere(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)``; a failure on any process is raised on every process (nobody waits in a collective)."""
-        error, result = None, None
-        try:
-            result = fn(*args)
-        except Exception as failure:  # noqa: BLE001 - handed to every process below
-            error = failure
-        self.shard.raise_if_any(error)
-        return result
 
     # ------------------------------------------------------------------ controls and attacks
     def run_controls(self) -> dict[float, dict]:
@@ -312,7 +303,7 @@ class AuditRun:
                 draws = []
                 for draw in range(self.est.control_draws):
                     self.steps.set_postfix_str(f"control eps={eps:g} draw {draw + 1}", refresh=False)
-                    x_ctrl = self._everywhere(self._control_rows, eps, draw)
+                    x_ctrl = self.shard.run_everywhere(self._control_rows, eps, draw)
                     draws.append(self._metrics_of(self._perturbed_scores(x_ctrl))[0])
                 control_metrics[eps] = combine_controls(draws, self.est.confidence)  # every process has the draws
             self.steps.update()
@@ -323,7 +314,7 @@ class AuditRun:
         label, timing = attack_label(attack), {}
         self.steps.set_postfix_str(f"attack {label}", refresh=False)
         with timed(timing, "attack"):
-            x_adv, changed, linf = self._everywhere(self._attack_rows, attack)
+            x_adv, changed, linf = self.shard.run_everywhere(self._attack_rows, attack)
             success, linf = _combine_attack_stats(changed, linf, len(self.perturbed), self.shard)
         self.steps.update()
         self.steps.set_postfix_str(f"influence ({label})", refresh=False)
@@ -431,6 +422,7 @@ class AuditRun:
         params = {
             key: value if isinstance(value, (bool, int, float, str)) or value is None else str(value)
             for key, value in influence.get_params().items()
+            if key != "verbose"  # how it shows its progress, not what ran
         }
         details: dict[str, Any] = {"influence": type(influence).__name__, "params": params}
         if hasattr(influence, "mode_"):

@@ -14,14 +14,20 @@ from art.attacks import EvasionAttack
 from art.estimators.classification import PyTorchClassifier
 from torch.utils.data import DataLoader, Dataset
 
-from art_malleability._utils.checks import check_features, check_labels, check_range, near_chance_warnings
+from art_malleability._utils.checks import (
+    SignatureParams,
+    check_features,
+    check_labels,
+    check_range,
+    near_chance_warnings,
+)
 from art_malleability._utils.provenance import library_versions, weights_digest
 from art_malleability._utils.state import preserved
 from art_malleability._utils.torch_utils import model_device_dtype, resolve_device
 from art_malleability.audit._classifier import ESTIMATOR_REQUIREMENTS, as_classifier
 from art_malleability.audit._estimate import AuditEstimate, estimate_audit
 from art_malleability.audit._params import (
-    PARAM_NAMES,
+    CLASSIFIER_ARGS,
     audit_refits,
     build_attacks,
     build_influence,
@@ -68,7 +74,8 @@ class MalleabilityEstimator:
     #: ART's estimator check (``EstimatorError`` otherwise); a raw ``torch.nn.Module`` is wrapped into one.
     _estimator_requirements = ESTIMATOR_REQUIREMENTS
 
-    estimator_params = list(PARAM_NAMES)
+    #: The audit's parameters, read from the constructor's signature (all but what builds the classifier).
+    estimator_params = SignatureParams(leave_out=CLASSIFIER_ARGS)
 
     def __init__(
         self,

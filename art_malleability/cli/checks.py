@@ -252,11 +252,11 @@ def _check_estimator_params(args: argparse.Namespace) -> None:
     """
     from types import SimpleNamespace
 
-    from art_malleability.audit._params import PARAM_NAMES, check_params
+    from art_malleability.audit._params import check_params
     from art_malleability.audit.estimator import MalleabilityEstimator
 
     defaults = inspect.signature(MalleabilityEstimator.__init__).parameters
-    params = {name: defaults[name].default for name in PARAM_NAMES} | estimator_params(args)
+    params = {name: defaults[name].default for name in MalleabilityEstimator.estimator_params} | estimator_params(args)
     try:
         check_params(SimpleNamespace(**params))
     except (ValueError, TypeError) as err:

@@ -345,6 +345,7 @@ def factor_passes(n: int, panel: int, block: int | None = None) -> float:
 def exact_seconds(
     n: int, factor: int, rate: float, world: int = 1, example_seconds: float | None = None, panel: int | None = None,
     block: int | None = None, refits: int = 1, queries: int = 0, kept: bool = False, query_bytes: int = 0,
+    factor_cache: int = 0,
 ) -> float:
     """
     Estimated seconds of the exact mode's fit, ``refits`` refits of a tenth of the rows (``m = n / 10 + 1``, the
@@ -375,6 +376,7 @@ def exact_seconds(
     :param queries: Queries scored after the fit and each refit.
     :param kept: Whether the training set's factors are kept between the kernel's computations.
     :param query_bytes: Bytes of one query's Jacobian factors (kept between passes with ``kept``).
+    :param factor_cache: Bytes of the queries' factors kept (at least ``QUERY_CACHE_BYTES``).
     :return: Seconds.
     """
     m, passes, later = n // 10 + 1, refits + 1, max(refits - 1, 0)
@@ -386,7 +388,7 @@ def exact_seconds(
     if kept:  # the queries' rows on the set as given are kept (a share), the changed columns contracted per refit
         rows_kept = _kept_share(8 * q * n)
         row_products = q * n * (1.0 + refits * (1.0 - rows_kept)) + refits * q * m
-        query_factors = q * (1.0 + refits * (1.0 - _kept_share(q * query_bytes)))
+        query_factors = q * (1.0 + refits * (1.0 - _kept_share(q * query_bytes, factor_cache)))
     else:
         row_products, query_factors = passes * q * n, passes * q
     if example_seconds is None:
@@ -401,9 +403,11 @@ def exact_seconds(
     return (kernel + solve) / max(world, 1)
 
 
-def _kept_share(nbytes: float) -> float:
-    """Share of something of ``nbytes`` that an audit's caches of queries keep (``QUERY_CACHE_BYTES``)."""
-    return 1.0 if nbytes <= _cache.QUERY_CACHE_BYTES else _cache.QUERY_CACHE_BYTES / nbytes
+def _kept_share(nbytes: float, bound: int = 0) -> float:
+    """Share of something of ``nbytes`` that an audit's cache of queries keeps (``bound``, at least
+    ``QUERY_CACHE_BYTES``)."""
+    bound = max(bound, _cache.QUERY_CACHE_BYTES)
+    return 1.0 if nbytes <= bound else bound / nbytes
 
 
 def projected_seconds(n: int, factor: int, k: int, rate: float, world: int = 1, refits: int = 1,

@@ -380,13 +380,8 @@ class TiledInverseFactor:
     def __init__(self, tile_fn: TileFn, n: int, ridge: float, block: int, folder: str | os.PathLike | None,
                  dtype: torch.dtype, device: torch.device | str, group: Shard = ONE_PROCESS) -> None:
         self.store = TileStore(n, block, dtype, device, folder, group)
-        try:
-            error = None
-            try:  # every process computes its tiles before the first collective
-                self.store.fill(tile_fn, diagonal=ridge)
-            except Exception as failure:  # noqa: BLE001 - handed to every process below
-                error = failure
-            self.store.group.raise_if_any(error)
+        try:  # every process computes its tiles before the first collective
+            self.store.group.run_everywhere(self.store.fill, tile_fn, ridge)
             cholesky_(self.store, ridge)
             triangular_inverse_(self.store)
         except BaseException:
@@ -420,8 +415,8 @@ class TiledInverseFactor:
         store, width = self.store, int(a_pp.shape[0])
         owned = [i for i in range(store.count) if store.owns(i)]
         blocks: RowBlocks = {}
-        error = None
-        try:  # every process computes its columns before the first collective
+
+        def own_columns() -> None:  # every process computes its columns before the first collective
             idx = np.concatenate([np.arange(store.n)[store.rows(i)] for i in owned] or [np.zeros(0, np.int64)])
             found = columns(idx) if len(idx) else torch.zeros((width, 0), dtype=store.dtype)
             if tuple(found.shape) != (width, len(idx)):
@@ -431,10 +426,8 @@ class TiledInverseFactor:
             for i in owned:  # one block at a time out of the process's columns
                 blocks[i] = found[:, start : start + store.size(i)].T.to(store.device, store.dtype).contiguous()
                 start += store.size(i)
-            del found
-        except Exception as failure:  # noqa: BLE001 - handed to every process below
-            error = failure
-        store.group.raise_if_any(error)
+
+        store.group.run_everywhere(own_columns)
         l_qp = lower_matmul_rows(store, blocks, width)  # M A_QP
         gram = torch.zeros((width, width), dtype=store.dtype, device=store.device)
         for l_i in l_qp.values():

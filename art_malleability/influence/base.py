@@ -19,6 +19,7 @@ from torch import nn
 
 from art_malleability._utils.checks import (  # noqa: F401 - labels_to_indices: public path of the influence package
     LOSS_NAMES,
+    SignatureParams,
     check_finite,
     check_labels,
     check_loss,
@@ -181,7 +182,8 @@ class InfluenceEstimator(abc.ABC):
     """
 
     name: str = ""
-    estimator_params: tuple[str, ...] = ("loss", "device", "dtype", "batch_size")
+    #: The constructor's parameters, read from its signature (``get_params`` returns them all).
+    estimator_params = SignatureParams()
 
     def __init__(
         self,

@@ -111,15 +111,6 @@ class CaptumInfluence(InfluenceEstimator):
     """
 
     name = "captum"
-    estimator_params = (
-        "loss",
-        "checkpoints",
-        "learning_rates",
-        "device",
-        "dtype",
-        "batch_size",
-        "sample_wise_grads_per_batch",
-    )
 
     def __init__(
         self,

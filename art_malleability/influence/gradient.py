@@ -121,12 +121,13 @@ class GradientInfluence(InfluenceEstimator):
     :param device: ``"auto"``, a device string or a :class:`torch.device`.
     :param dtype: Dtype of the computation (default ``torch.float64``).
     :param batch_size: Examples per block.
-    :param method: ``"auto"`` (factorised linear layers plus ``torch.func`` for the rest) or
-        ``"jacobian"`` (``torch.func`` per-example gradients for every parameter).
+    :param method: The kernel engine's method (:func:`~art_malleability.ntk.empirical.empirical_ntk`):
+        ``"auto"`` (per device), ``"structured"`` (factorised linear layers plus ``torch.func`` for the rest),
+        ``"batched"`` (the same factors from one class-batched ``torch.func`` pass per sub-batch) or ``"jacobian"``
+        (``torch.func`` per-example gradients for every parameter).
     """
 
     name = "gradient"
-    estimator_params = ("loss", "checkpoints", "learning_rates", "device", "dtype", "batch_size", "method")
 
     def __init__(
         self,

@@ -54,6 +54,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from functools import partial
 
 import numpy as np
@@ -62,7 +63,7 @@ from torch import nn
 
 from art_malleability._utils import cache as _cache
 from art_malleability._utils.cache import BoundedCache
-from art_malleability._utils.io import duration_text, progress_bar
+from art_malleability._utils.io import progress_bar
 from art_malleability._utils.torch_utils import resolve_device, tensor_digest, working_copy
 from art_malleability.data.streaming import ExampleSource
 from art_malleability.distributed import Shard, current_shard
@@ -72,16 +73,19 @@ from art_malleability.influence._ntk_memory import (  # noqa: F401 - MEMORY_SHAR
     MEMORY_SHARE,
     check_available,
     engine_chunk_mb,
-    engine_reserve,
-    exact_bytes,
-    exact_plan,
-    exact_seconds,
     factor_flops,
     memory_budget,
     nominal_gemm_rate,
     plan_bytes,
     projected_bytes,
-    projected_seconds,
+)
+from art_malleability.influence._ntk_mode import (
+    DEFAULT_PROJECTION_DIM,
+    MachineFacts,
+    ModelFacts,
+    ModeOptions,
+    choose_mode,
+    needs_model_facts,
 )
 from art_malleability.influence.base import InfluenceEstimator, regression_targets
 from art_malleability.influence.ridge import DualRidge, PrimalRidge, loo_scores
@@ -92,8 +96,6 @@ from art_malleability.ntk.projection import ProjectedNTK, check_projection_dim
 
 logger = logging.getLogger(__name__)
 
-#: Projection dimension of ``projection_dim="auto"`` when the projected mode runs.
-DEFAULT_PROJECTION_DIM = 4096
 #: Largest training set of the exact mode under ``projection_dim="auto"`` (``None``: no cap, the time budget decides).
 DEFAULT_MAX_EXACT_N = None
 #: Longest estimated time (seconds) of the exact mode's planned work under ``projection_dim="auto"``
@@ -118,7 +120,8 @@ class NTKInfluence(InfluenceEstimator):
     :param dtype: Dtype of the kernel and feature computation (default ``torch.float64``); the
         ridge solves are always done in float64.
     :param batch_size: Examples per block in the kernel and feature computations.
-    :param method: eNTK method of the exact mode, see :func:`~art_malleability.ntk.empirical.empirical_ntk`.
+    :param method: eNTK method of the exact mode (``"auto"``, ``"structured"``, ``"batched"`` or ``"jacobian"``), see
+        :func:`~art_malleability.ntk.empirical.empirical_ntk`.
     :param projection_dim: ``"auto"`` (exact or projected by the rule in the module docstring),
         ``None`` (always exact) or the projection dimension ``k`` (always projected).
     :param projection_seed: Seed of the projection matrices.
@@ -160,23 +163,6 @@ class NTKInfluence(InfluenceEstimator):
 
     name = "ntk"
     streams = True
-    estimator_params = (
-        "ridge",
-        "loss",
-        "device",
-        "dtype",
-        "batch_size",
-        "method",
-        "projection_dim",
-        "projection_seed",
-        "max_exact_n",
-        "memory_limit_gb",
-        "distributed",
-        "tile_folder",
-        "exact_budget_s",
-        "planned_refits",
-        "planned_queries",
-    )
 
     def __init__(
         self,
@@ -236,109 +222,52 @@ class NTKInfluence(InfluenceEstimator):
     # ------------------------------------------------------------------ mode and memory
     def _choose_mode(self, n: int, shard: Shard, model: nn.Module, probe: np.ndarray) -> str:
         """
-        The mode, from the inputs, the options and fixed facts of the machine only (its total memory, threads and
-        device kind, and counted operations: nothing timed, nothing read of what other processes hold); the reason
-        goes to ``mode_reason_``. The chosen mode must then fit the memory available now (:meth:`_check_available`).
+        The mode (:func:`~art_malleability.influence._ntk_mode.choose_mode`), from the inputs, the options and fixed
+        facts of the machine and the model only (its total memory, threads and device kind, and counted operations:
+        nothing timed, nothing read of what other processes hold); the reason goes to ``mode_reason_``. The chosen
+        mode must then fit the memory available now (:meth:`_check_available`).
         """
-        budget, world = self._budget, shard.world_size
-        self._plan, self.auto_note_, self._reserve, self.estimated_seconds_ = None, None, None, None
-        self._kept_bytes = 0
+        options = ModeOptions(self.projection_dim, self.max_exact_n, self.exact_budget_s, self.planned_refits,
+                              self.planned_queries)
+        planning = getattr(self, "_planning", False)  # plan() estimates any mode
         budget_text = (f"memory_limit_gb={self.memory_limit_gb:g}" if self.memory_limit_gb is not None
                        else f"{MEMORY_SHARE:.0%} of the {self.device_.type.upper()} device's total memory")
-        given_k = self.projection_dim not in (None, "auto")
-        estimating = self.projection_dim == "auto" or getattr(self, "_planning", False)  # plan() estimates any mode
-        if given_k and not estimating:
-            self.mode_reason_ = f"projected: projection_dim={self.projection_dim} was given"
-            return "projected"
-        engine = self._engine(model, n, budget)
-        factor = engine.factor_elements(probe)
-        example_bytes = engine.factor_elements(probe, compressed=False) * torch.finfo(engine.dtype).bits // 8
-        self._reserve = engine_reserve(n, example_bytes, engine.batch_size, engine.chunk_mb)
-        plan = exact_plan(n, budget, self.device_, world, self._reserve)
-        self._plan = plan
-        kept = plan is not None and plan[0] is None and self._keeps_factors(n, example_bytes)
-        self._kept_bytes = n * example_bytes if kept else 0
-        self._example_bytes = example_bytes
-        if estimating:  # counted operations at the nominal rate: the fit of a given mode needs none of it
-            rate, facts = nominal_gemm_rate(self.device_)
-            rate = -float(shard.all_reduce(torch.tensor([-rate], dtype=torch.float64), "max")[0])  # the slowest's
-            seconds = factor_flops(engine, probe) / (rate * FACTOR_EFFICIENCY)
-            work = dict(refits=int(self.planned_refits), queries=int(self.planned_queries))
-            estimate = exact_seconds(n, factor, rate, world, seconds, engine.panel_rows(), plan and plan[0],
-                                     kept=kept, query_bytes=example_bytes, **work)
-            k = int(self.projection_dim) if given_k else DEFAULT_PROJECTION_DIM
-            projected = projected_seconds(n, factor, k, rate, world, **work)
-            self.estimated_seconds_ = {"exact": estimate, "projected": projected}
-        if given_k:
-            self.mode_reason_ = f"projected: projection_dim={self.projection_dim} was given"
-            return "projected"
-        if self.projection_dim is None:
-            if plan is None:
-                raise ValueError(
-                    f"projection_dim must be 'auto' or an integer on {n} training examples within the "
-                    f"{budget / _GIB:.1f} GiB budget per process, got None: even the exact NTK influence's "
-                    "out-of-core solve (tiles on disk) needs more for its blocks of the changed rows; raise "
-                    "memory_limit_gb or shard over more processes"
-                )
-            self.mode_reason_ = (f"exact: projection_dim=None was given; the solve ({self._form()}) fits the "
-                                 f"{_gib(budget)} budget per process ({budget_text})")
-            self._log_plan(n, world)
-            return "exact"
-        # "auto": the same rule in one process and in a group, so that a group never runs the projected mode where
-        # one process would run the exact one
-        what = (f"the fit, {work['refits']} refit(s) and the scores of {work['queries']} queries after each "
-                f"(nominal {rate / 1e9:.0f} GFLOP/s: {facts})")
-        if self.max_exact_n is not None and n > self.max_exact_n:
-            reason = f"{n} training examples exceed max_exact_n={self.max_exact_n}"
-        elif plan is None:
-            reason = (f"its solve does not fit the {_gib(budget)} budget per process ({budget_text}), even "
-                      "with tiles on disk")
-        elif estimate > self.exact_budget_s:
-            reason = (f"it would take about {duration_text(estimate)} for {what}, over exact_budget_s="
-                      f"{self.exact_budget_s:g} s ({n} examples, {factor} Jacobian factor elements each)")
-        else:
-            self.mode_reason_ = (
-                f"exact: projection_dim='auto', the solve ({self._form()}) fits the {_gib(budget)} budget "
-                f"per process ({budget_text}) and the estimated {duration_text(estimate)} for {what} is within "
-                f"exact_budget_s={self.exact_budget_s:g} s"
-            )
-            self._log_plan(n, world)
-            return "exact"
-        self.auto_note_ = (
-            f"the exact NTK influence is not affordable here: {reason}. Running the projected mode "
-            f"(k = {DEFAULT_PROJECTION_DIM}, about {duration_text(projected)}), whose scores two "
-            "projection seeds reproduce only loosely at small ridges (the report states this run's seed agreement). "
-            f"Other options: the exact mode (projection_dim=None: about {duration_text(estimate)} with "
-            f"{world} process{'es' if world > 1 else ''}, about {duration_text(estimate / 4)} with "
-            f"{4 * world} under torchrun), a GPU (device='cuda'), or the gradient estimator (influence='gradient', "
-            "TracIn at the final weights: a different estimator, minutes)"
-        )
-        self.mode_reason_ = f"projected: projection_dim='auto' and {reason}"
-        if not getattr(self, "_planning", False):  # plan() reports it instead
-            logger.warning("NTK influence: %s", self.auto_note_)
-        return "projected"
-
-    def _keeps_factors(self, n: int, example_bytes: int) -> bool:
-        """Whether the dense exact mode keeps the training set's factors: they fit half the memory its matrices
-        leave."""
-        return example_bytes * n <= (self._budget - exact_bytes(n, self.device_, self._reserve)) // 2
-
-    def _form(self) -> str:
-        """The exact solve's form, in words."""
-        block, on_disk = self._plan
-        if block is None:
-            return "two n x n matrices in memory"
-        return f"tiles of {block} rows {'on disk' if on_disk else 'in memory'}"
+        machine = MachineFacts(self.device_, shard.world_size, self._budget, budget_text)
+        facts = None
+        if needs_model_facts(options, planning):
+            engine = self._engine(model, n, self._budget)
+            seconds = None
+            if planning or self.projection_dim == "auto":  # counted operations at the nominal rate
+                rate, rate_text = nominal_gemm_rate(self.device_)
+                rate = -float(shard.all_reduce(torch.tensor([-rate], dtype=torch.float64), "max")[0])  # the slowest
+                machine = replace(machine, rate=rate, rate_text=rate_text)
+                seconds = factor_flops(engine, probe) / (rate * FACTOR_EFFICIENCY)
+            example_bytes = engine.factor_elements(probe, compressed=False) * torch.finfo(engine.dtype).bits // 8
+            facts = ModelFacts(engine.factor_elements(probe), example_bytes, engine.batch_size, engine.chunk_mb,
+                               engine.panel_rows(), seconds)
+        choice = choose_mode(n, options, machine, facts, estimating=planning)
+        self._choice, self._plan, self._reserve = choice, choice.plan, choice.reserve
+        self._kept_bytes, self._example_bytes, self._factor_cache = (choice.kept_bytes, choice.example_bytes,
+                                                                     choice.factor_cache)
+        self.estimated_seconds_, self.mode_reason_, self.auto_note_ = choice.seconds, choice.reason, choice.note
+        if choice.note is not None and not planning:  # plan() reports it instead
+            logger.warning("NTK influence: %s", choice.note)
+        if choice.mode == "exact":
+            self._log_plan(n, shard.world_size)
+        return choice.mode
 
     def _need(self, n: int) -> tuple[int, str]:
-        """Bytes per process of the chosen mode's large buffers, and what they are for."""
+        """Bytes per process of the chosen mode's large buffers (with what is kept of the planned queries between
+        passes), and what they are for."""
         shard = self.shard_
         if self.mode_ == "exact":  # the solve's form, the engine's chunks, and the set's factors where they are kept
-            need = plan_bytes(self._plan, n, self.device_, shard.world_size, self._reserve) + self._kept_bytes
-            return need, f"the exact NTK influence of {n} examples ({self._form()})"
+            need = (plan_bytes(self._plan, n, self.device_, shard.world_size, self._reserve) + self._kept_bytes
+                    + self._query_cache_bytes(n))
+            return need, f"the exact NTK influence of {n} examples ({self._choice.form()})"
         start, stop = shard.bounds(n)
         dim = DEFAULT_PROJECTION_DIM if self.projection_dim == "auto" else int(self.projection_dim)
-        return projected_bytes(stop - start, n, dim), f"the projected NTK influence of {n} examples (k = {dim})"
+        need = projected_bytes(stop - start, n, dim) + self._query_cache_bytes(n)
+        return need, f"the projected NTK influence of {n} examples (k = {dim})"
 
     def _query_cache_bytes(self, n: int) -> int:
         """Bytes of what is kept of ``planned_queries`` queries between the passes of an audit, at most
@@ -348,7 +277,8 @@ class NTKInfluence(InfluenceEstimator):
         if self.mode_ != "exact":
             dim = DEFAULT_PROJECTION_DIM if self.projection_dim == "auto" else int(self.projection_dim)
             return min(bound, 8 * q * dim)
-        kept = min(bound, 8 * q * n) + min(bound, q * getattr(self, "_example_bytes", 0)) if self._kept_bytes else 0
+        factors = min(self._factor_cache, q * self._example_bytes)
+        kept = min(bound, 8 * q * n) + factors if self._kept_bytes else 0
         return min(bound, 8 * q * n) + kept
 
     def _check_available(self, n: int) -> None:
@@ -497,12 +427,8 @@ class NTKInfluence(InfluenceEstimator):
         process computes the columns of its block and the blocks are gathered.
         """
         start, stop = self.shard_.bounds(self.n_train_)
-        local, error = None, None
-        try:
-            local = self._kernel(self.model_, x_rows, x_train[start:stop]).to(torch.float64)
-        except Exception as failure:  # noqa: BLE001 - handed to every process below
-            error = failure
-        self.shard_.raise_if_any(error)
+        local = self.shard_.run_everywhere(
+            lambda: self._kernel(self.model_, x_rows, x_train[start:stop]).to(torch.float64))
         return self._comm(self.shard_.all_gather_columns, local)
 
     def _fit_projected(self, model: nn.Module, source: ExampleSource, probe: np.ndarray) -> None:
@@ -511,12 +437,8 @@ class NTKInfluence(InfluenceEstimator):
         start, stop = shard.bounds(n)
         previous = getattr(self, "projector_", None) if self._warm_start else None
         self.projector_, self.projection_dim_, self.x_train_ = None, None, None
-        error: BaseException | None = None
-        try:  # every process plans, checks its memory and computes its features before any collective
-            projector, phi, y = self._projected_features(model, source, probe, previous, start, stop)
-        except Exception as failure:  # noqa: BLE001 - handed to every process below
-            error = failure
-        shard.raise_if_any(error)
+        # every process plans, checks its memory and computes its features before any collective
+        projector, phi, y = shard.run_everywhere(self._projected_features, model, source, probe, previous, start, stop)
         dim = projector.dim
         self.projector_, self.projection_dim_ = projector, dim
         self.y_train_ = y
@@ -590,7 +512,7 @@ class NTKInfluence(InfluenceEstimator):
         """
         engine = self._engine(model, len(x), self._budget)
         if self._kept_bytes:
-            self._kept = KeptFactors(engine, x)
+            self._kept = KeptFactors(engine, x, query_bytes=self._factor_cache)
             return self._kept.gram().to(torch.float64)
         logger.info("NTK influence: the training set's Jacobian factors do not fit the memory; not kept")
         return self._kernel(model, x).to(torch.float64)
@@ -779,8 +701,3 @@ class NTKInfluence(InfluenceEstimator):
             f, b, beta = self._query_parts(x_query)
             y = torch.as_tensor(y_query, device=f.device)
             return self._gather(loo_scores(f, b, beta, y, self.loss)).cpu().numpy()
-
-
-def _gib(nbytes: float) -> str:
-    """``nbytes`` in GiB for a message, with the digits a small budget needs."""
-    return f"{nbytes / _GIB:.2f} GiB" if nbytes < 10 * _GIB else f"{nbytes / _GIB:.1f} GiB"

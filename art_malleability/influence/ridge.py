@@ -386,12 +386,9 @@ class DualRidge:
         """``A'_PP`` without the ridge; over a process group each process computes its share of the columns."""
         group = self.group if self.block is not None else ONE_PROCESS  # the dense solve runs whole in every process
         start, stop = group.bounds(len(p))
-        local, error = None, None
-        try:  # fewer changed rows than processes: some have no columns to compute
-            local = columns(p[start:stop]) if stop > start else torch.zeros((len(p), 0), dtype=self._dtype)
-        except Exception as failure:  # noqa: BLE001 - handed to every process below
-            error = failure
-        group.raise_if_any(error)
+        # fewer changed rows than processes: some have no columns to compute
+        local = group.run_everywhere(
+            lambda: columns(p[start:stop]) if stop > start else torch.zeros((len(p), 0), dtype=self._dtype))
         return group.all_gather_columns(local)
 
     def _submatrix(self, idx: torch.Tensor) -> torch.Tensor:

@@ -36,10 +36,13 @@ class KeptFactors:
 
     :param engine: The engine (traced kernel, no ``output_fn``).
     :param x: The examples to keep, ``(n, *input_shape)``.
+    :param query_bytes: Bytes of new examples' factors kept between calls (by sub-batch, the first ones that fit),
+        and, separately, of their rows against the set as given; at least ``QUERY_CACHE_BYTES``.
     """
 
-    def __init__(self, engine: JacobianGram, x: np.ndarray | torch.Tensor) -> None:
+    def __init__(self, engine: JacobianGram, x: np.ndarray | torch.Tensor, query_bytes: int = 0) -> None:
         self.engine = engine
+        self.query_bytes = max(int(query_bytes), _cache.QUERY_CACHE_BYTES)
         self.x = to_tensor(x, engine.device, engine.dtype)
         self._changed = np.zeros(0, dtype=np.int64)
         self._x_changed = self.x[:0]
@@ -70,7 +73,7 @@ class KeptFactors:
 
     def _build(self) -> None:
         engine = self.engine
-        self._last = BoundedCache(_cache.QUERY_CACHE_BYTES, lambda block: block.nbytes())
+        self._last = BoundedCache(self.query_bytes, lambda block: block.nbytes())
         self._base_rows = BoundedCache(_cache.QUERY_CACHE_BYTES, lambda t: t.numel() * t.element_size())
         with eval_mode(engine.model):
             engine._plan(self.x[:2], None)

@@ -1,0 +1,222 @@
+"""
+The NTK influence's mode rule (:class:`~art_malleability.influence.ntk.NTKInfluence`), as a pure function of the
+training set's size, the options and fixed facts: of the machine (memory budget, nominal rate, processes) and of the
+model (its Jacobian factors' size and operations, counted on a few examples). Nothing is timed and nothing is read of
+what other processes hold, so the same inputs always choose the same mode; the rule needs no model to be tested.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from art_malleability._utils import cache as _cache
+from art_malleability._utils.io import duration_text
+from art_malleability.influence._ntk_memory import (
+    _GIB,
+    engine_reserve,
+    exact_bytes,
+    exact_plan,
+    exact_seconds,
+    projected_seconds,
+)
+
+#: Projection dimension of ``projection_dim="auto"`` when the projected mode runs.
+DEFAULT_PROJECTION_DIM = 4096
+
+
+@dataclass(frozen=True)
+class MachineFacts:
+    """
+    Fixed facts of the machine and the process group.
+
+    :param device: The compute device.
+    :param world: Processes of the group.
+    :param budget: Bytes the large matrices may take per process (``memory_budget``).
+    :param budget_text: Where the budget comes from, in words.
+    :param rate: Nominal fp64 GEMM rate of the slowest process (operations per second), or ``None`` (not estimated).
+    :param rate_text: What the rate is made of, in words.
+    """
+
+    device: torch.device
+    world: int
+    budget: int
+    budget_text: str
+    rate: float | None = None
+    rate_text: str = ""
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """
+    Facts of the model, counted on a few examples by the kernel engine.
+
+    :param factor: ``D``, elements of one example's Jacobian factors (as stored).
+    :param example_bytes: Bytes of one example's largest (uncompressed) factors.
+    :param batch_size: The engine's sub-batch.
+    :param chunk_mb: The engine's chunk budget (MiB).
+    :param panel: Examples whose factors the engine keeps at once.
+    :param example_seconds: Seconds of one example's factors at the nominal rate, or ``None``.
+    """
+
+    factor: int
+    example_bytes: int
+    batch_size: int
+    chunk_mb: float
+    panel: int
+    example_seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class ModeOptions:
+    """The options that decide the mode (the estimator's parameters of the same names)."""
+
+    projection_dim: int | str | None = "auto"
+    max_exact_n: int | None = None
+    exact_budget_s: float = 1800.0
+    planned_refits: int = 1
+    planned_queries: int = 100
+
+
+@dataclass
+class ModeChoice:
+    """
+    The mode and what it was decided on.
+
+    :param mode: ``"exact"`` or ``"projected"``.
+    :param reason: Why, in words (``mode_reason_``).
+    :param plan: The exact solve's form ``(block, on_disk)`` (:func:`exact_plan`), or ``None`` (none fits, or not
+        planned).
+    :param reserve: Bytes of the engine's chunks, or ``None`` (not planned).
+    :param kept_bytes: Bytes of the training set's factors, when the dense exact mode keeps them (else 0).
+    :param example_bytes: Bytes of one example's factors (0 when not planned).
+    :param factor_cache: Bytes of the queries' factors kept between passes (with the set's factors kept; else 0).
+    :param seconds: The estimates of both modes by mode, or ``None`` (not estimated).
+    :param note: Under ``"auto"`` when the projected mode runs: why, and what the other options would cost.
+    """
+
+    mode: str
+    reason: str
+    plan: tuple[int | None, bool] | None = None
+    reserve: int | None = None
+    kept_bytes: int = 0
+    example_bytes: int = 0
+    factor_cache: int = 0
+    seconds: dict[str, float] | None = field(default=None)
+    note: str | None = None
+
+    def form(self) -> str:
+        """The exact solve's form, in words."""
+        block, on_disk = self.plan
+        if block is None:
+            return "two n x n matrices in memory"
+        return f"tiles of {block} rows {'on disk' if on_disk else 'in memory'}"
+
+
+def needs_model_facts(options: ModeOptions, estimating: bool) -> bool:
+    """Whether :func:`choose_mode` needs the model's facts: not for a given ``projection_dim`` unless estimating."""
+    return options.projection_dim in (None, "auto") or estimating
+
+
+def keeps_factors(n: int, example_bytes: int, budget: int, device: torch.device, reserve: int) -> bool:
+    """Whether the dense exact mode keeps the training set's factors: they fit half the memory its matrices leave."""
+    return example_bytes * n <= (budget - exact_bytes(n, device, reserve)) // 2
+
+
+def query_factor_bound(n: int, budget: int, device: torch.device, reserve: int, kept_bytes: int) -> int:
+    """Bytes of the queries' Jacobian factors the exact mode keeps between passes (with the set's factors kept): a
+    quarter of what the budget leaves beside the solve and the set's factors, at least ``QUERY_CACHE_BYTES`` (from
+    the budget, a fixed fact; only the time depends on it, never a number)."""
+    left = budget - exact_bytes(n, device, reserve) - kept_bytes
+    return max(_cache.QUERY_CACHE_BYTES, left // 4)
+
+
+def choose_mode(n: int, options: ModeOptions, machine: MachineFacts, model: ModelFacts | None,
+                estimating: bool = False) -> ModeChoice:
+    """
+    The NTK influence's mode.
+
+    - ``projection_dim`` an integer: projected;
+    - ``None``: exact, in the cheapest form of its solve that fits the budget (a ``ValueError`` if none does);
+    - ``"auto"``: exact when ``n ≤ max_exact_n``, its solve fits the budget and its estimated time for the planned
+      work (the fit, ``planned_refits`` refits and ``planned_queries`` queries' scores after each, at the nominal
+      rate) is within ``exact_budget_s``; else projected, with a note that says why and what the others would cost.
+
+    :param n: Training examples.
+    :param options: The options.
+    :param machine: The machine's facts (with a ``rate`` when estimating or under ``"auto"``).
+    :param model: The model's facts (``None`` only when :func:`needs_model_facts` says they are not needed).
+    :param estimating: Estimate both modes' time whatever the options (for a plan).
+    :return: The choice.
+    """
+    k = options.projection_dim
+    given_k = k not in (None, "auto")
+    estimating = estimating or k == "auto"
+    if given_k and not estimating:
+        return ModeChoice("projected", f"projected: projection_dim={k} was given")
+    if model is None:
+        raise ValueError("model facts are needed to choose between the modes or to estimate them")
+    budget, world, device = machine.budget, machine.world, machine.device
+    reserve = engine_reserve(n, model.example_bytes, model.batch_size, model.chunk_mb)
+    plan = exact_plan(n, budget, device, world, reserve)
+    kept = plan is not None and plan[0] is None and keeps_factors(n, model.example_bytes, budget, device, reserve)
+    kept_bytes = n * model.example_bytes if kept else 0
+    factor_cache = query_factor_bound(n, budget, device, reserve, kept_bytes) if kept else 0
+    choice = ModeChoice("projected", "", plan, reserve, kept_bytes, model.example_bytes, factor_cache)
+    work = dict(refits=int(options.planned_refits), queries=int(options.planned_queries))
+    if estimating:  # counted operations at the nominal rate: the fit of a given mode needs none of it
+        rate = machine.rate
+        estimate = exact_seconds(n, model.factor, rate, world, model.example_seconds, model.panel, plan and plan[0],
+                                 kept=kept, query_bytes=model.example_bytes, factor_cache=factor_cache, **work)
+        projected = projected_seconds(n, model.factor, int(k) if given_k else DEFAULT_PROJECTION_DIM, rate, world,
+                                      **work)
+        choice.seconds = {"exact": estimate, "projected": projected}
+    if given_k:
+        choice.reason = f"projected: projection_dim={k} was given"
+        return choice
+    budget_text = f"{_gib(budget)} budget per process ({machine.budget_text})"
+    if k is None:
+        if plan is None:
+            raise ValueError(
+                f"projection_dim must be 'auto' or an integer on {n} training examples within the "
+                f"{budget / _GIB:.1f} GiB budget per process, got None: even the exact NTK influence's "
+                "out-of-core solve (tiles on disk) needs more for its blocks of the changed rows; raise "
+                "memory_limit_gb or shard over more processes"
+            )
+        choice.mode = "exact"
+        choice.reason = f"exact: projection_dim=None was given; the solve ({choice.form()}) fits the {budget_text}"
+        return choice
+    # "auto": the same rule in one process and in a group, so that a group never runs the projected mode where one
+    # process would run the exact one
+    what = (f"the fit, {work['refits']} refit(s) and the scores of {work['queries']} queries after each "
+            f"(nominal {machine.rate / 1e9:.0f} GFLOP/s: {machine.rate_text})")
+    if options.max_exact_n is not None and n > options.max_exact_n:
+        reason = f"{n} training examples exceed max_exact_n={options.max_exact_n}"
+    elif plan is None:
+        reason = f"its solve does not fit the {budget_text}, even with tiles on disk"
+    elif estimate > options.exact_budget_s:
+        reason = (f"it would take about {duration_text(estimate)} for {what}, over exact_budget_s="
+                  f"{options.exact_budget_s:g} s ({n} examples, {model.factor} Jacobian factor elements each)")
+    else:
+        choice.mode = "exact"
+        choice.reason = (f"exact: projection_dim='auto', the solve ({choice.form()}) fits the {budget_text} and the "
+                         f"estimated {duration_text(estimate)} for {what} is within exact_budget_s="
+                         f"{options.exact_budget_s:g} s")
+        return choice
+    choice.note = (
+        f"the exact NTK influence is not affordable here: {reason}. Running the projected mode "
+        f"(k = {DEFAULT_PROJECTION_DIM}, about {duration_text(projected)}), whose scores two "
+        "projection seeds reproduce only loosely at small ridges (the report states this run's seed agreement). "
+        f"Other options: the exact mode (projection_dim=None: about {duration_text(estimate)} with "
+        f"{world} process{'es' if world > 1 else ''}, about {duration_text(estimate / 4)} with "
+        f"{4 * world} under torchrun), a GPU (device='cuda'), or the gradient estimator (influence='gradient', "
+        "TracIn at the final weights: a different estimator, minutes)"
+    )
+    choice.reason = f"projected: projection_dim='auto' and {reason}"
+    return choice
+
+
+def _gib(nbytes: float) -> str:
+    """``nbytes`` in GiB for a message, with the digits a small budget needs."""
+    return f"{nbytes / _GIB:.2f} GiB" if nbytes < 10 * _GIB else f"{nbytes / _GIB:.1f} GiB"
