@@ -25,7 +25,7 @@ import time
 import torch
 from _common import PeakMemory, gemm_rate
 
-from art_malleability.influence._ntk_memory import engine_chunk_mb
+from art_malleability.influence.ntk_memory import engine_chunk_mb
 from art_malleability.models import TwoLayerReLU, build_architecture
 from art_malleability.ntk.empirical import JacobianGram
 

@@ -1,6 +1,6 @@
 """
 Cost of the audit's metrics against the number of queries: the streamed passes of
-``art_malleability.metrics._accumulators`` (clean pass once, then one perturbed pass and its statistics, as for each
+``art_malleability.metrics.accumulators`` (clean pass once, then one perturbed pass and its statistics, as for each
 attack and control draw of an audit), fed in query blocks of the audit's size, with their time and peak memory. Every
 step is linear in the number of queries; the table prints the time and memory per query relative to the smallest
 size (1.0 = linear).
@@ -26,14 +26,14 @@ import torch
 from _common import PeakMemory, peak_rss_bytes
 
 from art_malleability import metrics
-from art_malleability.metrics._accumulators import (
+from art_malleability.metrics import pass_metrics, replicated
+from art_malleability.metrics.accumulators import (
     STORE_MEMORY_BYTES,
     CleanScores,
     PerturbedScores,
     QueryResampling,
     metrics_plan,
 )
-from art_malleability.metrics._summary import pass_metrics, replicated
 
 
 def reference_replicates(before, after, rows, top):

@@ -35,7 +35,7 @@ import time
 import numpy as np
 import torch
 
-from art_malleability.influence._ntk_memory import (
+from art_malleability.influence.ntk_memory import (
     KERNEL_EFFICIENCY,
     SOLVE_EFFICIENCY,
     exact_bytes,

@@ -57,7 +57,7 @@ def metric_passes(before, after, n_bootstrap=25, seed=0, block=None, top=None, g
     :return: ``(clean, perturbed)``.
     """
     from art_malleability.metrics import QueryResampling
-    from art_malleability.metrics._accumulators import CleanScores, PerturbedScores
+    from art_malleability.metrics.accumulators import CleanScores, PerturbedScores
 
     step = block or len(before)
     clean = CleanScores(QueryResampling(len(before), n_bootstrap, seed), before.shape[1],

@@ -13,9 +13,9 @@ import numpy as np
 from planted import Planted, true_flip_share
 
 from art_malleability import metrics as M
-from art_malleability.metrics._accumulators import CleanScores, PerturbedScores
 from art_malleability.metrics._flip_posterior import FlipPosterior
 from art_malleability.metrics._summary import EB_LOADINGS, _eb_variance, _interval, replicated
+from art_malleability.metrics.accumulators import CleanScores, PerturbedScores
 from art_malleability.validation.lds import linear_datamodeling_score
 
 

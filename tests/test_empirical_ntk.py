@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from art_malleability.influence._ntk_memory import factor_passes
+from art_malleability.influence.ntk_memory import factor_passes
 from art_malleability.models import MLPAttn, TwoLayerReLU
 from art_malleability.ntk.empirical import JacobianGram, empirical_ntk
 
@@ -493,7 +493,7 @@ def test_cuda_matches_cpu() -> None:
 
 
 def test_kept_factors_match_fresh_kernels_through_changes_and_rank_changes() -> None:
-    from art_malleability.ntk._kept import KeptFactors
+    from art_malleability.ntk.kept import KeptFactors
 
     # mlp3's first layer only shows it is not rank one on later single-example chunks: built first
     # from one example (looks rank one), the kept factors must be rebuilt when a new query shows it

@@ -729,7 +729,7 @@ def test_get_params_rebuilds_an_equal_estimator_from_the_whole_signature(make):
 def test_the_audits_get_params_rebuild_an_equal_audit(relu_clf):
     import inspect
 
-    from art_malleability.audit._params import CLASSIFIER_ARGS
+    from art_malleability.audit.params import CLASSIFIER_ARGS
 
     audit = MalleabilityEstimator(relu_clf, eps=0.1, attacks=("fgsm",), verbose=False, n_queries=7, time_budget_s=5.0)
     params = audit.get_params()

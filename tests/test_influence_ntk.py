@@ -223,7 +223,7 @@ def test_custom_estimators() -> None:
 def _engine_reserve(model, x):
     """The kernel engine's chunks as the estimator reserves them for ``len(x)`` examples (float64 factors, batches of
     256, the default chunk of a small budget)."""
-    import art_malleability.influence._ntk_memory as memory
+    import art_malleability.influence.ntk_memory as memory
     from art_malleability.ntk.empirical import JacobianGram
 
     example_bytes = 8 * JacobianGram(model).factor_elements(np.asarray(x[:2]), compressed=False)
@@ -236,7 +236,7 @@ def test_the_tiled_exact_solve_equals_the_dense_one(tmp_path, where):
     refits (1e-8)."""
     from helpers import digits, trained_classifier
 
-    import art_malleability.influence._ntk_memory as memory
+    import art_malleability.influence.ntk_memory as memory
     from art_malleability.influence import NTKInfluence
 
     data = digits(120, 20)
@@ -272,7 +272,7 @@ def test_the_tiled_exact_solve_equals_the_dense_one(tmp_path, where):
 def test_the_exact_plan_takes_the_cheapest_form_that_fits():
     """Dense in one process when two n x n matrices fit; else tiles in memory, dealt out over the processes; else on
     disk; else nothing."""
-    from art_malleability.influence._ntk_memory import exact_bytes, exact_plan
+    from art_malleability.influence.ntk_memory import exact_bytes, exact_plan
 
     n, gib = 40_000, 2**30
     assert exact_plan(n, exact_bytes(n)) == (None, False)
@@ -287,7 +287,7 @@ def test_the_exact_plan_takes_the_cheapest_form_that_fits():
 @pytest.mark.parametrize("where", ["memory", "disk"])
 def test_the_tiled_exact_solve_on_cuda_matches_the_cpu(tmp_path, where):
     """The exact mode's tiles on the GPU (in its memory, or on disk and moved there tile by tile), float64."""
-    import art_malleability.influence._ntk_memory as memory
+    import art_malleability.influence.ntk_memory as memory
 
     model = _mlp()
     x, y, xq, yq = _data(n=60, n_query=5)

@@ -210,7 +210,7 @@ def test_allocations_that_cannot_fit_stop_before_the_work():
 
 
 def test_auto_mode_rule(monkeypatch):
-    import art_malleability.influence.ntk as ntk_module
+    import art_malleability.influence._ntk_mode as mode_rule
 
     model = _mlp()
     x, y = np.random.default_rng(0).normal(size=(30, 4)).astype(np.float32), np.arange(30) % 3
@@ -218,7 +218,7 @@ def test_auto_mode_rule(monkeypatch):
     est = NTKInfluence(max_exact_n=20, device="cpu").fit(model, x, y)
     assert est.mode_ == "projected" and est.projection_dim_ == 3 * 51  # capped at the full dimension
     # the budget decides too: no room for the exact mode's solve in any form -> projected
-    monkeypatch.setattr(ntk_module, "exact_plan", lambda *args, **kwargs: None)
+    monkeypatch.setattr(mode_rule, "exact_plan", lambda *args, **kwargs: None)
     est = NTKInfluence(device="cpu").fit(model, x, y)
     assert est.mode_ == "projected" and "does not fit" in est.mode_reason_
 
@@ -303,7 +303,7 @@ def test_auto_mode_weighs_the_exact_cost_and_says_why_it_projects(caplog):
 
 
 def test_the_time_estimates_grow_as_their_operation_counts():
-    from art_malleability.influence._ntk_memory import exact_seconds, gemm_rate, projected_seconds
+    from art_malleability.influence.ntk_memory import exact_seconds, gemm_rate, projected_seconds
 
     rate = gemm_rate(torch.device("cpu"))
     assert rate > 1e8  # at least 0.1 GFLOP/s on any machine
@@ -314,7 +314,7 @@ def test_the_time_estimates_grow_as_their_operation_counts():
 
 def test_the_exact_estimate_counts_the_factors_the_kernel_computes(monkeypatch):
     from art_malleability._utils import cache
-    from art_malleability.influence._ntk_memory import (
+    from art_malleability.influence.ntk_memory import (
         CONTRACTION_EFFICIENCY,
         SOLVE_EFFICIENCY,
         exact_seconds,

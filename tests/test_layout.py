@@ -82,3 +82,29 @@ def test_the_shared_helpers_import_nothing_above_them():
         if not dep.startswith("art_malleability._utils")
     }
     assert not above
+
+
+BENCHMARKS = PACKAGE.parent / "benchmarks"
+
+
+def _private_crossings() -> list[str]:
+    """Imports of a private module or name of another subpackage (``_utils``, the package's shared helpers, aside)."""
+    found = []
+    for path in [*PACKAGE.rglob("*.py"), *BENCHMARKS.glob("*.py")]:
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        own = parts[1] if parts[0] == "art_malleability" and len(parts) > 2 else parts[-1]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("art_malleability.")):
+                continue
+            target = node.module.split(".")
+            if target[1] in (own, "_utils"):
+                continue
+            names = [a.name for a in node.names if a.name.startswith("_") and a.name != "__version__"]
+            if any(p.startswith("_") for p in target[2:]) or names:
+                found.append(f"{path.relative_to(PACKAGE.parent)}: {node.module} {names}")
+    return found
+
+
+def test_no_private_name_crosses_a_subpackage_boundary():
+    """Subpackages (and the benchmarks) use each other's public names only; ``_utils`` is the shared private base."""
+    assert not _private_crossings()

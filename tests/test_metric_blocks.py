@@ -14,8 +14,8 @@ from helpers import metric_passes
 
 from art_malleability import metrics as M
 from art_malleability.metrics import _spearman
-from art_malleability.metrics._accumulators import CleanScores, PerturbedScores
 from art_malleability.metrics._summary import pass_metrics
+from art_malleability.metrics.accumulators import CleanScores, PerturbedScores
 
 
 def _metrics(before, after, block, memory_bytes=None, folder=None, control=None, keep_draws=False, **kwargs):
@@ -71,7 +71,7 @@ def _resident_bytes() -> int:
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the resident set from /proc (Linux)")
 def test_a_clean_matrix_on_disk_stays_out_of_the_resident_memory(tmp_path):
     """Written and read with file calls, not mapped: 256 MiB of clean scores add no more than a block to the RSS."""
-    from art_malleability.metrics._accumulators import _ScoreStore
+    from art_malleability.metrics.accumulators import _ScoreStore
 
     n_query, n_train = 2048, 16384
     store = _ScoreStore(n_query, n_train, torch.device("cpu"), memory_bytes=0, folder=tmp_path)
@@ -159,7 +159,7 @@ def test_each_querys_own_set_is_that_of_top_indices_ties_and_nan_included(rng):
     """The per-query sets come from a partial selection, fixed up where keys tie across the set's boundary."""
     import torch
 
-    from art_malleability.metrics._accumulators import _QueryTops
+    from art_malleability.metrics.accumulators import _QueryTops
 
     for _ in range(150):
         n_query, n_train = int(rng.integers(1, 8)), int(rng.integers(3, 40))

@@ -114,7 +114,7 @@ def test_the_jackknife_values_are_spearman_without_each_group(rng, ties):
 def test_the_passes_of_one_clean_pass_share_its_sorted_side_and_stay_exact(rng):
     """The clean side's sort is kept between passes while every pair is finite: passes with and without excluded
     pairs, in any order, each equal scipy's correlation on their own matrices (and so do their jackknife values)."""
-    from art_malleability.metrics._accumulators import PerturbedScores
+    from art_malleability.metrics.accumulators import PerturbedScores
 
     before = np.round(rng.normal(size=(23, 30)), 1)
     afters = [before + rng.normal(size=before.shape) for _ in range(3)]
@@ -197,7 +197,7 @@ def test_streamed_resamples_equal_one_at_a_time(rng, ties):
         agg_b, agg_a = M.aggregate_scores(before, w), M.aggregate_scores(after, w)
         np.testing.assert_allclose(boot_b[i], agg_b[top], rtol=1e-12)
         np.testing.assert_allclose(boot_a[i], agg_a[top], rtol=1e-12)
-        assert jaccards[i] == M._aggregate_jaccard(agg_a, top, 6, "abs")
+        assert jaccards[i] == M.aggregate_jaccard(agg_a, top, 6, "abs")
     np.testing.assert_allclose(perturbed.per_query.numpy(), M.per_query_flip_rates(before, after, 0.15), rtol=1e-15)
     for rank_by in ("abs", "signed"):
         values = np.round(rng.normal(size=(7, 30)))

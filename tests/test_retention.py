@@ -10,9 +10,9 @@ import pytest
 from helpers import metric_passes
 
 from art_malleability import metrics as M
-from art_malleability.metrics._accumulators import PerturbedScores
 from art_malleability.metrics._retention import NormalMeansPrior, RetentionBasis, relative_error_variance
 from art_malleability.metrics._summary import EB_LOADINGS, pass_metrics, replicated
+from art_malleability.metrics.accumulators import PerturbedScores
 
 
 def test_the_prior_recovers_a_two_point_distribution_and_its_posterior_means_follow_tweedie(rng):

@@ -116,7 +116,7 @@ def test_a_rule_is_the_fixed_ridge_it_chose(rule, projection_dim):
 
 
 def test_a_rule_is_refused_before_the_work_where_no_single_kernel_exists(tmp_path):
-    import art_malleability.influence._ntk_memory as memory
+    import art_malleability.influence.ntk_memory as memory
 
     model, x, y, _, _ = _mlp_and_data(n=120)
     weights = [p.detach().clone() for p in model.parameters()]

@@ -1,7 +1,7 @@
 """
 The pre-flight estimate of a whole audit (training aside): the influence's fit, refits and query scores, the attacks
 and the metrics, in time and peak memory, from the sizes, the options and fixed facts of the machine (operations
-counted at a nominal rate of the device, :func:`~art_malleability.influence._ntk_memory.nominal_gemm_rate`; nothing
+counted at a nominal rate of the device, :func:`~art_malleability.influence.ntk_memory.nominal_gemm_rate`; nothing
 is timed), so that it can be printed before the long work and the same command always gets the same one. The NTK
 influence decides its mode on the influence's part of it (``exact_budget_s``, the audit's ``time_budget_s``); the
 attacks and the metrics cost the same in either mode.
@@ -19,12 +19,11 @@ import torch
 
 from art_malleability._utils.io import duration_text
 from art_malleability._utils.torch_utils import eval_mode, model_device_dtype, resolve_device
-from art_malleability.audit._params import planned_work
+from art_malleability.audit.params import planned_work
 from art_malleability.influence import NTKInfluence
-from art_malleability.influence._ntk_memory import FACTOR_EFFICIENCY, SOLVE_EFFICIENCY, nominal_gemm_rate
-from art_malleability.metrics import top_k_count
-from art_malleability.metrics._accumulators import metrics_plan
-from art_malleability.metrics._spearman import SPEARMAN_PAIRS
+from art_malleability.influence.ntk_memory import FACTOR_EFFICIENCY, SOLVE_EFFICIENCY, nominal_gemm_rate
+from art_malleability.metrics import SPEARMAN_PAIRS, top_k_count
+from art_malleability.metrics.accumulators import metrics_plan
 from art_malleability.models.reference import is_transductive
 
 logger = logging.getLogger(__name__)
@@ -87,7 +86,7 @@ def estimate_audit(est: Any, n_train: int, n_query: int, refits: int, x_probe: n
     :param est: The :class:`~art_malleability.audit.estimator.MalleabilityEstimator`.
     :param n_train: Training examples.
     :param n_query: Queries.
-    :param refits: Influence refits (:func:`~art_malleability.audit._params.audit_refits`).
+    :param refits: Influence refits (:func:`~art_malleability.audit.params.audit_refits`).
     :param x_probe: A few training inputs (all of them for a transductive model: its context).
     :return: The estimate.
     """

@@ -21,7 +21,6 @@ from art.utils import compute_success_array
 from art_malleability._utils.checks import one_hot
 from art_malleability._utils.io import progress_bar
 from art_malleability._utils.torch_utils import resolve_device
-from art_malleability.audit._params import control_budgets
 from art_malleability.audit.attacks import (
     CONTROL_LABEL,
     attack_config,
@@ -29,22 +28,21 @@ from art_malleability.audit.attacks import (
     perturb_training_set,
     random_sign_perturbation,
 )
+from art_malleability.audit.params import control_budgets
 from art_malleability.audit.report import AttackResult, undecided_warning
 from art_malleability.data.input_pipeline import with_input_pipeline
 from art_malleability.data.streaming import ExampleSource, is_torch_data
 from art_malleability.distributed import Shard
 from art_malleability.influence import InfluenceEstimator, NTKInfluence
-from art_malleability.metrics import _aggregate_jaccard, combine_controls, spearman
-from art_malleability.metrics._accumulators import (
+from art_malleability.metrics import aggregate_jaccard, combine_controls, pass_metrics, projection_noise, spearman
+from art_malleability.metrics.accumulators import (
     STORE_MEMORY_BYTES,
     CleanScores,
+    ColumnSums,
     PerturbedScores,
     QueryResampling,
-    _ColumnSums,
     metrics_plan,
 )
-from art_malleability.metrics._flip_posterior import projection_noise
-from art_malleability.metrics._summary import pass_metrics
 from art_malleability.models.reference import is_transductive
 
 logger = logging.getLogger(__name__)
@@ -127,7 +125,7 @@ class AuditRun:
 
     def _aggregate(self, estimator: InfluenceEstimator) -> np.ndarray:
         """The aggregate score of every training example (its mean over the queries), rank 0's on every process."""
-        sums = _ColumnSums(self.source.n, torch.device("cpu"))
+        sums = ColumnSums(self.source.n, torch.device("cpu"))
         for block in self._score_blocks(estimator):
             sums.add(0, torch.as_tensor(block))  # no resampling weights: the rows' position does not matter
         return self.shard.broadcast_object(sums.means().numpy())
@@ -204,7 +202,7 @@ class AuditRun:
         if self.projected and twins:  # how much of the ranking is the projection's own draw
             self.seed_agreement = {
                 "spearman": spearman(self.agg_before[None, :], twins[0][None, :]),
-                "top_k_jaccard": _aggregate_jaccard(twins[0], self.top, k, self.est.rank_by),
+                "top_k_jaccard": aggregate_jaccard(twins[0], self.top, k, self.est.rank_by),
             }
         self.perturbed = self.top if self.est.strategy == "top" else np.arange(self.source.n)
         lo, hi = self.shard.bounds(self.source.n)

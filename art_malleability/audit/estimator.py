@@ -26,7 +26,9 @@ from art_malleability._utils.state import preserved
 from art_malleability._utils.torch_utils import model_device_dtype, resolve_device
 from art_malleability.audit._classifier import ESTIMATOR_REQUIREMENTS, as_classifier
 from art_malleability.audit._estimate import AuditEstimate, estimate_audit
-from art_malleability.audit._params import (
+from art_malleability.audit._run import AuditRun, timed
+from art_malleability.audit.attacks import ATTACK_NAMES, attack_label
+from art_malleability.audit.params import (
     CLASSIFIER_ARGS,
     audit_refits,
     build_attacks,
@@ -36,8 +38,6 @@ from art_malleability.audit._params import (
     default_queries,
     planned_work,
 )
-from art_malleability.audit._run import AuditRun, timed
-from art_malleability.audit.attacks import ATTACK_NAMES, attack_label
 from art_malleability.audit.report import MalleabilityReport
 from art_malleability.data.input_pipeline import pipeline_operations
 from art_malleability.data.streaming import ExampleSource, is_torch_data
@@ -222,7 +222,7 @@ class MalleabilityEstimator:
         object.__setattr__(self, "_configured", True)
 
     def _check_params(self) -> None:
-        """ART's parameter check (see :func:`~art_malleability.audit._params.check_params`)."""
+        """ART's parameter check (see :func:`~art_malleability.audit.params.check_params`)."""
         check_params(self)
 
     def evaluate(

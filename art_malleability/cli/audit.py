@@ -161,7 +161,7 @@ def run_audit(args: argparse.Namespace) -> int:
 def _check_queries(args: argparse.Namespace, data: Dataset) -> None:
     """``--n-queries`` must fit the memory: checked once the data's sizes are known, before any training."""
     from art_malleability._utils.torch_utils import resolve_device
-    from art_malleability.audit._params import check_query_budget, default_queries
+    from art_malleability.audit.params import check_query_budget, default_queries
     from art_malleability.cli.checks import UsageError
     from art_malleability.metrics import top_k_count
 

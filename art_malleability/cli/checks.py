@@ -252,8 +252,8 @@ def _check_estimator_params(args: argparse.Namespace) -> None:
     """
     from types import SimpleNamespace
 
-    from art_malleability.audit._params import check_params
     from art_malleability.audit.estimator import MalleabilityEstimator
+    from art_malleability.audit.params import check_params
 
     defaults = inspect.signature(MalleabilityEstimator.__init__).parameters
     params = {name: defaults[name].default for name in MalleabilityEstimator.estimator_params} | estimator_params(args)

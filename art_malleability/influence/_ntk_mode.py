@@ -13,7 +13,7 @@ import torch
 
 from art_malleability._utils import cache as _cache
 from art_malleability._utils.io import duration_text
-from art_malleability.influence._ntk_memory import (
+from art_malleability.influence.ntk_memory import (
     _GIB,
     engine_reserve,
     exact_bytes,

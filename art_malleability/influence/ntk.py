@@ -31,12 +31,12 @@ the queries' kernel rows and solves) stays below ``exact_budget_s`` (30 minutes)
 ``k = DEFAULT_PROJECTION_DIM``, after a warning that says why and what the other options would cost. The choice
 depends only on the inputs, the options and fixed facts of the machine (the memory budget is ``memory_limit_gb`` or
 a share of the *total* memory; the time comes from counted operations at a nominal rate of the device's kind and
-threads, :func:`~art_malleability.influence._ntk_memory.nominal_gemm_rate`): the same command runs the same estimator
+threads, :func:`~art_malleability.influence.ntk_memory.nominal_gemm_rate`): the same command runs the same estimator
 whatever else the machine is doing, and ``mode_reason_`` says why. A mode whose memory is not available at the moment
 stops with a ``MemoryError`` that says so, rather than switching estimators. The rule is the same in one process and
 over a ``torch.distributed`` group, except that the time is shared by the processes: a group never runs the
 projected mode where one process would run the exact one. The exact solve's forms, the cheapest that
-fits first (:func:`~art_malleability.influence._ntk_memory.exact_plan`): two ``n × n`` matrices in
+fits first (:func:`~art_malleability.influence.ntk_memory.exact_plan`): two ``n × n`` matrices in
 memory (one process); the lower tiles of the kernel and its factor in memory, dealt out over the
 processes of a group (each holds about ``1/w`` of them, and of an update's blocks); the same tiles in
 files of a temporary folder (out of core). The exact
@@ -67,7 +67,16 @@ from art_malleability._utils.io import progress_bar
 from art_malleability._utils.torch_utils import resolve_device, tensor_digest, working_copy
 from art_malleability.data.streaming import ExampleSource
 from art_malleability.distributed import Shard, current_shard
-from art_malleability.influence._ntk_memory import (  # noqa: F401 - MEMORY_SHARE: its public path
+from art_malleability.influence._ntk_mode import (
+    DEFAULT_PROJECTION_DIM,
+    MachineFacts,
+    ModelFacts,
+    ModeOptions,
+    choose_mode,
+    needs_model_facts,
+)
+from art_malleability.influence.base import InfluenceEstimator, regression_targets
+from art_malleability.influence.ntk_memory import (  # noqa: F401 - MEMORY_SHARE: its public path
     _GIB,
     FACTOR_EFFICIENCY,
     MEMORY_SHARE,
@@ -79,19 +88,10 @@ from art_malleability.influence._ntk_memory import (  # noqa: F401 - MEMORY_SHAR
     plan_bytes,
     projected_bytes,
 )
-from art_malleability.influence._ntk_mode import (
-    DEFAULT_PROJECTION_DIM,
-    MachineFacts,
-    ModelFacts,
-    ModeOptions,
-    choose_mode,
-    needs_model_facts,
-)
-from art_malleability.influence.base import InfluenceEstimator, regression_targets
 from art_malleability.influence.ridge import DualRidge, PrimalRidge, loo_scores
 from art_malleability.influence.ridge_choice import DEFAULT_RIDGE, RIDGE_RULES, check_ridge, choose_ridge
-from art_malleability.ntk._kept import KeptFactors
 from art_malleability.ntk.empirical import NTK_METHODS, JacobianGram
+from art_malleability.ntk.kept import KeptFactors
 from art_malleability.ntk.projection import ProjectedNTK, check_projection_dim
 
 logger = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ logger = logging.getLogger(__name__)
 #: Largest training set of the exact mode under ``projection_dim="auto"`` (``None``: no cap, the time budget decides).
 DEFAULT_MAX_EXACT_N = None
 #: Longest estimated time (seconds) of the exact mode's planned work under ``projection_dim="auto"``
-#: (:func:`~art_malleability.influence._ntk_memory.exact_seconds`, at the device's nominal rate).
+#: (:func:`~art_malleability.influence.ntk_memory.exact_seconds`, at the device's nominal rate).
 DEFAULT_EXACT_BUDGET_S = 1800.0
 class NTKInfluence(InfluenceEstimator):
     """
@@ -282,7 +282,7 @@ class NTKInfluence(InfluenceEstimator):
         return min(bound, 8 * q * n) + kept
 
     def _check_available(self, n: int) -> None:
-        """The chosen mode's memory must be available now (:func:`~._ntk_memory.check_available`)."""
+        """The chosen mode's memory must be available now (:func:`~.ntk_memory.check_available`)."""
         need, what = self._need(n)
         check_available(need, self.device_, what, self.shard_)
 

@@ -35,7 +35,7 @@ Definitions (the paper leaves them open; these are this package's choices):
   (:func:`t_interval`); the noise-aware rate a profile likelihood; the retention's adds the empirical-Bayes error
   to its bootstrap variance. Every statistic costs time and
   memory linear in the number of queries: the metrics are accumulated over blocks of queries
-  (:mod:`art_malleability.metrics._accumulators`).
+  (:mod:`art_malleability.metrics.accumulators`).
   The bootstrap is *conditional on the influential set*: the top set is chosen once from all
   clean scores (it is the set an audit perturbs) and held fixed in every resample. Every statistic of one audit
   uses the same resamples (:func:`resample_rows`), so an attack and its control are paired. Results over
@@ -51,7 +51,6 @@ import numpy as np
 from numpy.typing import ArrayLike
 from scipy.stats import norm, spearmanr
 
-from art_malleability.metrics._accumulators import QueryResampling, top_masks
 from art_malleability.metrics._bootstrap import (
     TIE_VARIANCE_RATIO,
     check_confidence,
@@ -62,7 +61,7 @@ from art_malleability.metrics._bootstrap import (
     seed_interval,
     t_interval,
 )
-from art_malleability.metrics._flip_posterior import FlipPosterior
+from art_malleability.metrics._flip_posterior import FlipPosterior, projection_noise
 from art_malleability.metrics._scores import (
     RANK_BY,
     _pair,
@@ -72,12 +71,16 @@ from art_malleability.metrics._scores import (
     top_indices,
     top_k_count,
 )
+from art_malleability.metrics._spearman import SPEARMAN_PAIRS
 from art_malleability.metrics._summary import (
     BOUNDS,
     VARIANCE_FACTOR,
     combine_controls,
     malleability_metrics,
+    pass_metrics,
+    replicated,
 )
+from art_malleability.metrics.accumulators import QueryResampling, top_masks
 
 __all__ = [
     "RANK_BY",
@@ -105,6 +108,12 @@ __all__ = [
     "top_masks",
     "malleability_metrics",
     "combine_controls",
+    "aggregate_jaccard",
+    "check_confidence",
+    "pass_metrics",
+    "replicated",
+    "projection_noise",
+    "SPEARMAN_PAIRS",
 ]
 
 logger = logging.getLogger(__name__)
@@ -179,7 +188,7 @@ def top_k_jaccard(
     :return: ``|A ∩ B| / |A ∪ B|`` in [0, 1]; ``NaN`` when both sets are empty.
     """
     before, after, top, k = _pair_and_top(before, after, top_fraction, rank_by, top)
-    return _aggregate_jaccard(aggregate_scores(after), top, k, rank_by)
+    return aggregate_jaccard(aggregate_scores(after), top, k, rank_by)
 
 
 def _aggregate_flip_rate(agg_before: np.ndarray, agg_after: np.ndarray, top: np.ndarray) -> float:
@@ -188,7 +197,7 @@ def _aggregate_flip_rate(agg_before: np.ndarray, agg_after: np.ndarray, top: np.
     return float(flip_mask(agg_before[top], agg_after[top]).mean())
 
 
-def _aggregate_jaccard(agg_after: np.ndarray, top: np.ndarray, k: int, rank_by: str) -> float:
+def aggregate_jaccard(agg_after: np.ndarray, top: np.ndarray, k: int, rank_by: str) -> float:
     set_a = set(top.tolist())
     set_b = set(top_indices(agg_after, k, rank_by).tolist())
     union = set_a | set_b

@@ -1,5 +1,5 @@
 """
-All malleability metrics of one clean/perturbed pair, from the passes of :mod:`._accumulators`: each statistic with the
+All malleability metrics of one clean/perturbed pair, from the passes of :mod:`.accumulators`: each statistic with the
 interval whose coverage the test suite measures, the random-sign control's combination of draws, and the excesses of an
 attack over its control. :mod:`art_malleability.metrics` exports the public names; docs/metrics.md gives each
 statistic's estimand, method, assumptions and measured coverage.
@@ -13,7 +13,10 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike
 
-from art_malleability.metrics._accumulators import (
+from art_malleability.metrics._bootstrap import TIE_VARIANCE_RATIO, jackknife_interval, normal_interval, t_interval
+from art_malleability.metrics._flip_posterior import FlipPosterior
+from art_malleability.metrics._scores import _pair, flip_mask, top_indices
+from art_malleability.metrics.accumulators import (
     CleanScores,
     PerturbedScores,
     QueryResampling,
@@ -21,9 +24,6 @@ from art_malleability.metrics._accumulators import (
     check_complete,
     finite_mean,
 )
-from art_malleability.metrics._bootstrap import TIE_VARIANCE_RATIO, jackknife_interval, normal_interval, t_interval
-from art_malleability.metrics._flip_posterior import FlipPosterior
-from art_malleability.metrics._scores import _pair, flip_mask, top_indices
 
 #: Range of each reported statistic (intervals are clipped to it).
 BOUNDS = {
@@ -83,7 +83,7 @@ def pass_metrics(
     """
     The metrics of one perturbed pass (see :func:`malleability_metrics` for the keys).
 
-    :param perturbed: A complete :class:`~._accumulators.PerturbedScores`.
+    :param perturbed: A complete :class:`~.accumulators.PerturbedScores`.
     :param confidence: Interval coverage.
     :param noise: A projected estimator's noise model.
     :param control: The control's combined metrics (:func:`combine_controls`), or ``None``.
@@ -122,7 +122,7 @@ def replicated(perturbed: PerturbedScores, spearman: bool = True,
     The statistics that have replicates, on all queries and on each resample (:data:`REPLICATED`): the raw flip rate,
     the top-k Jaccard, the signed retention (bootstrap) and Spearman's correlation (jackknife).
 
-    :param perturbed: A complete :class:`~._accumulators.PerturbedScores`.
+    :param perturbed: A complete :class:`~.accumulators.PerturbedScores`.
     :param spearman: Whether to compute Spearman's correlation (the simulations of the others leave it out).
     :param selected: Whether the set was chosen from these clean scores (the retention's prior then covers all
         examples).
@@ -205,7 +205,7 @@ def malleability_metrics(
     (:func:`~art_malleability.metrics.noise_aware_flip_rate`) with its own interval; the raw flip rate's expectation
     under query noise alone. The bootstrap is over queries, conditional on the influential set (chosen once, held
     fixed), on resamples shared by every statistic of the audit. Time and memory are linear in the number of queries
-    (:mod:`art_malleability.metrics._accumulators`, which an audit feeds block by block).
+    (:mod:`art_malleability.metrics.accumulators`, which an audit feeds block by block).
 
     :param before: Clean influence matrix (n_query, n_train), positive = helpful.
     :param after: Influence matrix after perturbation, same shape.

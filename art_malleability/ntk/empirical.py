@@ -267,7 +267,7 @@ class JacobianGram:
     def _start(self, trace: bool, classes: ClassDirections | None = None) -> None:
         """
         Set the per-computation state before a kernel computation: fresh class directions, or ``classes`` kept
-        from an earlier computation (:class:`~art_malleability.ntk._kept.KeptFactors`).
+        from an earlier computation (:class:`~art_malleability.ntk.kept.KeptFactors`).
         """
         # the batched method never compresses: the rank-one check needs the host to read its outcome
         self._compress = trace and self._n_outputs > 1 and self._path != "batched"

@@ -20,9 +20,8 @@ from art_malleability.audit.attacks import ATTACK_NAMES, STRATEGIES, attack_labe
 from art_malleability.influence import INFLUENCE_NAMES, InfluenceEstimator, get_influence
 from art_malleability.influence.ntk import MEMORY_SHARE
 from art_malleability.influence.ridge_choice import check_ridge
-from art_malleability.metrics import RANK_BY
-from art_malleability.metrics._accumulators import metrics_plan
-from art_malleability.metrics._bootstrap import check_confidence
+from art_malleability.metrics import RANK_BY, check_confidence
+from art_malleability.metrics.accumulators import metrics_plan
 from art_malleability.ntk.projection import check_projection_dim
 
 logger = logging.getLogger(__name__)
@@ -92,7 +91,7 @@ def check_query_budget(
 ) -> dict[str, Any]:
     """
     The metrics of ``n_query`` queries must fit the memory; their plan depends on the sizes alone
-    (:func:`~art_malleability.metrics._accumulators.metrics_plan`). The budget is ``memory_limit_gb`` when set, else
+    (:func:`~art_malleability.metrics.accumulators.metrics_plan`). The budget is ``memory_limit_gb`` when set, else
     :data:`~art_malleability.influence.ntk.MEMORY_SHARE` of the device's total memory: a fixed fact of the machine, not
     what other processes leave free at the moment, so that the same command is refused or run the same way anywhere
     on the same machine.

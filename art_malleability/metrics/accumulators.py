@@ -69,7 +69,7 @@ class QueryResampling:
         self.n_bootstrap = b
 
 
-class _ColumnSums:
+class ColumnSums:
     """Finite counts and sums of columns over all queries, and (with weights) over every resample."""
 
     def __init__(self, n_cols: int, device: torch.device, weights: torch.Tensor | None = None) -> None:
@@ -277,7 +277,7 @@ class CleanScores:
         self.k = top_k_count(n_train, top_fraction)
         device, n_query = resampling.device, resampling.n_query
         self.device, self.n_query = device, n_query
-        self.columns = _ColumnSums(n_train, device)
+        self.columns = ColumnSums(n_train, device)
         self.query_tops = _QueryTops(n_query, n_train, top_fraction, rank_by, device)
         self.pairs = SampledPairs(n_query, n_train, resampling.seed, device)
         self.store = (_ScoreStore.wrap(given, device) if given is not None
@@ -310,7 +310,7 @@ class CleanScores:
         self.top_t = torch.as_tensor(self.top, device=self.device)
         self.top_scores = self.store.columns(self.top)
         self.store.close()
-        self.top_sums = _ColumnSums(len(self.top), self.device, self.resampling.weights)
+        self.top_sums = ColumnSums(len(self.top), self.device, self.resampling.weights)
         self.top_sums.add(0, self.top_scores)
         self.pairs.finish()
         self.finished = True
@@ -345,7 +345,7 @@ class PerturbedScores:
             raise ValueError("clean must be finished (CleanScores.finish) before the perturbed scores are taken")
         self.clean = clean
         resampling = clean.resampling
-        self.columns = _ColumnSums(clean.n_train, clean.device, resampling.weights)
+        self.columns = ColumnSums(clean.n_train, clean.device, resampling.weights)
         self.paired = {name: torch.zeros((1, len(clean.top)), dtype=torch.float64, device=clean.device)
                        for name in PairedSums.NAMES}
         self.per_query = torch.full((clean.n_query,), torch.nan, dtype=torch.float64, device=clean.device)
