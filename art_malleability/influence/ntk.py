@@ -696,6 +696,32 @@ class NTKInfluence(InfluenceEstimator):
             b, beta = self.shard_.all_gather_columns(b), self.shard_.all_gather_rows(beta)
         return (f[:, None, :] - b[:, :, None] * beta[None, :, :]).cpu().numpy()
 
+    def self_influence(self, x: np.ndarray | None = None, y: np.ndarray | None = None) -> np.ndarray:
+        """
+        Self-influence (see :meth:`InfluenceEstimator.self_influence`). The projected mode keeps the training set's
+        features, not its inputs, and takes it from them: the leave-one-out of each example on itself.
+
+        :param x: ``None`` (the fitted training set).
+        :param y: ``None``.
+        :return: ``float64`` array ``(n_train,)``.
+        """
+        self._check_fitted("self_influence")
+        if x is not None or y is not None or self.mode_ != "projected" or self.x_train_ is not None:
+            return super().self_influence(x, y)
+        dual = isinstance(self.solver_, DualRidge)
+        phi = self._phi if dual else self.solver_.features_  # every row (dual) or this process's block (primal)
+        labels = torch.as_tensor(self.y_train_, device=phi.device)
+        out = torch.empty(len(phi), dtype=torch.float64, device=phi.device)
+        with self._clock("scores"):
+            for s in range(0, len(phi), self.batch_size):
+                rows = torch.arange(s, min(s + self.batch_size, len(phi)), device=phi.device)
+                f, b, beta = self.solver_.loo_parts(phi[rows] @ phi.T if dual else phi[rows])
+                block = loo_scores(f, b[:, rows], beta[rows], labels[rows], self.loss)  # the rows on each other
+                out[rows] = block.diagonal()
+        if not dual:
+            out = self._comm(self.shard_.all_gather_rows, out)
+        return out.cpu().numpy()
+
     def _scores(self, x_query: np.ndarray, y_query: np.ndarray) -> np.ndarray:
         with self._clock("scores"):
             f, b, beta = self._query_parts(x_query)
