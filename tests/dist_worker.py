@@ -73,6 +73,7 @@ def run(out: str, mode: str = "ok") -> None:
     changed = np.array([2, 40, 41, 69])
     est.refit(changed, np.clip(x[changed] + 0.1, 0.0, 1.0))
     refitted = est.scores(xq, yq)
+    own = est.self_influence()  # the projected modes take it from the kept features (each process its rows)
     report = MalleabilityEstimator(
         clf, projection_dim="auto" if exact else k, n_queries=12, n_bootstrap=40, verbose=False, device="cpu",
         attack_max_iter=5,
@@ -81,6 +82,7 @@ def run(out: str, mode: str = "ok") -> None:
         os.makedirs(out, exist_ok=True)
         np.save(os.path.join(out, "scores.npy"), scores)
         np.save(os.path.join(out, "refitted.npy"), refitted)
+        np.save(os.path.join(out, "self.npy"), own)
         with open(os.path.join(out, "report.json"), "w") as handle:
             json.dump(report.to_dict(), handle)
     if exact:

@@ -49,6 +49,7 @@ def test_two_gloo_processes_give_the_single_process_report(tmp_path, mode):
     two, scores_two = _read(tmp_path / "two")
     assert _close(scores_two, scores_one)
     assert _close(np.load(tmp_path / "two" / "refitted.npy"), np.load(tmp_path / "one" / "refitted.npy"))
+    assert _close(np.load(tmp_path / "two" / "self.npy"), np.load(tmp_path / "one" / "self.npy"))
     assert two["top_indices"] == one["top_indices"]
     assert _close(two["scores_before"], one["scores_before"])
     for a, b in zip(two["results"], one["results"], strict=True):
