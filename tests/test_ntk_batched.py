@@ -63,20 +63,29 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
+def _assert_batched_is_jacobian(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor, batch_size: int) -> None:
+    """Traced and not, symmetric and not: the batched kernel equals torch.func's (other sub-batches on each side)."""
+    with torch.no_grad():
+        n1, c = len(x1), model(x1[:1]).shape[1]
+    for trace in (True, False):
+        for b in (None, x2):
+            k_b = empirical_ntk(model, x1, b, method="batched", batch_size=batch_size, trace=trace)
+            k_j = empirical_ntk(model, x1, b, method="jacobian", batch_size=batch_size + 1, trace=trace)
+            n2 = n1 if b is None else len(x2)
+            assert k_b.shape == ((n1, n2) if trace else (n1, n2, c, c))
+            assert k_b.dtype == torch.float64
+            assert _rel(k_b, k_j) < 1e-10, (trace, b is None)
+
+
 @pytest.mark.parametrize("c", CLASSES)
 @pytest.mark.parametrize("name", MODELS)
 def test_batched_matches_jacobian(name: str, c: int) -> None:
     model, shape = _model(name, c)
     x1 = torch.randn(7, *shape, generator=_gen(1), dtype=torch.float64)
     x2 = torch.randn(4, *shape, generator=_gen(2), dtype=torch.float64)
-    for trace in (True, False):
-        for b in (None, x2):
-            k_b = empirical_ntk(model, x1, b, method="batched", batch_size=3, trace=trace)
-            k_j = empirical_ntk(model, x1, b, method="jacobian", batch_size=4, trace=trace)
-            n2 = 7 if b is None else 4
-            assert k_b.shape == ((7, n2) if trace else (7, n2, c, c))
-            assert k_b.dtype == torch.float64
-            assert _rel(k_b, k_j) < 1e-10, (trace, b is None)
+    with torch.no_grad():
+        assert model(x1[:1]).shape[1] == c
+    _assert_batched_is_jacobian(model, x1, x2, batch_size=3)
 
 
 @pytest.mark.parametrize("name", ALL_MODELS)
@@ -86,11 +95,7 @@ def test_batched_matches_jacobian_on_the_structured_zoo(name: str) -> None:
     model = model.double().eval()
     x1 = torch.randn(9, *shape, generator=_gen(3), dtype=torch.float64)
     x2 = torch.randn(5, *shape, generator=_gen(4), dtype=torch.float64)
-    for trace in (True, False):
-        for b in (None, x2):
-            k_b = empirical_ntk(model, x1, b, method="batched", batch_size=4, trace=trace)
-            k_j = empirical_ntk(model, x1, b, method="jacobian", batch_size=5, trace=trace)
-            assert _rel(k_b, k_j) < 1e-10
+    _assert_batched_is_jacobian(model, x1, x2, batch_size=4)
 
 
 def test_batched_with_output_fn_and_labels() -> None:

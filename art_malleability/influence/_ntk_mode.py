@@ -114,9 +114,15 @@ class ModeChoice:
         return f"tiles of {block} rows {'on disk' if on_disk else 'in memory'}"
 
 
+def estimates(options: ModeOptions, estimating: bool) -> bool:
+    """Whether :func:`choose_mode` estimates both modes' time (at the nominal rate): under ``"auto"``, or when asked
+    (for a plan)."""
+    return estimating or options.projection_dim == "auto"
+
+
 def needs_model_facts(options: ModeOptions, estimating: bool) -> bool:
     """Whether :func:`choose_mode` needs the model's facts: not for a given ``projection_dim`` unless estimating."""
-    return options.projection_dim in (None, "auto") or estimating
+    return options.projection_dim is None or estimates(options, estimating)
 
 
 def keeps_factors(n: int, example_bytes: int, budget: int, device: torch.device, reserve: int) -> bool:
@@ -152,7 +158,7 @@ def choose_mode(n: int, options: ModeOptions, machine: MachineFacts, model: Mode
     """
     k = options.projection_dim
     given_k = k not in (None, "auto")
-    estimating = estimating or k == "auto"
+    estimating = estimates(options, estimating)
     if given_k and not estimating:
         return ModeChoice("projected", f"projected: projection_dim={k} was given")
     if model is None:

@@ -73,6 +73,7 @@ from art_malleability.influence._ntk_mode import (
     ModelFacts,
     ModeOptions,
     choose_mode,
+    estimates,
     needs_model_facts,
 )
 from art_malleability.influence.base import InfluenceEstimator, regression_targets
@@ -237,7 +238,7 @@ class NTKInfluence(InfluenceEstimator):
         if needs_model_facts(options, planning):
             engine = self._engine(model, n, self._budget)
             seconds = None
-            if planning or self.projection_dim == "auto":  # counted operations at the nominal rate
+            if estimates(options, planning):  # counted operations at the nominal rate
                 rate, rate_text = nominal_gemm_rate(self.device_)
                 rate = -float(shard.all_reduce(torch.tensor([-rate], dtype=torch.float64), "max")[0])  # the slowest
                 machine = replace(machine, rate=rate, rate_text=rate_text)
@@ -246,9 +247,7 @@ class NTKInfluence(InfluenceEstimator):
             facts = ModelFacts(engine.factor_elements(probe), example_bytes, engine.batch_size, engine.chunk_mb,
                                engine.panel_rows(), seconds)
         choice = choose_mode(n, options, machine, facts, estimating=planning)
-        self._choice, self._plan, self._reserve = choice, choice.plan, choice.reserve
-        self._kept_bytes, self._example_bytes, self._factor_cache = (choice.kept_bytes, choice.example_bytes,
-                                                                     choice.factor_cache)
+        self._choice = choice
         self.estimated_seconds_, self.mode_reason_, self.auto_note_ = choice.seconds, choice.reason, choice.note
         if choice.note is not None and not planning:  # plan() reports it instead
             logger.warning("NTK influence: %s", choice.note)
@@ -261,9 +260,10 @@ class NTKInfluence(InfluenceEstimator):
         passes), and what they are for."""
         shard = self.shard_
         if self.mode_ == "exact":  # the solve's form, the engine's chunks, and the set's factors where they are kept
-            need = (plan_bytes(self._plan, n, self.device_, shard.world_size, self._reserve) + self._kept_bytes
+            choice = self._choice
+            need = (plan_bytes(choice.plan, n, self.device_, shard.world_size, choice.reserve) + choice.kept_bytes
                     + self._query_cache_bytes(n))
-            return need, f"the exact NTK influence of {n} examples ({self._choice.form()})"
+            return need, f"the exact NTK influence of {n} examples ({choice.form()})"
         start, stop = shard.bounds(n)
         dim = DEFAULT_PROJECTION_DIM if self.projection_dim == "auto" else int(self.projection_dim)
         need = projected_bytes(stop - start, n, dim) + self._query_cache_bytes(n)
@@ -277,8 +277,9 @@ class NTKInfluence(InfluenceEstimator):
         if self.mode_ != "exact":
             dim = DEFAULT_PROJECTION_DIM if self.projection_dim == "auto" else int(self.projection_dim)
             return min(bound, 8 * q * dim)
-        factors = min(self._factor_cache, q * self._example_bytes)
-        kept = min(bound, 8 * q * n) + factors if self._kept_bytes else 0
+        choice = self._choice
+        factors = min(choice.factor_cache, q * choice.example_bytes)
+        kept = min(bound, 8 * q * n) + factors if choice.kept_bytes else 0
         return min(bound, 8 * q * n) + kept
 
     def _check_available(self, n: int) -> None:
@@ -323,8 +324,8 @@ class NTKInfluence(InfluenceEstimator):
         self.ridge_criteria_ = None
         if self.ridge_ is not None:
             return
-        if self.mode_ == "exact" and self._plan[0] is not None:
-            where = "tiles on disk" if self._plan[1] else "tiles"
+        if self.mode_ == "exact" and self._choice.plan[0] is not None:
+            where = "tiles on disk" if self._choice.plan[1] else "tiles"
             raise ValueError(
                 f"ridge must be a number for the exact solve in {where} ({n} training examples, "
                 f"{self.shard_.world_size} process(es)), got {self.ridge!r}: the rule "
@@ -339,7 +340,7 @@ class NTKInfluence(InfluenceEstimator):
         return self.ridge_
 
     def _log_plan(self, n: int, world: int) -> None:
-        block, on_disk = self._plan
+        block, on_disk = self._choice.plan
         if block is None:
             logger.info("NTK influence: exact solve, %d x %d matrices in memory", n, n)
             return
@@ -381,7 +382,7 @@ class NTKInfluence(InfluenceEstimator):
         self._kept = None
         self._query_features = None
         self._budget = memory_budget(self.memory_limit_gb, self.device_, shard)
-        self._plan = None
+        self._choice = None
         previous = getattr(self, "solver_", None)
         if isinstance(previous, DualRidge):
             previous.close()  # a previous fit's tiles on disk go now
@@ -402,7 +403,7 @@ class NTKInfluence(InfluenceEstimator):
         self._check_labels(y, "y_train")
         self.x_train_, self.y_train_ = np.array(x, copy=True), y
         self._x_base = self.x_train_
-        block, on_disk = self._plan
+        block, on_disk = self._choice.plan
         if block is not None:  # tiles, computed from the model tile by tile (over the group: each its own)
             engine = self._engine(model, len(x), self._budget)
 
@@ -511,8 +512,8 @@ class NTKInfluence(InfluenceEstimator):
         :meth:`_choose_mode`; otherwise every later call computes them again).
         """
         engine = self._engine(model, len(x), self._budget)
-        if self._kept_bytes:
-            self._kept = KeptFactors(engine, x, query_bytes=self._factor_cache)
+        if self._choice.kept_bytes:
+            self._kept = KeptFactors(engine, x, query_bytes=self._choice.factor_cache)
             return self._kept.gram().to(torch.float64)
         logger.info("NTK influence: the training set's Jacobian factors do not fit the memory; not kept")
         return self._kernel(model, x).to(torch.float64)

@@ -345,7 +345,7 @@ def factor_passes(n: int, panel: int, block: int | None = None) -> float:
 def exact_seconds(
     n: int, factor: int, rate: float, world: int = 1, example_seconds: float | None = None, panel: int | None = None,
     block: int | None = None, refits: int = 1, queries: int = 0, kept: bool = False, query_bytes: int = 0,
-    factor_cache: int = 0,
+    factor_cache: int | None = None,
 ) -> float:
     """
     Estimated seconds of the exact mode's fit, ``refits`` refits of a tenth of the rows (``m = n / 10 + 1``, the
@@ -376,7 +376,7 @@ def exact_seconds(
     :param queries: Queries scored after the fit and each refit.
     :param kept: Whether the training set's factors are kept between the kernel's computations.
     :param query_bytes: Bytes of one query's Jacobian factors (kept between passes with ``kept``).
-    :param factor_cache: Bytes of the queries' factors kept (at least ``QUERY_CACHE_BYTES``).
+    :param factor_cache: Bytes of the queries' factors kept (``None``: ``QUERY_CACHE_BYTES``).
     :return: Seconds.
     """
     m, passes, later = n // 10 + 1, refits + 1, max(refits - 1, 0)
@@ -403,10 +403,10 @@ def exact_seconds(
     return (kernel + solve) / max(world, 1)
 
 
-def _kept_share(nbytes: float, bound: int = 0) -> float:
-    """Share of something of ``nbytes`` that an audit's cache of queries keeps (``bound``, at least
+def _kept_share(nbytes: float, bound: int | None = None) -> float:
+    """Share of something of ``nbytes`` that an audit's cache of queries keeps (``bound``; ``None``:
     ``QUERY_CACHE_BYTES``)."""
-    bound = max(bound, _cache.QUERY_CACHE_BYTES)
+    bound = _cache.QUERY_CACHE_BYTES if bound is None else bound
     return 1.0 if nbytes <= bound else bound / nbytes
 
 

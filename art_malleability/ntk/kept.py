@@ -36,13 +36,13 @@ class KeptFactors:
 
     :param engine: The engine (traced kernel, no ``output_fn``).
     :param x: The examples to keep, ``(n, *input_shape)``.
-    :param query_bytes: Bytes of new examples' factors kept between calls (by sub-batch, the first ones that fit),
-        and, separately, of their rows against the set as given; at least ``QUERY_CACHE_BYTES``.
+    :param query_bytes: Bytes of new examples' factors kept between calls (by sub-batch, the first ones that fit;
+        ``None``: ``QUERY_CACHE_BYTES``); their rows against the set as given are kept up to ``QUERY_CACHE_BYTES``.
     """
 
-    def __init__(self, engine: JacobianGram, x: np.ndarray | torch.Tensor, query_bytes: int = 0) -> None:
+    def __init__(self, engine: JacobianGram, x: np.ndarray | torch.Tensor, query_bytes: int | None = None) -> None:
         self.engine = engine
-        self.query_bytes = max(int(query_bytes), _cache.QUERY_CACHE_BYTES)
+        self.query_bytes = _cache.QUERY_CACHE_BYTES if query_bytes is None else int(query_bytes)
         self.x = to_tensor(x, engine.device, engine.dtype)
         self._changed = np.zeros(0, dtype=np.int64)
         self._x_changed = self.x[:0]
@@ -157,7 +157,6 @@ class KeptFactors:
             if not known:
                 base = torch.empty((x_new.shape[0], self.n), dtype=engine.dtype, device=engine.device)
             rows = torch.empty_like(base)
-            changed = torch.as_tensor(self._changed, device=rows.device)
             bs = engine._block_rows()
             for i in range(0, x_new.shape[0], bs):
                 f = None
@@ -166,8 +165,7 @@ class KeptFactors:
                     base[i : i + bs] = self._contract_all([f], self._blocks, self.n)
                 rows[i : i + bs] = base[i : i + bs]
                 if len(self._changed):
-                    f = f if f is not None else factors(i, bs)
-                    rows[i : i + bs, changed] = self._contract_all([f], self._changed_blocks, len(self._changed))
+                    self._swap_columns(rows[i : i + bs], [f if f is not None else factors(i, bs)])
             if not known:
                 self._base_rows.put(key, base)
             return rows
