@@ -10,7 +10,7 @@ audit shards itself over the initialised group.
 Each process owns a contiguous block of the training examples (:meth:`Shard.bounds`) and runs the attack on
 them. The projected NTK influence computes the block's features, sums ``ΦᵀΦ`` and ``ΦᵀY`` with ``all_reduce``
 and gathers influence columns with ``all_gather``; the exact one deals the tile rows of its kernel and factor out
-over the processes (``art_malleability.influence._tiles``). Every process ends with the same report (rank 0
+over the processes (``art_malleability.linalg._tiles``). Every process ends with the same report (rank 0
 alone writes it).
 
 One object stands for the group in one process and in many: a run without a process group (or with

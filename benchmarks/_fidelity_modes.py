@@ -18,7 +18,8 @@ from torch import nn
 from art_malleability.data import Dataset
 from art_malleability.influence import NTKInfluence
 from art_malleability.influence.base import regression_targets
-from art_malleability.influence.ridge import DualRidge, loo_scores
+from art_malleability.influence.ridge import loo_scores
+from art_malleability.linalg.ridge import DualRidge
 from art_malleability.metrics import (
     aggregate_scores,
     flip_mask,

@@ -1,7 +1,7 @@
 """
 Benchmark: the exact NTK influence's dual solve in its three forms against the in-memory dense solve, on the CPU.
 
-The solve of the exact mode (:class:`art_malleability.influence.ridge.DualRidge`) on one kernel: the base fit
+The solve of the exact mode (:class:`art_malleability.linalg.ridge.DualRidge`) on one kernel: the base fit
 (factor and inverse of ``A = K + λI``), one update of ``m = n / 10`` changed rows (the audit's top set: a second
 factor, of ``A_QQ``, and the Schur complement), and the leave-one-out parts of 100 queries. Cases, each in its own
 process so that its peak resident set size (``ru_maxrss``, reported by the process itself) is its own:
@@ -64,7 +64,7 @@ def problem(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, np.ndarr
 def run_case(case: str, n: int, out: Path, block: int | None) -> None:
     """One case in this process (every rank of the sharded case calls it); rank 0 writes ``out/<case>.json``."""
     from art_malleability.distributed import ONE_PROCESS, init_from_env
-    from art_malleability.influence.ridge import DualRidge
+    from art_malleability.linalg.ridge import DualRidge
 
     shard = init_from_env("gloo") if case == "sharded" else ONE_PROCESS
     world = shard.world_size

@@ -42,7 +42,7 @@ from art_malleability.influence.ntk_memory import (
     exact_plan,
     gemm_rate,
 )
-from art_malleability.influence.ridge import DualRidge
+from art_malleability.linalg.ridge import DualRidge
 from art_malleability.models import TwoLayerReLU, build_architecture
 from art_malleability.ntk.empirical import JacobianGram
 

@@ -93,7 +93,7 @@ def run(out: str, mode: str = "ok") -> None:
 
 def tiled_solves(shard, out: str) -> dict:
     """The tiled dual solve of a random kernel, tiles in memory and on disk, before and after a row update."""
-    from art_malleability.influence.ridge import DualRidge
+    from art_malleability.linalg.ridge import DualRidge
 
     rng = np.random.default_rng(1)
     phi = rng.normal(size=(45, 30))

@@ -7,7 +7,7 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from art_malleability.influence import NTKInfluence
-from art_malleability.influence.ridge import DualRidge, PrimalRidge
+from art_malleability.linalg.ridge import DualRidge, PrimalRidge
 from art_malleability.ntk.empirical import empirical_ntk
 from art_malleability.ntk.projection import ProjectedNTK, allocate, kronecker_split
 

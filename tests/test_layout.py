@@ -108,3 +108,52 @@ def _private_crossings() -> list[str]:
 def test_no_private_name_crosses_a_subpackage_boundary():
     """Subpackages (and the benchmarks) use each other's public names only; ``_utils`` is the shared private base."""
     assert not _private_crossings()
+
+
+#: The package's layers, top to bottom (docs/concepts.md): a module imports only its own subpackage and those below.
+LAYERS = (
+    ("art_malleability", "cli"),
+    ("paper",),
+    ("audit",),
+    ("validation",),
+    ("influence",),
+    ("ntk",),
+    ("linalg",),
+    ("metrics", "data"),
+    ("models",),
+    ("distributed",),
+    ("_utils",),
+)
+
+
+def _layer(module: str) -> tuple[str, int]:
+    parts = module.split(".")
+    part = parts[1] if len(parts) > 1 else parts[0]
+    for depth, members in enumerate(LAYERS):
+        if part in members:
+            return part, depth
+    raise AssertionError(f"{module} is in no layer of LAYERS")
+
+
+def _upward_imports() -> list[str]:
+    found = []
+    for name, deps in _graph().items():
+        part, depth = _layer(name)
+        for dep in deps:
+            dep_part, dep_depth = _layer(dep)
+            if dep_part != part and dep_depth <= depth:
+                found.append(f"{name} -> {dep}")
+    return sorted(found)
+
+
+def test_imports_point_down_the_layers():
+    """No module imports a subpackage of its own layer or one above it."""
+    assert not _upward_imports()
+
+
+def test_the_layer_check_finds_an_upward_import(monkeypatch):
+    graph = _graph()
+    graph["art_malleability.ntk.convergence"] = graph["art_malleability.ntk.convergence"] | {
+        "art_malleability.influence.ridge"}
+    monkeypatch.setattr(__import__(__name__), "_graph", lambda: graph)
+    assert _upward_imports() == ["art_malleability.ntk.convergence -> art_malleability.influence.ridge"]

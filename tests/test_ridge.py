@@ -8,13 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from art_malleability.influence.ridge import (
-    DualRidge,
-    PrimalRidge,
-    inverse_cholesky_,
-    kernel_ridge_predict,
-    loo_scores,
-)
+from art_malleability.influence.ridge import loo_scores
+from art_malleability.linalg.ridge import DualRidge, PrimalRidge, inverse_cholesky_, kernel_ridge_predict
 
 
 def _rel(a, b):
@@ -176,7 +171,7 @@ def test_exact_solve_holds_at_most_two_n_by_n_matrices():
     script = textwrap.dedent(
         """
         import resource, numpy as np, torch
-        from art_malleability.influence.ridge import DualRidge
+        from art_malleability.linalg.ridge import DualRidge
         torch.set_num_threads(1)
         n = 3000
         phi = torch.randn(n, 60, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
@@ -246,7 +241,7 @@ def test_the_in_place_factorisation_survives_matrices_above_16000(tmp_path):
     """
     script = textwrap.dedent("""
         import numpy as np, torch
-        from art_malleability.influence.ridge import inverse_cholesky_
+        from art_malleability.linalg.ridge import inverse_cholesky_
         torch.manual_seed(0)
         (torch.randn(4_000_000) * 2).sum()  # any parallel operation starts PyTorch's OpenMP threads
         n = 16_500

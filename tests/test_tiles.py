@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from art_malleability.influence import _tiles as T
+from art_malleability.linalg import _tiles as T
 
 
 def _spd(n, seed=0):
@@ -89,3 +89,36 @@ def test_products_with_row_blocks_equal_the_dense_ones(tmp_path, on_disk):
     torch.testing.assert_close(columns.t_matmul(u), want.T @ u, rtol=0, atol=1e-11)
     torch.testing.assert_close(columns.column_sq_norms(), (want**2).sum(dim=0), rtol=1e-12, atol=0)
     store.close()
+
+
+@pytest.mark.parametrize("on_disk", [False, True])
+def test_both_factors_answer_the_factor_protocol_alike(tmp_path, on_disk):
+    """The dense and the tiled factor are ``InverseFactor``s, and give the same products, norms and update blocks."""
+    from art_malleability.linalg.factors import Columns, DenseFactor, InverseFactor
+
+    rng = np.random.default_rng(3)
+    n, m, ridge = 11, 3, 0.5
+    g = rng.normal(size=(n + m, 6))
+    k = torch.as_tensor(g @ g.T)
+    kq = k[:n, :n].contiguous()
+    dense = DenseFactor((kq + ridge * torch.eye(n, dtype=torch.float64)).contiguous(), ridge)
+    tiled = T.TiledInverseFactor(lambda r, c: kq[np.ix_(r, c)], n, ridge, 4, tmp_path if on_disk else None,
+                                 torch.float64, "cpu")
+    try:
+        for factor in (dense, tiled):
+            assert isinstance(factor, InverseFactor)
+        v, u = torch.as_tensor(rng.normal(size=(n, 2))), torch.as_tensor(rng.normal(size=(n, 2)))
+        assert torch.allclose(dense.matmul(v), tiled.matmul(v), rtol=1e-12, atol=1e-12)
+        assert torch.allclose(dense.t_matmul(u), tiled.t_matmul(u), rtol=1e-12, atol=1e-12)
+        assert torch.allclose(dense.column_sq_norms(), tiled.column_sq_norms(), rtol=1e-12, atol=1e-12)
+        a_pq = k[n:, :n]
+        a_pp = k[n:, n:] + ridge * torch.eye(m, dtype=torch.float64)
+        invert = torch.linalg.inv
+        (x_d, y_d), (x_t, y_t) = (f.schur(lambda idx: a_pq[:, idx], a_pp, invert) for f in (dense, tiled))
+        assert isinstance(x_d, Columns) and isinstance(x_t, Columns)
+        assert torch.allclose(y_d, y_t, rtol=1e-10, atol=1e-12)
+        eye = torch.eye(m, dtype=torch.float64)  # X is m x n: X^T I gives it whole
+        assert torch.allclose(x_d.t_matmul(eye), x_t.t_matmul(eye), rtol=1e-10, atol=1e-12)
+    finally:
+        tiled.close()
+        dense.close()

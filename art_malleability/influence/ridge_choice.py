@@ -27,8 +27,7 @@ import torch
 from scipy.linalg import lapack
 from threadpoolctl import threadpool_limits
 
-from art_malleability.influence._tiles import check_finite
-from art_malleability.influence.ridge import _row_block
+from art_malleability.linalg import check_finite, row_block
 
 logger = logging.getLogger(__name__)
 
@@ -42,16 +41,20 @@ RIDGE_RULES = ("loo", "gcv")
 DEFAULT_RELATIVE_GRID = tuple(10.0 ** np.arange(-9.0, 1.0 + 1e-9, 0.25))
 
 
+#: The rule of a ridge: ``λ > 0`` or one of :data:`RIDGE_RULES` (the audit's, the NTK influence's and the command
+#: line's ``--ridge``).
+RIDGE = Rule(
+    f"be a positive float or one of {RIDGE_RULES}",
+    lambda v: (isinstance(v, str) and v in RIDGE_RULES) or (is_number(v) and math.isfinite(float(v)) and v > 0),
+)
+
+
 def check_ridge(ridge: float | str) -> None:
     """
     :param ridge: A ridge ``λ > 0`` or one of :data:`RIDGE_RULES`.
-    :raises ValueError: Otherwise, naming the argument.
+    :raises ValueError: Otherwise, naming the argument (the rule :data:`RIDGE`).
     """
-    if isinstance(ridge, str) and ridge in RIDGE_RULES:
-        return
-    number = not isinstance(ridge, bool) and isinstance(ridge, (int, float, np.integer, np.floating))
-    if not number or not math.isfinite(float(ridge)) or ridge <= 0:
-        raise ValueError(f"ridge must be a positive float or one of {RIDGE_RULES}, got {ridge!r}")
+    RIDGE(ridge, "ridge")
 
 
 def ridge_criteria(
@@ -81,7 +84,7 @@ def ridge_criteria(
         values, vectors, _, _, info = lapack.dsyevr(arr.T, compute_v=1, range="A", lower=1, overwrite_a=1)
     if info != 0:  # pragma: no cover - LAPACK contract
         raise RuntimeError(f"the eigendecomposition of the kernel failed, LAPACK info {info}")
-    step = _row_block(n)
+    step = row_block(n)
     for s in range(0, n, step):  # the kernel back, row block by row block
         arr[s : s + step] = (vectors[s : s + step] * values) @ vectors.T
     y = targets.detach().to(torch.float64).cpu().numpy()

@@ -56,7 +56,7 @@ from torch import nn
 from art_malleability._utils.checks import labels_to_indices
 from art_malleability._utils.io import json_ready, progress_bar
 from art_malleability._utils.torch_utils import no_tf32, resolve_device
-from art_malleability.influence.ridge import kernel_ridge_predict
+from art_malleability.linalg.ridge import kernel_ridge_predict
 from art_malleability.metrics import check_confidence, percentile_interval
 from art_malleability.models.reference import CONTEXTS, REFERENCE_MODELS, build_reference_model, is_transductive
 from art_malleability.ntk.analytic import analytic_ntk

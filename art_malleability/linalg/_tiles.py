@@ -29,32 +29,13 @@ import numpy as np
 import torch
 
 from art_malleability.distributed import ONE_PROCESS, Shard
+from art_malleability.linalg._checks import not_positive_definite
+from art_malleability.linalg.factors import ColumnFn, Columns, InverseFactor
 
 #: ``tile(rows, cols) -> tensor``: one block of a matrix, rows and columns given as index arrays.
 TileFn = Callable[[np.ndarray, np.ndarray], torch.Tensor]
-#: ``columns(cols) -> tensor``: the columns ``cols`` (an index array) of a matrix with few rows.
-ColumnFn = Callable[[np.ndarray], torch.Tensor]
 #: A tall matrix in row blocks by tile row: ``{i: rows i of it}``, each process holding the tile rows it owns.
 RowBlocks = dict[int, torch.Tensor]
-
-#: Elements of a row block in the finiteness check (8 MiB in float64).
-_CHECK_ELEMENTS = 2**20
-
-
-def check_finite(a: torch.Tensor, what: str) -> None:
-    """Refuse a matrix with NaN or infinite entries, checked in row blocks (no temporary of ``a``'s size)."""
-    step = max(1, _CHECK_ELEMENTS // max(a.shape[1] if a.ndim > 1 else 1, 1))
-    for s in range(0, a.shape[0], step):
-        if not bool(torch.isfinite(a[s : s + step]).all()):
-            raise ValueError(
-                f"{what} must be finite, got NaN or infinite values; check the inputs and the model's outputs"
-            )
-
-
-def not_positive_definite(what: str, ridge: float, scale: float) -> ValueError:
-    """:return: The error of a matrix that is not positive definite, with what to change."""
-    return ValueError(f"{what} must be positive definite, got ridge={ridge!r} at scale {scale:.3g}; increase ridge")
-
 
 class TileStore:
     """
@@ -330,7 +311,7 @@ def lower_t_matmul_rows(store: TileStore, u: RowBlocks, width: int,
     return out
 
 
-class ColumnBlocks:
+class ColumnBlocks(Columns):
     """
     A wide matrix ``X`` (``rows × n``) held in column blocks by the store's tile rows, each on the process that owns
     that tile row: ``X v``, ``Xᵀ u`` and the squared column norms, summed over the processes.
@@ -361,7 +342,7 @@ class ColumnBlocks:
         return self.store.group.all_reduce(out)
 
 
-class TiledInverseFactor:
+class TiledInverseFactor(InverseFactor):
     """
     The inverse Cholesky factor ``M = L⁻¹`` of ``A = K + λI`` held as lower tiles, in memory or on disk: filled from a
     tile function, factorised (:func:`cholesky_`) and inverted (:func:`triangular_inverse_`) in place.
@@ -400,7 +381,7 @@ class TiledInverseFactor:
     def schur(self, columns: ColumnFn, a_pp: torch.Tensor,
               invert: Callable[[torch.Tensor], torch.Tensor]) -> tuple[ColumnBlocks, torch.Tensor]:
         """
-        The blocks of a row update (:class:`~art_malleability.influence.ridge.DualRidge`) with this factor ``M`` of
+        The blocks of a row update (:class:`~art_malleability.linalg.ridge.DualRidge`) with this factor ``M`` of
         ``A_QQ``: ``Y_P = invert(A_PP − A_PQ Mᵀ M A_QP)`` and ``X = −Y_P A_PQ Mᵀ M``, in the layout of the tiles. Every
         process asks ``columns`` once, for the kernel columns ``A_QP`` of its own tile rows (so the changed examples'
         Jacobians are computed once per process, not once per tile row), and keeps only its own column blocks of
