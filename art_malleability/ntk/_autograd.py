@@ -204,15 +204,22 @@ def class_gradients(
             yield c, (None,) * len(outs)
 
 
+class InputChanged(Exception):
+    """A watched module's input was changed in place after the module used it: keep copies instead."""
+
+
 def probed_jacobians(
     model: nn.Module,
     modules: list[nn.Module],
     keep_inputs: list[bool],
+    shapes: list[tuple[int, ...]],
     params: list[tuple[str, nn.Parameter]],
     x: torch.Tensor,
     y: torch.Tensor | None,
     output_fn: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
-    zeros: dict[tuple[int, int], torch.Tensor] | None = None,
+    zeros: dict[tuple[int, ...], torch.Tensor] | None = None,
+    contiguous: list[bool] | None = None,
+    clone_inputs: bool = False,
 ) -> tuple[list[torch.Tensor | None], list[torch.Tensor], torch.Tensor | None]:
     """
     Per-example factors of one batch in a single ``torch.func`` call: one forward pass and one backward pass
@@ -226,25 +233,36 @@ def probed_jacobians(
     parameters in the same pass.
 
     :param model: The model (evaluated as is; call it in evaluation mode).
-    :param modules: Watched modules, each called once per forward pass with a 2-D input and output.
+    :param modules: Watched modules, each called once per forward pass.
     :param keep_inputs: Per watched module, whether its input is returned (a trained weight).
+    :param shapes: Per watched module, the shape of one example's output (the probe's shape).
     :param params: ``(name, parameter)`` pairs whose per-example Jacobians are wanted (the others held fixed).
     :param x: Inputs ``(n, ...)``.
     :param y: Labels passed to ``output_fn``, or ``None``.
     :param output_fn: Map ``(model outputs, labels) -> (n, C)``.
     :param zeros: Zero probes by shape, kept between calls (filled here; never written to).
-    :return: Per watched module its input ``(n, in)`` (``None`` where not kept) and its output gradients
-        ``(n, C, out)``, and the Jacobian ``(n, C, P)`` of ``params`` (``None`` without any).
+    :param contiguous: Per watched module, whether its output gradients are returned contiguous (default: all);
+        otherwise they may be a view with the examples and the outputs in the other order in memory.
+    :param clone_inputs: Copy the kept inputs; otherwise they are kept as they are, and the call raises
+        :class:`InputChanged` if the forward pass changed one in place after its module used it (then call again
+        with copies).
+    :return: Per watched module its input ``(n, *in_shape)`` (``None`` where not kept) and its output gradients
+        ``(n, C, *shape)``, and the Jacobian ``(n, C, P)`` of ``params`` (``None`` without any).
     :raises RuntimeError: If a watched module is not called in the pass.
+    :raises InputChanged: If a kept input was changed in place (without ``clone_inputs``).
     """
     probes: list[torch.Tensor] = []
     inputs: list[torch.Tensor | None] = [None] * len(modules)
     called: set[int] = set()
 
+    versions: list[int] = [0] * len(modules)
+
     def hook(k: int, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
         called.add(k)
         if keep_inputs[k]:
-            inputs[k] = args[0].clone()  # a later in-place change of the input must not reach the factor
+            # a later in-place change of the input must not reach the factor: copied, or checked afterwards
+            inputs[k] = args[0].clone() if clone_inputs else args[0]
+            versions[k] = args[0]._version
         return output + probes[k]
 
     def captured() -> tuple[torch.Tensor, ...]:
@@ -253,6 +271,10 @@ def probed_jacobians(
                 "model must call every layer seen when planning in each forward pass, got one not called; "
                 "use method='jacobian'"
             )
+        if not clone_inputs and any(
+            inp is not None and inp._version != v for inp, v in zip(inputs, versions, strict=True)
+        ):
+            raise InputChanged
         return tuple(inp for inp, keep in zip(inputs, keep_inputs, strict=True) if keep)
 
     def run(probe_values: list[torch.Tensor], forward: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -263,8 +285,9 @@ def probed_jacobians(
 
     n = x.shape[0]
     zeros = {} if zeros is None else zeros
+    contiguous = [True] * len(modules) if contiguous is None else contiguous
 
-    def zero(shape: tuple[int, int]) -> torch.Tensor:
+    def zero(shape: tuple[int, ...]) -> torch.Tensor:
         z = zeros.get(shape)
         if z is None or z.dtype != x.dtype or z.device != x.device:
             z = zeros[shape] = x.new_zeros(shape)
@@ -277,8 +300,10 @@ def probed_jacobians(
                 g = run(probe_values, lambda: output_fn(model(x), y))
                 return g.sum(0), captured()
 
-            d, acts = jacrev(whole, has_aux=True)([zero((n, _out_width(m))) for m in modules])
-            grads = [dk.transpose(0, 1).contiguous() for dk in d]  # (C, n, out) -> (n, C, out)
+            d, acts = jacrev(whole, has_aux=True)([zero((n, *shape)) for shape in shapes])
+            # (C, n, *shape) -> (n, C, *shape)
+            grads = [dk.transpose(0, 1) for dk in d]
+            grads = [g.contiguous() if c else g for g, c in zip(grads, contiguous, strict=True)]
             jac = None
         else:
             names = [name for name, _ in params]
@@ -291,17 +316,13 @@ def probed_jacobians(
                 g = run(probe_values, lambda: output_fn(functional_call(model, p, (xi.unsqueeze(0),)), labels))
                 return g.reshape(-1), tuple(a.squeeze(0) for a in captured())
 
-            probe_values = [zero((1, _out_width(m))) for m in modules]
+            probe_values = [zero((1, *shape)) for shape in shapes]
             args: tuple = (probe_values, values, x) if y is None else (probe_values, values, x, y)
             in_dims: tuple = (None, None, 0) if y is None else (None, None, 0, 0)
             (d, jd), acts = vmap(jacrev(single, argnums=(0, 1), has_aux=True), in_dims=in_dims)(*args)
-            grads = [dk.reshape(n, dk.shape[1], -1) for dk in d]  # (n, C, 1, out) -> (n, C, out)
+            grads = [dk.squeeze(2) for dk in d]  # (n, C, 1, *shape) -> (n, C, *shape)
             parts = [jd[name].reshape(n, jd[name].shape[1], -1) for name in names]
             jac = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
     it = iter(acts)
     return [next(it) if keep else None for keep in keep_inputs], grads, jac
 
-
-def _out_width(module: nn.Module) -> int:
-    """Width of a watched ``nn.Linear`` layer's output."""
-    return int(module.out_features)

@@ -7,12 +7,37 @@ computed in sub-batches and assembled into blocks (see :mod:`art_malleability.nt
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # Default memory budget (MiB) of one chunk of Jacobian factors, see :mod:`art_malleability.ntk.empirical`.
 DEFAULT_CHUNK_MB = 256.0
+
+# Share of a CUDA device's available memory one chunk may take: the engine holds about four chunks at its peak (the
+# raw factors of a sub-batch, kept factors or a panel of twice a chunk, one more block), so an eighth leaves room for
+# the result and the caller's own tensors.
+DEVICE_CHUNK_SHARE = 1.0 / 8.0
+
+
+def device_chunk_mb(device: torch.device, chunk_mb: float) -> float:
+    """
+    The chunk budget of one kernel computation on ``device``: ``chunk_mb`` on the CPU (the caller's budget); on a
+    CUDA device the larger of ``chunk_mb`` and :data:`DEVICE_CHUNK_SHARE` of the memory available to this process
+    (free device memory plus what PyTorch's caching allocator holds unused), so that sub-batches and blocks grow to
+    what the device can hold. Read once per computation, before any work is queued (``cudaMemGetInfo`` does not
+    wait for the device's queue).
+
+    :param device: The compute device.
+    :param chunk_mb: The caller's budget in MiB.
+    :return: The budget in MiB.
+    """
+    if torch.device(device).type != "cuda":
+        return chunk_mb
+    free, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return max(chunk_mb, DEVICE_CHUNK_SHARE * (free + max(cached, 0)) / 2**20)
 
 
 def budget_elements(chunk_mb: float, dtype: torch.dtype) -> int:
@@ -38,6 +63,27 @@ def rows_per_pass(batch_size: int, chunk_mb: float, dtype: torch.dtype, per_exam
     return max(1, min(batch_size, budget_elements(chunk_mb, dtype) // max(per_example, 1)))
 
 
+class OutputElements(TorchDispatchMode):
+    """
+    Sizes of the tensors an operator-level pass creates: the numbers of all non-view operator outputs, and the
+    largest one (the forward pass's intermediate tensors, what its autograd graph may hold).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.total += t.numel()
+                    self.largest = max(self.largest, t.numel())
+        return out
+
+
 @dataclass
 class Features:
     """Per-example Jacobian factors of one batch."""
@@ -47,11 +93,16 @@ class Features:
     # per structured layer: (n, C, out) output gradients, or (n, out) rank-one factors g with
     # δ_c = g u_c (see the module docstring of art_malleability.ntk.empirical)
     grads: list[torch.Tensor]
-    jac: torch.Tensor | None  # (n, C, P) Jacobian of the fallback parameters
+    jac: torch.Tensor | None  # (n, C, P) Jacobian of the fallback parameters (and of explicit probed layers)
+    # per structured convolution (batched method): unfolded inputs (n, L, d) and output gradients (n, L, C, o)
+    convs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    def _tensors(self) -> list[torch.Tensor | None]:
+        return [*self.acts, *self.grads, self.jac, *(t for pair in self.convs for t in pair)]
 
     def nbytes(self) -> int:
         """:return: Memory of the stored factors."""
-        return sum(t.numel() * t.element_size() for t in [*self.acts, *self.grads, self.jac] if t is not None)
+        return sum(t.numel() * t.element_size() for t in self._tensors() if t is not None)
 
     def empty_like(self, n: int) -> Features:
         """:return: Uninitialised factors for ``n`` examples, shaped like these."""
@@ -59,13 +110,18 @@ class Features:
         def like(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.new_empty((n, *t.shape[1:]))
 
-        return Features(n=n, acts=[like(a) for a in self.acts], grads=[like(g) for g in self.grads], jac=like(self.jac))
+        return Features(
+            n=n,
+            acts=[like(a) for a in self.acts],
+            grads=[like(g) for g in self.grads],
+            jac=like(self.jac),
+            convs=[(like(a), like(d)) for a, d in self.convs],
+        )
 
     def fill(self, part: Features, start: int) -> None:
         """Copy the factors of ``part`` into rows ``start:start + part.n``."""
         stop = start + part.n
-        pairs = [*zip(self.acts, part.acts, strict=True), *zip(self.grads, part.grads, strict=True)]
-        for dst, src in [*pairs, (self.jac, part.jac)]:
+        for dst, src in zip(self._tensors(), part._tensors(), strict=True):
             if dst is not None:
                 dst[start:stop] = src
 

@@ -13,6 +13,7 @@ from torch import nn
 
 from art_malleability.ntk._autograd import plain_layers
 from art_malleability.ntk._memory import Features
+from art_malleability.ntk._probed import conv_contract
 
 
 @dataclass
@@ -56,9 +57,12 @@ def contract(
     trace: bool,
     dtype: torch.dtype,
     device: torch.device,
+    chunk_elements: int = 2**25,
 ) -> torch.Tensor:
     """
-    Gram block between two batches of factors.
+    Gram block between two batches of factors: per structured layer ``(A1 A2ᵀ) ⊙ (Δ1 Δ2ᵀ)`` (classes folded into
+    ``Δ``), the structured convolutions' position-pair sums (:func:`~art_malleability.ntk._probed.conv_contract`),
+    and one product of the explicit Jacobians.
 
     :param layers: The structured layers the factors belong to.
     :param f1: Factors of the first batch (``n1`` examples).
@@ -67,6 +71,7 @@ def contract(
     :param trace: Sum over outputs (``(n1, n2)``) or keep them (``(n1, n2, C, C)``).
     :param dtype: Dtype of the block.
     :param device: Device of the block.
+    :param chunk_elements: Numbers the intermediate products of one structured convolution may take.
     :return: The block.
     """
     c = n_outputs
@@ -87,6 +92,9 @@ def contract(
         else:
             k += s
         del s
+    for c1, c2 in zip(f1.convs, f2.convs, strict=True):
+        s = conv_contract(c1, c2, trace, chunk_elements)
+        k = s if k is None else k.add_(s)
     if f1.jac is not None:
         if trace:
             j1, j2 = f1.jac.reshape(f1.n, -1), f2.jac.reshape(f2.n, -1)

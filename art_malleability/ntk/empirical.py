@@ -25,8 +25,18 @@ Three methods give the same numbers (to float precision):
   runs on the whole sub-batch; otherwise it is ``vmap(jacrev(...))`` over the examples, which also gives the
   per-example Jacobians of the fallback parameters. No per-class Python loop, no ``torch.autograd.grad`` call and no
   host synchronisation (the rank-one class factorisation below, whose check the host must read, is not used: the
-  factors keep their ``C`` classes). Fewer, larger operator calls: what a GPU prefers, where each call is a kernel
-  launch. ``"auto"`` runs it on CUDA devices (``AUTO_METHODS``), where the engine waits on launches and host
+  factors keep their ``C`` classes). Convolutions and batch norms in evaluation mode are probed the same way and
+  take their per-example gradients in closed form from their inputs and output gradients
+  (:mod:`art_malleability.ntk._probed`): a convolution by unfolding its input and one batched product per sub-batch
+  with the classes folded in (*explicit*), or, where it costs fewer multiply-adds per pair of examples, by keeping
+  the unfolded input ``A`` and the output gradients ``Δ`` and contracting ``Σ_{l,l'} (A1 A2ᵀ) ⊙ (Δ1 Δ2ᵀ)`` over
+  position pairs (*structured*). The rule (:func:`~art_malleability.ntk._probed.prefers_structured`), per layer with
+  ``L`` output positions, ``d`` input-side columns (patch, plus one for a bias), ``o`` output channels and ``C``
+  outputs: structured iff ``L²·(d + C·o + 1) < C·o·d``. A batch norm's gradients are ``Σ_pos δ_c·x̂`` (scale) and
+  ``Σ_pos δ_c`` (shift) with ``x̂`` from its running statistics. All explicit gradients (and the fallback's
+  Jacobians) are joined in one matrix, contracted by one product per block pair. Fewer, larger operator calls: what a
+  GPU prefers, where each call is a kernel launch.
+  ``"auto"`` runs it on CUDA devices (``AUTO_METHODS``), where the engine waits on launches and host
   syncs rather than on arithmetic; the price is up to ``C`` times more contraction flops and factor memory for
   layers that ``"structured"`` would compress (e.g. the reference two-layer models), which a GPU's GEMM rate absorbs
   at the sizes an exact kernel is computed for. On the CPU, where the contraction's flops dominate, ``"auto"`` runs
@@ -73,7 +83,19 @@ the widths and a memory budget ``chunk_mb``:
   examples' factors instead of ``n1 + ⌈n1 / block⌉ n2``). With ``x2=None`` only the upper
   block triangle is computed and mirrored.
 
-Peak memory is thus about the model, plus ``chunk_mb`` of raw gradients and the autograd graph
+For ``"batched"`` the raw size of a sub-batch also counts what its class-batched pass holds ``C`` times over: the
+output gradients of every probed layer, the explicit gradients formed from them (twice: the parts and their
+concatenation), the forward pass's intermediate tensors (counted once when planning) and twice the largest of them
+``C`` times over (the cotangents in flight); so a budget small enough gives smaller sub-batches, never a pass past
+it. A structured convolution's ``(n1·L) × (n2·L)`` products are formed for as many rows at a time as fit one chunk.
+
+- **The budget from the device.** On the CPU one chunk is ``chunk_mb``. On a CUDA device it is the larger of
+  ``chunk_mb`` and an eighth (:data:`~art_malleability.ntk._memory.DEVICE_CHUNK_SHARE`) of the memory available when
+  the computation starts (``torch.cuda.mem_get_info``'s free memory plus what the caching allocator holds unused),
+  read once before any work is queued: sub-batches and blocks then reach ``batch_size`` rows (pass ``batch_size ≥
+  1,024``) wherever the device's memory allows. Nothing inside ``gram`` waits on the device for ``"batched"``.
+
+Peak memory is thus about the model, plus one chunk of raw gradients and the autograd graph
 of one sub-batch, plus at most ``2 × chunk_mb`` for kept factors (or a panel) with the block
 beside them, plus the ``n1 × n2`` result, whatever the number of examples and the width (default ``chunk_mb = 256``:
 for ``n = 1,000``, ``m = 65,536``, ``C = 10`` in float64 the call adds about 1 GB to the model).
@@ -83,6 +105,7 @@ Results do not depend on the chunking beyond rounding.
 from __future__ import annotations
 
 import logging
+import math
 
 import numpy as np
 import torch
@@ -90,6 +113,7 @@ from torch import nn
 
 from art_malleability._utils.torch_utils import eval_mode, no_tf32, to_tensor, trainable_parameters
 from art_malleability.ntk._autograd import (
+    InputChanged,
     OutputFn,
     check_model,
     class_gradients,
@@ -103,10 +127,20 @@ from art_malleability.ntk._checks import check_batch_size, check_chunk_mb
 from art_malleability.ntk._memory import (
     DEFAULT_CHUNK_MB,
     Features,
+    OutputElements,
     budget_elements,
+    device_chunk_mb,
     in_sub_batches,
     place_block,
     rows_per_pass,
+)
+from art_malleability.ntk._probed import (
+    ProbedLayer,
+    explicit_gradients,
+    prefers_structured,
+    probed_call,
+    probed_candidates,
+    structured_factors,
 )
 from art_malleability.ntk._rank_one import ClassDirections, RankChange
 from art_malleability.ntk._structured import LinearPlan, contract, linear_candidates, two_dimensional_call
@@ -205,7 +239,11 @@ class JacobianGram:
         self._rank_one: list[bool] = []
         self._classes = ClassDirections.fresh(0)
         self._compress = False
-        self._zeros: dict[tuple[int, int], torch.Tensor] = {}  # zero probes of the batched method, by shape
+        self._zeros: dict[tuple[int, ...], torch.Tensor] = {}  # zero probes of the batched method, by shape
+        self._probed: list[ProbedLayer] = []  # convolutions and batch norms of the batched method
+        self._forward_size = (0, 0)  # numbers one example's forward pass creates: in all, the largest tensor
+        self._budget_mb = self.chunk_mb  # the chunk budget of the current computation (from the device)
+        self._clone_inputs = False  # copy the probed layers' inputs (sticky once the model changed one in place)
 
     # ------------------------------------------------------------------ planning
     def _apply_output_fn(self, out: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
@@ -217,28 +255,53 @@ class JacobianGram:
         return g
 
     def _plan(self, x_probe: torch.Tensor, y_probe: torch.Tensor | None) -> None:
-        """Decide which ``nn.Linear`` layers take the structured path (probe forward pass)."""
+        """
+        Decide which layers take a factorised path (probe forward pass): ``nn.Linear`` layers called once on 2-D
+        inputs, and for the batched method convolutions and batch norms (:mod:`~art_malleability.ntk._probed`),
+        each convolution in the form :func:`~art_malleability.ntk._probed.prefers_structured` picks.
+        """
         if self._layers is not None:
             return
         candidates = [] if self._path == "jacobian" else linear_candidates(self.model)
-        out, calls = probe_calls(self.model, [c.module for c in candidates], x_probe, two_dimensional_call)
+        probed = probed_candidates(self.model) if self._path == "batched" else []
+        rows = x_probe.shape[0]
+
+        def check(k: int, module: nn.Module, inputs: tuple, output: torch.Tensor) -> bool:
+            if k < len(candidates):
+                return two_dimensional_call(k, module, inputs, output)
+            return probed_call(probed[k - len(candidates)], inputs, output, rows)
+
+        watched = [c.module for c in candidates] + [p.module for p in probed]
+        with OutputElements() as sizes:
+            out, calls = probe_calls(self.model, watched, x_probe, check)
+        self._forward_size = (-(-sizes.total // rows), -(-sizes.largest // rows))
         with torch.no_grad():
             self._n_outputs = int(self._apply_output_fn(out, y_probe).shape[1])
         layers = [c for k, c in enumerate(candidates) if calls[k] == [True]]
+        self._probed = [p for k, p in enumerate(probed, start=len(candidates)) if calls[k] == [True]]
+        for p in self._probed:
+            p.structured = (
+                p.kind == "conv"
+                and p.weight
+                and prefers_structured(p.positions, p.patch, p.channels, self._n_outputs)
+            )
         covered = set()
-        for c in layers:
-            if c.weight:
-                covered.add(id(c.module.weight))
-            if c.bias:
-                covered.add(id(c.module.bias))
+        for module, weight, bias in [(c.module, c.weight, c.bias) for c in layers] + [
+            (p.module, p.weight, p.bias) for p in self._probed
+        ]:
+            if weight:
+                covered.add(id(module.weight))
+            if bias:
+                covered.add(id(module.bias))
         self._fallback = [(n, p) for n, p in trainable_parameters(self.model) if id(p) not in covered]
         self._layers = layers
         self._rank_one = [True] * len(layers)
         logger.debug(
-            "eNTK plan (%s): %d structured linear layer(s) %s, %d fallback parameter(s) %s",
+            "eNTK plan (%s): %d structured linear layer(s) %s, probed layer(s) %s, %d fallback parameter(s) %s",
             self._path,
             len(layers),
             [c.name for c in layers],
+            [(p.name, "structured" if p.structured else "explicit") for p in self._probed],
             len(self._fallback),
             [n for n, _ in self._fallback],
         )
@@ -273,20 +336,28 @@ class JacobianGram:
         self._compress = trace and self._n_outputs > 1 and self._path != "batched"
         self._trace = trace
         self._classes = ClassDirections.fresh(len(self._layers)) if classes is None else classes
+        self._budget_mb = device_chunk_mb(self.device, self.chunk_mb)
+        for p in self._probed:
+            p.refresh()
 
     def _finish(self) -> None:
         """Release the per-computation state after a kernel computation."""
         self._classes = ClassDirections.fresh(0)
         self._compress = False
         self._zeros = {}
+        self._budget_mb = self.chunk_mb
+        for p in self._probed:
+            p.normaliser = None
 
     def _compressed(self, k: int) -> bool:
         return self._compress and self._rank_one[k]
 
     def _example_size(self, raw: bool) -> int:
         """
-        Stored elements per example: of the raw factors of a forward/backward pass (``raw``) or
-        of the (possibly compressed) factors kept for the contraction.
+        Numbers per example: of one forward/backward pass (``raw``) or of the (possibly compressed) factors kept for
+        the contraction. For the batched method a pass holds, beside the factors, what its class-batched reverse pass
+        makes ``C`` times over: the output gradients of every probed layer, the explicit gradients formed from them
+        (and their concatenation), the forward pass's intermediate tensors and the largest cotangent in flight.
         """
         c = self._n_outputs
         size = 0
@@ -294,16 +365,24 @@ class JacobianGram:
             out = plan.module.out_features
             size += out if (not raw and self._compressed(k)) else c * out
             size += plan.module.in_features if plan.weight else 0
-        size += c * sum(p.numel() for _, p in self._fallback)
+        explicit = sum(p.parameters_per_output() for p in self._probed if not p.structured)
+        size += sum(p.stored(c) for p in self._probed if p.structured)
+        size += c * (explicit + sum(p.numel() for _, p in self._fallback))
+        if raw and self._path == "batched":
+            total, largest = self._forward_size
+            size += c * sum(math.prod(p.out_shape) for p in self._probed)  # the probes' output gradients
+            size += sum(math.prod(p.in_shape) for p in self._probed if p.keeps_input())
+            size += c * (explicit + sum(p.numel() for _, p in self._fallback))  # explicit parts before concatenation
+            size += total + 2 * c * largest
         return max(size, 1)
 
     def _block_rows(self) -> int:
         """Examples per kernel block: ``batch_size`` capped by the chunk budget."""
-        return rows_per_pass(self.batch_size, self.chunk_mb, self.dtype, self._example_size(raw=False))
+        return rows_per_pass(self.batch_size, self._budget_mb, self.dtype, self._example_size(raw=False))
 
     def _kept_rows(self) -> int:
         """Examples whose stored factors fit twice the chunk budget: kept factors or a panel, with one more block."""
-        return 2 * budget_elements(self.chunk_mb, self.dtype) // self._example_size(raw=False)
+        return 2 * budget_elements(self._budget_mb, self.dtype) // self._example_size(raw=False)
 
     def panel_rows(self) -> int:
         """
@@ -316,7 +395,7 @@ class JacobianGram:
 
     def _sub_batch_rows(self) -> int:
         """Examples per forward/backward pass: ``batch_size`` capped by the chunk budget."""
-        return rows_per_pass(self.batch_size, self.chunk_mb, self.dtype, self._example_size(raw=True))
+        return rows_per_pass(self.batch_size, self._budget_mb, self.dtype, self._example_size(raw=True))
 
     # ------------------------------------------------------------------ features
     def features(self, x: torch.Tensor, y: torch.Tensor | None = None) -> Features:
@@ -334,17 +413,7 @@ class JacobianGram:
         """Factors of one sub-batch: one forward pass and ``C`` backward passes (one batched for ``"batched"``)."""
         n = x.shape[0]
         if self._path == "batched":
-            acts, grads, jac = probed_jacobians(
-                self.model,
-                [c.module for c in self._layers],
-                [c.weight for c in self._layers],
-                self._fallback,
-                x,
-                y,
-                self._apply_output_fn,
-                self._zeros,
-            )
-            return Features(n=n, acts=acts, grads=grads, jac=jac)
+            return self._batched_features(x, y)
         acts: list[torch.Tensor | None] = []
         grads: list[torch.Tensor] = []
         if self._layers:
@@ -378,6 +447,54 @@ class JacobianGram:
         if self._fallback:
             jac = self._fallback_jacobian(x, y)
         return Features(n=n, acts=acts, grads=grads, jac=jac)
+
+    def _batched_features(self, x: torch.Tensor, y: torch.Tensor | None) -> Features:
+        """
+        Factors of one sub-batch from one class-batched ``torch.func`` pass (:func:`probed_jacobians`): the linear
+        layers' inputs and output gradients as they come, each probed convolution's and batch norm's explicit
+        gradients (joined with the fallback's Jacobian in one matrix) or structured factors.
+        """
+        lin = len(self._layers)
+        try:
+            acts, grads, jac = self._probed_pass(x, y)
+        except InputChanged:
+            logger.debug("eNTK: the model changes a layer's input in place; keeping copies of the inputs")
+            self._clone_inputs = True
+            acts, grads, jac = self._probed_pass(x, y)
+        parts: list[torch.Tensor] = []
+        convs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for k, p in enumerate(self._probed, start=lin):
+            inp, grad = acts[k], grads[k]
+            acts[k] = grads[k] = None  # released as soon as used: they are the pass's largest tensors
+            if p.structured:
+                convs.append(structured_factors(p, inp, grad))
+            else:
+                parts.extend(explicit_gradients(p, inp, grad))
+            del inp, grad
+        if jac is not None:
+            parts.append(jac)
+        del jac
+        joined = None if not parts else parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+        return Features(n=x.shape[0], acts=acts[:lin], grads=grads[:lin], jac=joined, convs=convs)
+
+    def _probed_pass(
+        self, x: torch.Tensor, y: torch.Tensor | None
+    ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None], torch.Tensor | None]:
+        """The class-batched pass of :meth:`_batched_features` over the linear and the probed layers."""
+        lin = len(self._layers)
+        return probed_jacobians(
+            self.model,
+            [c.module for c in self._layers] + [p.module for p in self._probed],
+            [c.weight for c in self._layers] + [p.keeps_input() for p in self._probed],
+            [(c.module.out_features,) for c in self._layers] + [p.out_shape for p in self._probed],
+            self._fallback,
+            x,
+            y,
+            self._apply_output_fn,
+            self._zeros,
+            contiguous=[True] * lin + [False] * len(self._probed),
+            clone_inputs=self._clone_inputs,
+        )
 
     def _rank_one_factor(self, k: int, d: torch.Tensor) -> torch.Tensor:
         """
@@ -414,7 +531,16 @@ class JacobianGram:
         :param trace: Sum over outputs (``(n1, n2)``) or keep them (``(n1, n2, C, C)``).
         :return: The block.
         """
-        return contract(self._layers, f1, f2, self._n_outputs, trace, self.dtype, self.device)
+        return contract(
+            self._layers,
+            f1,
+            f2,
+            self._n_outputs,
+            trace,
+            self.dtype,
+            self.device,
+            chunk_elements=budget_elements(self._budget_mb, self.dtype),
+        )
 
     # ------------------------------------------------------------------ full matrix
     def gram(
