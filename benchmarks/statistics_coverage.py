@@ -5,6 +5,7 @@ per statistic and scenario; the numbers in docs/metrics.md come from
 
     python benchmarks/statistics_coverage.py            # about two hours on 2 CPU cores
     python benchmarks/statistics_coverage.py --only noise-aware --queries 10000 --scale 0.5 --designs strong,weak
+    python benchmarks/statistics_coverage.py --only interval-ends --scale 0.5
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every number of repetitions")
     parser.add_argument("--queries", type=int, nargs="+", default=[100, 1000], help="numbers of queries")
-    parser.add_argument("--only", default="", help="comma-separated sections: noise-aware, retention, others")
+    parser.add_argument("--only", default="",
+                        help="comma-separated sections: noise-aware, interval-ends, retention, others")
     parser.add_argument("--designs", default="", help="comma-separated designs of those sections (default: all)")
     args = parser.parse_args()
 
@@ -69,11 +71,18 @@ def main() -> None:
                     for selected in (True, False):
                         planted = Planted(n_query=n_query, n_train=1000, n_influential=100, flips=flips, **design)
                         runs = H.noise_aware(planted, reps(40), selected=selected, seed=11)
-                        lr = np.asarray(runs["lr"])
+                        lr, (above, below) = np.asarray(runs["lr"]), runs["aware"].misses
                         print(f"- {label}, {n_query} queries, {flips:.0%} flips, "
-                              f"{'selected' if selected else 'planted'} set: {runs['aware'].line()}; raw "
+                              f"{'selected' if selected else 'planted'} set: {runs['aware'].line()}, intervals "
+                              f"above the truth {above:.2f}, below it {below:.2f}; raw "
                               f"{np.mean(runs['raw']):.3f}, by noise {np.mean(runs['null']):.3f}; no-flip test "
                               f"rejects in {np.mean(lr > critical):.2f}", flush=True)
+    if wanted("interval-ends"):
+        print("\n## The noise-aware interval's ends (planted set, 30 % flips; draws from the fit at each end)")
+        for label, design in chosen(AWARE_DESIGNS).items():
+            for seed in (3, 4):
+                ends = H.interval_ends(Planted(n_query=100, flips=0.3, **design), reps(40), seed=seed)
+                print(f"- {label}, seed {seed}: {ends}", flush=True)
     if wanted("retention"):
         print("\n## Signed retention, its control (5 draws at 1/4 of the clean aggregates) and the excess")
         for label, design in chosen(RETENTION_DESIGNS).items():

@@ -7,10 +7,11 @@ runs them larger for the numbers in docs/metrics.md.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from planted import Planted, true_flip_share
+from scipy.stats import chi2
 
 from art_malleability import metrics as M
 from art_malleability.metrics._flip_posterior import FlipPosterior
@@ -39,6 +40,12 @@ class Coverage:
     def coverage(self) -> float:
         t, lo, hi = (np.asarray(v) for v in (self.truth, self.low, self.high))
         return float(np.mean((lo <= t) & (t <= hi)))
+
+    @property
+    def misses(self) -> tuple[float, float]:
+        """The shares of intervals wholly above the truth and wholly below it."""
+        t, lo, hi = (np.asarray(v) for v in (self.truth, self.low, self.high))
+        return float(np.mean(lo > t)), float(np.mean(hi < t))
 
     @property
     def bias(self) -> float:
@@ -96,6 +103,46 @@ def noise_aware(design: Planted, reps: int, selected: bool, seed: int = 0) -> di
         out["raw"].append(M.flip_rate(before, after, top=top))
         out["null"].append(posterior.null_raw_flip_rate())
         out["lr"].append(posterior.no_flip_statistic())
+    return out
+
+
+def interval_ends(design: Planted, draws: int, seed: int = 0) -> dict[str, dict[str, float]]:
+    """
+    Why the noise-aware interval covers more than 95 %: one population and sample (the planted set, no selection),
+    its interval, and for each end the constrained fit ``Ĝ_s`` there. From each end's fit, ``draws`` new sets are
+    drawn (each member's population aggregates from ``Ĝ_s``, its queries as in ``design``) and refitted; returned per
+    end: the generating flip mass ``s``, the deviance at ``s`` (mean, 95 % quantile, share beyond ``χ²₁(0.95)``:
+    how the likelihood-ratio test behaves at that end), and the share of draws whose estimate lies on the far side of
+    the observed one (at least it for the lower end, at most it for the upper). An end whose draws give the observed
+    estimate often is forced by the data (the flip share is only partly identified there); an end where they never
+    do, with deviances below the critical value, could move in without losing coverage.
+    """
+    rng = np.random.default_rng(seed)
+    mu_b, mu_a = design.population(rng)
+    before, after = design.sample(rng, mu_b, mu_a)
+    top = np.flatnonzero(mu_b)
+    posterior = FlipPosterior.from_scores(before, after, top, None)
+    low, high = posterior.interval(0.95)
+    shares, weights, total = posterior.profile()
+    accepted = np.flatnonzero(2.0 * (posterior._best_loglik() - total) <= chi2.ppf(0.95, 1))
+    members = replace(design, n_train=top.size)
+    out = {"interval": {"low": low, "high": high, "estimate": posterior.estimate(),
+                        "truth": true_flip_share(mu_b, mu_a, top)}}
+    for name, end in (("low", accepted[0]), ("high", accepted[-1])):
+        deviances, estimates = [], []
+        for _ in range(draws):
+            atoms = rng.choice(weights[end].size, top.size, p=weights[end] / weights[end].sum())
+            se = 1.0 / np.sqrt(design.n_query)  # the planted noise has unit variance per query
+            redrawn = FlipPosterior.from_scores(*members.sample(rng, posterior.u[atoms] * se, posterior.v[atoms] * se),
+                                                np.arange(top.size), None)
+            _, at_s = redrawn.constrained_fits(shares[end:end + 1])
+            deviances.append(max(0.0, 2.0 * (redrawn._best_loglik() - float(at_s[0]))))
+            estimates.append(redrawn.estimate())
+        deviances, estimates = np.asarray(deviances), np.asarray(estimates)
+        far = estimates >= out["interval"]["estimate"] if name == "low" else estimates <= out["interval"]["estimate"]
+        out[name] = {"s": float(shares[end]), "deviance": float(deviances.mean()),
+                     "deviance_95": float(np.quantile(deviances, 0.95)),
+                     "beyond_critical": float(np.mean(deviances > chi2.ppf(0.95, 1))), "far_side": float(far.mean())}
     return out
 
 

@@ -67,6 +67,32 @@ def test_the_noise_aware_interval_holds_where_signs_are_hard_to_decide(design):
     assert runs["aware"].coverage >= 0.9
 
 
+@pytest.mark.xfail(strict=True, reason="the noise-aware interval covers the weakly identified range of flip shares, "
+                   "so it overshoots 0.98 where the truth lies inside it (docs/metrics.md, measured coverage)")
+def test_the_noise_aware_interval_stays_below_the_bands_upper_end_where_signs_are_hard_to_decide():
+    """The target band's upper end (0.98), on a design where the truth lies inside the range the data cannot narrow
+    (weak influence, the set selected): not met. Strict: should a change bring it into the band, this reports it."""
+    runs = H.noise_aware(Planted(**{**ISSUE, "lo": 0.5, "hi": 2.0, "flips": 0.3}), reps=20, selected=True, seed=5)
+    print(runs["aware"].line(), "misses (above, below):", runs["aware"].misses)
+    assert 0.90 <= runs["aware"].coverage <= 0.98
+
+
+def test_the_noise_aware_intervals_ends_are_where_the_data_put_them():
+    """
+    Weak influence, 30 % flips, the planted set: redrawn from the constrained fit at each end of the interval, the
+    likelihood-ratio test at that end's flip mass is not far from its level (neither grossly conservative, which would
+    let the end move in, nor liberal), and the upper end is forced by the data: its fit, with a larger flip share than
+    the truth, gives an estimate at most the observed one in a good share of the draws (the flip share is only partly
+    identified, so an interval that holds under every fit the data allow covers more than 95 % of the truths inside).
+    """
+    ends = H.interval_ends(Planted(**{**ISSUE, "lo": 0.5, "hi": 2.0, "flips": 0.3}), draws=20, seed=3)
+    print(ends)
+    assert ends["interval"]["low"] <= ends["interval"]["truth"] <= ends["interval"]["high"]
+    for end in ("low", "high"):
+        assert 0.4 <= ends[end]["deviance"] <= 2.5 and ends[end]["beyond_critical"] <= 0.25
+    assert ends["high"]["s"] >= ends["interval"]["truth"] + 0.05 and ends["high"]["far_side"] >= 0.2
+
+
 def test_the_no_flip_test_has_power_and_holds_its_level(planted_sets, selected_sets):
     critical = 3.841  # chi-square, one degree of freedom, 95 %
     for runs in (planted_sets, selected_sets):
