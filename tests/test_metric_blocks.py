@@ -23,7 +23,9 @@ def _metrics(before, after, block, memory_bytes=None, folder=None, control=None,
     return pass_metrics(perturbed, control=control, keep_draws=keep_draws, **kwargs)
 
 
-def _same(first: dict, second: dict) -> None:
+def _same(first, second) -> None:
+    if not isinstance(first, dict):
+        first, second = first.to_dict(), second.to_dict()
     assert first.keys() == second.keys()
     for key, value in first.items():
         if key == "resamples" or isinstance(value, list):
@@ -121,8 +123,8 @@ def test_sampled_pairs_do_not_depend_on_the_blocking(pair, monkeypatch):
     monkeypatch.setattr(_spearman, "SPEARMAN_PAIRS", 1000)
     results = [_metrics(before, after, block, keep_draws=True) for block in (1, 7, 37)]
     for other in results[1:]:
-        assert other["spearman"] == results[0]["spearman"]
-        np.testing.assert_array_equal(other["draws"]["spearman"], results[0]["draws"]["spearman"])
+        assert other.spearman == results[0].spearman
+        np.testing.assert_array_equal(other.replicates.spearman, results[0].replicates.spearman)
     clean = CleanScores(M.QueryResampling(len(before), 10, 3), before.shape[1])
     clean.add(before)
     clean.finish()
@@ -134,17 +136,18 @@ def test_sampled_pairs_do_not_depend_on_the_blocking(pair, monkeypatch):
     keep = np.isfinite(sampled_b) & np.isfinite(sampled_a)
     from scipy.stats import spearmanr
 
-    assert results[0]["spearman"] == pytest.approx(spearmanr(sampled_b[keep], sampled_a[keep]).statistic, abs=1e-12)
+    assert results[0].spearman.value == pytest.approx(spearmanr(sampled_b[keep], sampled_a[keep]).statistic,
+                                                      abs=1e-12)
 
 
 def test_the_streamed_noise_aware_rate_is_that_of_whole_matrices(pair):
     before, after = pair
     streamed = M.malleability_metrics(before, after, n_bootstrap=150, seed=2)
     whole = M.noise_aware_flip_rate(before, after)
-    assert streamed["flip_rate_above_floor"] == pytest.approx(whole["estimate"], abs=1e-9)
-    assert streamed["flip_rate_above_floor_ci"] == pytest.approx(whole["ci"], abs=1e-9)
-    assert streamed["undecided_share"] == whole["undecided_share"]
-    assert streamed["flip_rate_null"] == pytest.approx(whole["null_raw_flip_rate"], abs=1e-9)
+    assert streamed.noise_aware_flip_rate.value == pytest.approx(whole["estimate"], abs=1e-9)
+    assert streamed.noise_aware_flip_rate.interval == pytest.approx(whole["ci"], abs=1e-9)
+    assert streamed.undecided_share == whole["undecided_share"]
+    assert streamed.flip_rate_null == pytest.approx(whole["null_raw_flip_rate"], abs=1e-9)
 
 
 def test_the_signed_retention_reads_as_stated(rng):
@@ -152,7 +155,7 @@ def test_the_signed_retention_reads_as_stated(rng):
     before = rng.normal(size=(30, 50)) + 3 * rng.normal(size=50)
     for after, expected in ((before, 1.0), (np.zeros_like(before), 0.0), (-before, -1.0)):
         result = M.malleability_metrics(before, after, n_bootstrap=50)
-        assert result["signed_retention"] == pytest.approx(expected, abs=1e-12)
+        assert result.signed_retention.value == pytest.approx(expected, abs=1e-12)
 
 
 def test_each_querys_own_set_is_that_of_top_indices_ties_and_nan_included(rng):

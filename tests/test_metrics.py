@@ -1,5 +1,7 @@
 """Malleability metrics: hand-computed cases, edge cases, and the streamed statistics against their slow twins."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -135,9 +137,9 @@ def test_a_single_query_has_statistics_but_no_intervals(rng):
     before = rng.normal(size=(40, 50))
     after = before + 0.5 * rng.normal(size=before.shape)
     single = M.malleability_metrics(before[:1], after[:1], n_bootstrap=50)
-    assert np.isfinite(single["spearman"]) and np.isfinite(single["flip_rate"])
-    for name in ("flip_rate", "per_query_flip_rate", "spearman", "top_k_jaccard", "flip_rate_above_floor"):
-        assert all(np.isnan(v) for v in single[name + "_ci"]), name
+    assert np.isfinite(single.spearman.value) and np.isfinite(single.flip_rate.value)
+    for name in ("flip_rate", "per_query_flip_rate", "spearman", "top_k_jaccard", "noise_aware_flip_rate"):
+        assert all(np.isnan(v) for v in getattr(single, name).interval), name
 
 
 def test_bootstrap_is_deterministic_and_validated(rng):
@@ -174,8 +176,8 @@ def test_a_given_perturbed_set_is_the_one_measured(rng):
     after = before.copy()
     after[:, top] = rng.normal(size=(n_query, 20)) + rng.normal(size=20)
     result = M.malleability_metrics(before, after, 0.1, n_bootstrap=50, top=top)
-    assert result["flip_rate"] == M.flip_rate(before, after, 0.1) == M.flip_rate(before, after, top=top)
-    assert result["top_k_jaccard"] == M.top_k_jaccard(before, after, top=top)
+    assert result.flip_rate.value == M.flip_rate(before, after, 0.1) == M.flip_rate(before, after, top=top)
+    assert result.top_k_jaccard.value == M.top_k_jaccard(before, after, top=top)
 
 
 @pytest.mark.parametrize("ties", [False, True])
@@ -233,16 +235,18 @@ def test_excess_flip_rate_is_paired_with_its_control(rng):
     after = before + rng.normal(size=before.shape)
     control = M.malleability_metrics(before, after, n_bootstrap=100, seed=4, keep_draws=True)
     same = M.malleability_metrics(before, after, n_bootstrap=100, seed=4, control=control)
-    assert same["excess_flip_rate"] == 0.0 and same["excess_flip_rate_ci"] == (0.0, 0.0)  # paired: no noise
+    assert same.excess_flip_rate == M.Estimate(0.0, 0.0, 0.0)  # paired: no noise
     other = M.malleability_metrics(before, before + 3 * rng.normal(size=before.shape), n_bootstrap=100, seed=4,
                                    control=control)
-    assert other["excess_flip_rate"] == pytest.approx(other["flip_rate"] - control["flip_rate"])
+    assert other.excess_flip_rate.value == pytest.approx(other.flip_rate.value - control.flip_rate.value)
     with pytest.raises(ValueError, match="keep_draws=True on the same resamples .*got seed 4, n_bootstrap 100"):
         M.malleability_metrics(before, after, n_bootstrap=50, seed=4, control=control)
     with pytest.raises(ValueError, match="got seed 4, n_bootstrap 100"):
         M.malleability_metrics(before, after, n_bootstrap=100, seed=5, control=control)
     with pytest.raises(ValueError, match="no record of its resamples"):
-        M.malleability_metrics(before, after, n_bootstrap=100, seed=4, control={**control, "resamples": None})
+        M.malleability_metrics(before, after, n_bootstrap=100, seed=4, control=replace(control, replicates=None))
+    with pytest.raises(TypeError, match="control must hold the metrics of malleability_metrics .*got dict"):
+        M.malleability_metrics(before, after, n_bootstrap=100, seed=4, control=control.to_dict())
 
 
 def test_a_control_of_several_draws_adds_their_spread(rng):
@@ -250,19 +254,25 @@ def test_a_control_of_several_draws_adds_their_spread(rng):
     draws = [M.malleability_metrics(before, before + rng.normal(size=before.shape), n_bootstrap=100, seed=4,
                                     keep_draws=True) for _ in range(4)]
     combined = M.combine_controls(draws)
-    rates = [d["flip_rate"] for d in draws]
-    assert combined["flip_rate"] == pytest.approx(np.mean(rates)) and combined["n_draws"] == 4
-    assert combined["draw_variance"]["flip_rate"] == pytest.approx(np.var(rates, ddof=1))
-    mean_draws = np.mean([d["draws"]["flip_rate"] for d in draws], axis=0)
+    rates = [d.flip_rate.value for d in draws]
+    assert combined.flip_rate.value == pytest.approx(np.mean(rates)) and combined.n_draws == 4
+    assert combined.draw_variance["flip_rate"] == pytest.approx(np.var(rates, ddof=1))
+    mean_draws = np.mean([d.replicates.flip_rate for d in draws], axis=0)
+    np.testing.assert_array_equal(combined.replicates.flip_rate, mean_draws)
     half = M.z_value(0.95) * np.sqrt(np.var(mean_draws, ddof=1) + np.var(rates, ddof=1) / 4)
-    assert combined["flip_rate_ci"] == pytest.approx((combined["flip_rate"] - half, combined["flip_rate"] + half))
+    value = combined.flip_rate.value
+    assert combined.flip_rate.interval == pytest.approx((value - half, value + half))
     attack = M.malleability_metrics(before, before + 2 * rng.normal(size=before.shape), n_bootstrap=100, seed=4,
                                     control=combined)
-    paired = M.malleability_metrics(before, before, n_bootstrap=100, seed=4, keep_draws=True)["draws"]["flip_rate"]
-    assert attack["excess_flip_rate"] == pytest.approx(attack["flip_rate"] - combined["flip_rate"])
+    paired = M.malleability_metrics(before, before, n_bootstrap=100, seed=4, keep_draws=True).replicates.flip_rate
+    assert attack.excess_flip_rate.value == pytest.approx(attack.flip_rate.value - value)
     other = M.malleability_metrics(before, before, n_bootstrap=100, seed=5, keep_draws=True)
     with pytest.raises(ValueError, match="the draws of one control must"):
         M.combine_controls([draws[0], other])
+    with pytest.raises(ValueError, match="draws must be computed by malleability_metrics with keep_draws=True"):
+        M.combine_controls([M.malleability_metrics(before, before, n_bootstrap=100, seed=4)])
+    with pytest.raises(TypeError, match="draws must hold the metrics of malleability_metrics"):
+        M.combine_controls([draws[0].to_dict()])
     assert paired.shape == mean_draws.shape
 
 
@@ -292,11 +302,12 @@ def test_any_scores_give_ordered_intervals_in_range(shape, seed, ties, nan_share
                   noise=(noise, 0.1) if noise else None)
     control = M.malleability_metrics(before, control_after, keep_draws=True, **kwargs)
     result = M.malleability_metrics(before, after, control=control, **kwargs)
+    reported = result.to_dict()
     for name, (lowest, highest) in M.BOUNDS.items():
-        low, high = result[name + "_ci"]
+        low, high = reported[name + "_ci"]
         if np.isnan(low) or np.isnan(high):
             assert np.isnan(low) and np.isnan(high), name
             continue
         assert lowest <= low <= high <= highest, (name, low, high)
-    mean, (low, high) = M.seed_interval(np.array([result["flip_rate"], control["flip_rate"]]), confidence)
+    mean, (low, high) = M.seed_interval(np.array([result.flip_rate.value, control.flip_rate.value]), confidence)
     assert np.isnan(low) or low <= high

@@ -97,8 +97,9 @@ def test_a_control_and_an_excess_combine_as_stated(rng):
     mean_loadings = np.mean([p[1][EB_LOADINGS] for p in parts], axis=0)
     variance = np.var(mean_reps, ddof=1) + np.var(values, ddof=1) / 3 + np.sum(mean_loadings**2)
     half = 1.959963984540054 * np.sqrt(variance)
-    assert control[name] == pytest.approx(values.mean(), rel=1e-12)
-    np.testing.assert_allclose(control[name + "_ci"], (values.mean() - half, values.mean() + half), rtol=1e-9)
+    assert control.signed_retention.value == pytest.approx(values.mean(), rel=1e-12)
+    np.testing.assert_allclose(control.signed_retention.interval, (values.mean() - half, values.mean() + half),
+                               rtol=1e-9)
     attack = PerturbedScores(clean)
     attack.add(-0.2 * mu + 0.7 * (before - mu) + 0.7 * rng.standard_normal((n_query, n_train)))
     point, reps = replicated(attack, spearman=False)
@@ -107,8 +108,8 @@ def test_a_control_and_an_excess_combine_as_stated(rng):
     variance = (np.var(reps[name] - mean_reps, ddof=1) + np.var(values, ddof=1) / 3
                 + np.sum((reps[EB_LOADINGS] - mean_loadings) ** 2))
     half = 1.959963984540054 * np.sqrt(variance)
-    assert result["excess_retention"] == pytest.approx(excess, rel=1e-12)
-    np.testing.assert_allclose(result["excess_retention_ci"], (excess - half, excess + half), rtol=1e-9)
+    assert result.excess_retention.value == pytest.approx(excess, rel=1e-12)
+    np.testing.assert_allclose(result.excess_retention.interval, (excess - half, excess + half), rtol=1e-9)
 
 
 def test_the_selection_corrected_denominator_undoes_the_winners_curse(rng):

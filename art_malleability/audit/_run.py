@@ -29,12 +29,20 @@ from art_malleability.audit.attacks import (
     random_sign_perturbation,
 )
 from art_malleability.audit.params import control_budgets
-from art_malleability.audit.report import AttackResult, undecided_warning
+from art_malleability.audit.report import AttackResult, control_summary, undecided_warning
 from art_malleability.data.input_pipeline import with_input_pipeline
 from art_malleability.data.streaming import ExampleSource, is_torch_data
 from art_malleability.distributed import Shard
 from art_malleability.influence import InfluenceEstimator, NTKInfluence
-from art_malleability.metrics import aggregate_jaccard, combine_controls, pass_metrics, projection_noise, spearman
+from art_malleability.metrics import (
+    ControlMetrics,
+    MalleabilityMetrics,
+    aggregate_jaccard,
+    combine_controls,
+    pass_metrics,
+    projection_noise,
+    spearman,
+)
 from art_malleability.metrics.accumulators import (
     STORE_MEMORY_BYTES,
     CleanScores,
@@ -268,10 +276,11 @@ class AuditRun:
         self.shard.raise_if_any(error)
         return seconds
 
-    def _metrics_of(self, blocks: Iterator[np.ndarray], control: dict | None = None,
-                    timing: dict[str, float] | None = None) -> tuple[dict, np.ndarray]:
+    def _metrics_of(self, blocks: Iterator[np.ndarray], control: ControlMetrics | None = None,
+                    timing: dict[str, float] | None = None) -> tuple[MalleabilityMetrics, np.ndarray]:
         """
-        The metrics of a perturbed pass against the clean one, and its aggregate scores (on every process).
+        The metrics of a perturbed pass against the clean one (with their replicates, as a control's draw needs), and
+        its aggregate scores (on every process).
 
         :param timing: Where to add the seconds of the influence (``influence``) and of the metrics (``metrics``).
         """
@@ -290,12 +299,12 @@ class AuditRun:
 
 
     # ------------------------------------------------------------------ controls and attacks
-    def run_controls(self) -> dict[float, dict]:
+    def run_controls(self) -> dict[float, ControlMetrics]:
         """
         :return: The random-sign control of every distinct budget, by budget: ``control_draws`` independent draws
             of the signs, combined (:func:`~art_malleability.metrics.combine_controls`).
         """
-        control_metrics: dict[float, dict] = {}
+        control_metrics: dict[float, ControlMetrics] = {}
         for eps in sorted(set(self.controls.values())):
             with timed(self.seconds, f"control_eps_{eps:g}"):
                 draws = []
@@ -307,7 +316,7 @@ class AuditRun:
             self.steps.update()
         return control_metrics
 
-    def run_attack(self, attack: EvasionAttack, control_metrics: dict[float, dict]) -> AttackResult:
+    def run_attack(self, attack: EvasionAttack, control_metrics: dict[float, ControlMetrics]) -> AttackResult:
         """:return: The result of one attack: the influence after it, against the clean one and the control."""
         label, timing = attack_label(attack), {}
         self.steps.set_postfix_str(f"attack {label}", refresh=False)
@@ -316,12 +325,13 @@ class AuditRun:
             success, linf = _combine_attack_stats(changed, linf, len(self.perturbed), self.shard)
         self.steps.update()
         self.steps.set_postfix_str(f"influence ({label})", refresh=False)
-        control = control_metrics.get(self.controls.get(attack))
+        eps = self.controls.get(attack)
+        control = control_metrics.get(eps)
         metrics, scores_after = self._metrics_of(self._perturbed_scores(x_adv), control, timing)
         self.steps.update()
-        for internal in ("draws", "resamples"):
-            metrics.pop(internal)
-        result = AttackResult(
+        result = AttackResult.from_metrics(
+            metrics,
+            control=None if control is None else control_summary(control, eps, CONTROL_LABEL),
             attack=label,
             params=attack_config(attack),
             n_perturbed=len(self.perturbed),
@@ -329,13 +339,10 @@ class AuditRun:
             max_perturbation=linf,
             scores_after=scores_after,
             seconds=timing,
-            control=_control_summary(control, self.controls.get(attack)),
-            **metrics,
         )
-        logger.info("%s: flip rate %.3f", label, metrics["flip_rate"])
-        undecided = metrics.get("undecided_share")
-        if undecided is not None and undecided > UNDECIDED_WARNING:
-            self.undecided[label] = undecided  # one warning for all of them (warnings)
+        logger.info("%s: flip rate %.3f", label, metrics.flip_rate.value)
+        if metrics.undecided_share > UNDECIDED_WARNING:
+            self.undecided[label] = metrics.undecided_share  # one warning for all of them (warnings)
         return result
 
     def _attack_rows(self, attack: EvasionAttack) -> tuple[np.ndarray, int, float]:
@@ -457,15 +464,3 @@ def _combine_attack_stats(changed: int, linf: float, total: int, shard: Shard) -
     changed = int(shard.all_reduce(torch.tensor([changed], dtype=torch.int64))[0])
     linf = float(shard.all_reduce(torch.tensor([linf], dtype=torch.float64), "max")[0])
     return changed / total, linf
-
-
-def _control_summary(control: dict | None, eps: float | None) -> dict[str, Any] | None:
-    """The control's metrics as reported beside an attack."""
-    if control is None:
-        return None
-    names = ("flip_rate", "flip_rate_above_floor", "spearman", "top_k_jaccard", "signed_retention")
-    summary: dict[str, Any] = {"perturbation": CONTROL_LABEL, "eps": eps, "draws": control["n_draws"],
-                               "flip_rate_null": control["flip_rate_null"]}
-    for name in names:
-        summary[name], summary[name + "_ci"] = control[name], control[name + "_ci"]
-    return summary

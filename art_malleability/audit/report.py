@@ -28,6 +28,7 @@ from art_malleability._utils.report_base import (
     value_ci,
 )
 from art_malleability.audit._report_nulls import null_reasons
+from art_malleability.metrics import ControlMetrics, MalleabilityMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,8 @@ def undecided_warning(shares: dict[str, float]) -> str:
 @dataclass
 class AttackResult:
     """
-    Malleability of one attack.
+    Malleability of one attack, as ``report.json`` holds it (:meth:`from_metrics` builds it from the attack's
+    :class:`~art_malleability.metrics.MalleabilityMetrics`).
 
     Influence scores are aggregated per training example (mean over queries), positive = helpful.
 
@@ -74,7 +76,7 @@ class AttackResult:
     :param per_query_flip_rate: Mean over queries of the flip rate within each query's own top set.
     :param per_query_flip_rate_ci: Student-t interval over queries (estimand: its population mean).
     :param spearman: Rank correlation of all scores before and after.
-    :param spearman_ci: BCa bootstrap interval over queries.
+    :param spearman_ci: Delete-a-group jackknife interval over queries.
     :param top_k_jaccard: Jaccard overlap of the clean and perturbed top sets.
     :param top_k_jaccard_ci: Normal interval with the bootstrap standard error (estimand as the flip rate's).
     :param scores_after: Aggregate influence of each training example after the perturbation.
@@ -101,8 +103,7 @@ class AttackResult:
     :param signed_retention: How much of the top set's clean influence the perturbed influence keeps, on balance:
         ``Σ s_j μ_a,j / Σ s_j μ_b,j`` over the set, ``μ_b``/``μ_a`` the clean/perturbed population aggregates and
         ``s`` the measured clean signs (1: unchanged, 0: wiped out, below 0: reversed), estimated with the set's
-        selection corrected (:mod:`art_malleability.metrics._retention`); a mean over the set, decided where single
-        signs are not.
+        selection corrected (docs/metrics.md); a mean over the set, decided where single signs are not.
     :param signed_retention_ci: Its interval: the bootstrap variance over queries plus the empirical-Bayes error
         (docs/metrics.md states the estimand and the measured coverage).
     :param excess_retention: ``signed_retention`` minus the control's (below 0: the attack wipes out more influence
@@ -142,6 +143,43 @@ class AttackResult:
     def __post_init__(self) -> None:
         for f in fields(self):
             setattr(self, f.name, json_ready(getattr(self, f.name)))
+
+    @classmethod
+    def from_metrics(cls, metrics: MalleabilityMetrics, control: dict[str, Any] | None = None,
+                     **details: Any) -> AttackResult:
+        """
+        The result of one attack from its metrics.
+
+        :param metrics: The attack's metrics against the clean influence (and its control, for the excesses).
+        :param control: The control's summary (:func:`control_summary`), or ``None`` without a control.
+        :param details: The fields that do not come from the metrics: ``attack``, ``params``, ``n_perturbed``,
+            ``attack_success``, ``max_perturbation``, ``scores_after``, ``seconds``.
+        :return: The result, its statistics under the keys of :meth:`MalleabilityMetrics.to_dict
+            <art_malleability.metrics.MalleabilityMetrics.to_dict>`.
+        """
+        return cls(**details, control=control, **metrics.to_dict(replicates=False))
+
+
+#: The control's statistics reported beside an attack, each with its interval (``<name>_ci``).
+CONTROL_STATISTICS = ("flip_rate", "flip_rate_above_floor", "spearman", "top_k_jaccard", "signed_retention")
+
+
+def control_summary(control: ControlMetrics, eps: float | None, perturbation: str) -> dict[str, Any]:
+    """
+    The random-sign control as :attr:`AttackResult.control` reports it.
+
+    :param control: The control combined over its draws.
+    :param eps: Its ℓ∞ budget.
+    :param perturbation: What perturbed the examples (the control's label).
+    :return: ``perturbation``, ``eps``, ``draws`` (their number), ``flip_rate_null`` and each of
+        :data:`CONTROL_STATISTICS` with its interval.
+    """
+    statistics = control.to_dict(replicates=False)
+    summary: dict[str, Any] = {"perturbation": perturbation, "eps": eps, "draws": control.n_draws,
+                               "flip_rate_null": control.flip_rate_null}
+    for name in CONTROL_STATISTICS:
+        summary[name], summary[name + "_ci"] = statistics[name], statistics[name + "_ci"]
+    return summary
 
 
 @dataclass

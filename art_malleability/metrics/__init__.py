@@ -17,13 +17,13 @@ Definitions (the paper leaves them open; these are this package's choices):
   (``sign(before) * sign(after) < 0``; a score that becomes exactly 0 is not a flip).
 * **Per-query ranking**: the same computed within each query row, averaged over queries.
 * **Spearman**: rank correlation of all finite (query, train) scores before and after (on a seeded sample of the pairs
-  above :data:`~art_malleability.metrics._spearman.SPEARMAN_PAIRS` of them).
+  above :data:`SPEARMAN_PAIRS` of them).
 * **Top-k overlap**: Jaccard index of the clean and perturbed aggregate top sets.
 * **Signed retention**: ``Σ_j s_j μ_a,j / Σ_j s_j μ_b,j`` over the influential set, ``μ_b``/``μ_a`` the clean/perturbed
   *population* aggregates and ``s`` the measured clean signs: 1 influence unchanged, 0 wiped out, below 0 reversed on
   balance. Estimated with the selection of the set corrected (empirical Bayes on the clean aggregates, a regression on
-  the clean noise for the perturbed ones: :mod:`art_malleability.metrics._retention`). A mean over the set, it is
-  decided where single signs are not.
+  the clean noise for the perturbed ones: docs/metrics.md). A mean over the set, it is decided where single signs
+  are not.
 * **Noise-aware flip rate** (key ``flip_rate_above_floor``): the estimated share of the top set whose
   *population* aggregate (the mean over infinitely many queries) changes sign, by empirical-Bayes
   deconvolution of the paired clean and perturbed aggregates (:func:`noise_aware_flip_rate`). Beside the raw
@@ -40,16 +40,16 @@ Definitions (the paper leaves them open; these are this package's choices):
   clean scores (it is the set an audit perturbs) and held fixed in every resample. Every statistic of one audit
   uses the same resamples (:func:`resample_rows`), so an attack and its control are paired. Results over
   training seeds are pooled with a Student-t interval over the seeds (:func:`seed_interval`).
+
+Results are typed: :func:`malleability_metrics` and :func:`pass_metrics` return a :class:`MalleabilityMetrics`,
+:func:`combine_controls` a :class:`ControlMetrics`; each statistic is an :class:`Estimate` (``value``, ``low``,
+``high``), and the replicates a control pairs with are a :class:`Replicates` on the resamples its
+:class:`ResamplingIdentity` names. ``to_dict()`` gives a result under the keys of an audit's ``report.json`` (the
+noise-aware rate under ``flip_rate_above_floor``, each interval under ``<key>_ci``), and ``result["flip_rate"]`` reads
+one of them, as when the metrics were a dict.
 """
 
 from __future__ import annotations
-
-import logging
-from typing import Any
-
-import numpy as np
-from numpy.typing import ArrayLike
-from scipy.stats import norm, spearmanr
 
 from art_malleability.metrics._bootstrap import (
     TIE_VARIANCE_RATIO,
@@ -60,17 +60,25 @@ from art_malleability.metrics._bootstrap import (
     resample_rows,
     seed_interval,
     t_interval,
+    z_value,
 )
-from art_malleability.metrics._flip_posterior import FlipPosterior, projection_noise
-from art_malleability.metrics._scores import (
-    RANK_BY,
-    _pair,
-    _pair_and_top,
-    aggregate_scores,
-    flip_mask,
-    top_indices,
-    top_k_count,
+from art_malleability.metrics._flip_posterior import projection_noise
+from art_malleability.metrics._matrices import (
+    aggregate_jaccard,
+    flip_rate,
+    per_query_flip_rates,
+    spearman,
+    top_k_jaccard,
 )
+from art_malleability.metrics._noise_aware import noise_aware_flip_rate, selection_threshold
+from art_malleability.metrics._results import (
+    ControlMetrics,
+    Estimate,
+    MalleabilityMetrics,
+    Replicates,
+    ResamplingIdentity,
+)
+from art_malleability.metrics._scores import RANK_BY, aggregate_scores, flip_mask, top_indices, top_k_count
 from art_malleability.metrics._spearman import SPEARMAN_PAIRS
 from art_malleability.metrics._summary import (
     BOUNDS,
@@ -114,162 +122,9 @@ __all__ = [
     "replicated",
     "projection_noise",
     "SPEARMAN_PAIRS",
+    "Estimate",
+    "MalleabilityMetrics",
+    "ControlMetrics",
+    "Replicates",
+    "ResamplingIdentity",
 ]
-
-logger = logging.getLogger(__name__)
-
-
-def flip_rate(
-    before: ArrayLike, after: ArrayLike, top_fraction: float = 0.1, rank_by: str = "abs", top: ArrayLike | None = None
-) -> float:
-    """
-    Influence flip rate with aggregate ranking over queries.
-
-    :param before: Clean influence matrix (n_query, n_train), positive = helpful.
-    :param after: Influence matrix after perturbation, same shape.
-    :param top_fraction: Share of training examples in the influential set.
-    :param rank_by: ``"abs"`` or ``"signed"``.
-    :param top: Optional fixed influential set (training indices); default: chosen from ``before``.
-    :return: Share of the clean top set whose aggregate score flips sign; ``NaN`` when the set is empty.
-    """
-    before, after, top, _ = _pair_and_top(before, after, top_fraction, rank_by, top)
-    return _aggregate_flip_rate(aggregate_scores(before), aggregate_scores(after), top)
-
-
-def per_query_flip_rates(
-    before: ArrayLike, after: ArrayLike, top_fraction: float = 0.1, rank_by: str = "abs"
-) -> np.ndarray:
-    """
-    Flip rate within each query: top set ranked on that query's own clean scores.
-
-    :param before: Clean influence matrix (n_query, n_train), positive = helpful.
-    :param after: Influence matrix after perturbation, same shape.
-    :param top_fraction: Share of (finite) training scores in each query's influential set.
-    :param rank_by: ``"abs"`` or ``"signed"``.
-    :return: Vector (n_query,); ``NaN`` for a query whose set is empty.
-    """
-    before, after = _pair(before, after)
-    rates = np.full(before.shape[0], np.nan)
-    for q in range(before.shape[0]):
-        k = top_k_count(int(np.isfinite(before[q]).sum()), top_fraction)
-        top = top_indices(before[q], k, rank_by)
-        if top.size:
-            rates[q] = flip_mask(before[q, top], after[q, top]).mean()
-    return rates
-
-
-def spearman(before: ArrayLike, after: ArrayLike) -> float:
-    """
-    Spearman rank correlation of all finite score pairs.
-
-    :param before: Clean influence matrix (n_query, n_train).
-    :param after: Influence matrix after perturbation, same shape.
-    :return: Correlation in [-1, 1]; ``NaN`` with fewer than two pairs or a constant side.
-    """
-    before, after = _pair(before, after)
-    keep = np.isfinite(before) & np.isfinite(after)
-    a, b = before[keep], after[keep]
-    if a.size < 2 or np.all(a == a[0]) or np.all(b == b[0]):
-        return float("nan")
-    return float(spearmanr(a, b).statistic)
-
-
-def top_k_jaccard(
-    before: ArrayLike, after: ArrayLike, top_fraction: float = 0.1, rank_by: str = "abs", top: ArrayLike | None = None
-) -> float:
-    """
-    Jaccard overlap of the clean and perturbed aggregate top sets.
-
-    :param before: Clean influence matrix (n_query, n_train).
-    :param after: Influence matrix after perturbation, same shape.
-    :param top_fraction: Share of training examples in each set.
-    :param rank_by: ``"abs"`` or ``"signed"``.
-    :param top: Optional fixed clean set (training indices); default: chosen from ``before``.
-    :return: ``|A ∩ B| / |A ∪ B|`` in [0, 1]; ``NaN`` when both sets are empty.
-    """
-    before, after, top, k = _pair_and_top(before, after, top_fraction, rank_by, top)
-    return aggregate_jaccard(aggregate_scores(after), top, k, rank_by)
-
-
-def _aggregate_flip_rate(agg_before: np.ndarray, agg_after: np.ndarray, top: np.ndarray) -> float:
-    if top.size == 0:
-        return float("nan")
-    return float(flip_mask(agg_before[top], agg_after[top]).mean())
-
-
-def aggregate_jaccard(agg_after: np.ndarray, top: np.ndarray, k: int, rank_by: str) -> float:
-    set_a = set(top.tolist())
-    set_b = set(top_indices(agg_after, k, rank_by).tolist())
-    union = set_a | set_b
-    return float(len(set_a & set_b) / len(union)) if union else float("nan")
-
-
-def z_value(confidence: float) -> float:
-    """:return: The two-sided normal quantile of a coverage, ``Φ⁻¹(1/2 + confidence/2)`` (1.96 at 0.95)."""
-    check_confidence(confidence)
-    return float(norm.ppf(0.5 + confidence / 2.0))
-
-
-def selection_threshold(before: ArrayLike, top: ArrayLike, rank_by: str = "abs") -> float | None:
-    """
-    The clean aggregate that the influential set cleared when it was chosen from these scores: the smallest
-    ``|aggregate|`` of the set (``rank_by="abs"``) or its smallest aggregate (``"signed"``).
-
-    :param before: Clean influence matrix (n_query, n_train).
-    :param top: The set (training indices).
-    :param rank_by: ``"abs"`` or ``"signed"``.
-    :return: The threshold; ``None`` for an empty set.
-    """
-    top = np.asarray(top, dtype=int)
-    if top.size == 0:
-        return None
-    values = aggregate_scores(before)[top]
-    return float(np.nanmin(np.abs(values) if rank_by == "abs" else values))
-
-
-def noise_aware_flip_rate(
-    before: ArrayLike,
-    after: ArrayLike,
-    top_fraction: float = 0.1,
-    rank_by: str = "abs",
-    top: ArrayLike | None = None,
-    selected: bool = True,
-    noise: tuple[float, float] | None = None,
-    confidence: float = 0.95,
-) -> dict[str, Any]:
-    """
-    The share of the influential set whose *population* aggregate (the mean over infinitely many queries) changes
-    sign, estimated by empirical-Bayes deconvolution of the paired clean and perturbed aggregates (see
-    :mod:`art_malleability.metrics._flip_posterior` and docs/metrics.md for the model, its assumptions and its
-    measured bias and coverage). Unlike the raw :func:`flip_rate`, sign changes that query noise alone would produce
-    are not counted.
-
-    :param before: Clean influence matrix (n_query, n_train), positive = helpful.
-    :param after: Influence matrix after perturbation, same queries and weights.
-    :param top_fraction: Share of training examples in the influential set.
-    :param rank_by: ``"abs"`` or ``"signed"``.
-    :param top: Optional fixed influential set; default: chosen from ``before``.
-    :param selected: Whether the set was chosen from these clean scores (then the likelihood is corrected for the
-        selection); ``False`` for a set fixed in advance.
-    :param noise: A projected estimator's noise model ``(α, β)``: ``sd = α + β |score|`` per aggregate
-        (:func:`~art_malleability.metrics._flip_posterior.projection_noise`); ``None`` for a deterministic estimator.
-    :param confidence: Coverage of the interval (profile likelihood; deterministic, no resampling).
-    :return: ``{"estimate", "ci", "flip_probabilities" (per member of the set), "null_raw_flip_rate",
-        "no_flip_statistic", "undecided_share"}`` (the last: the share of the set whose perturbed aggregate lies
-        within one standard error of zero, where the estimate's bias grows).
-    """
-    before, after, top, _ = _pair_and_top(before, after, top_fraction, rank_by, top)
-    if top.size == 0 or before.shape[0] < 2:
-        nan = float("nan")
-        return {"estimate": nan, "ci": (nan, nan), "flip_probabilities": np.full(top.size, nan),
-                "null_raw_flip_rate": nan, "no_flip_statistic": nan, "undecided_share": nan}
-    threshold = selection_threshold(before, top, rank_by) if selected else None
-    posterior = FlipPosterior.from_scores(before, after, top, threshold, rank_by, noise)
-    return {
-        "estimate": posterior.estimate(),
-        "ci": posterior.interval(confidence),
-        "flip_probabilities": posterior.flip_probabilities(),
-        "null_raw_flip_rate": posterior.null_raw_flip_rate(),
-        "no_flip_statistic": posterior.no_flip_statistic(),
-        "undecided_share": posterior.undecided_share(),
-    }

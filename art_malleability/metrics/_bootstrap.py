@@ -1,7 +1,7 @@
 """
 Intervals: resamples of query rows, the normal interval with a bootstrap standard error (discontinuous statistics),
 the delete-a-group jackknife's (Spearman's correlation), the Student-t interval of a mean over queries or over training
-seeds, and the percentile interval.
+seeds, the percentile interval, and the normal quantile of a coverage.
 :mod:`art_malleability.metrics` exports the public names and docs/metrics.md gives each one's estimand and measured
 coverage.
 """
@@ -169,3 +169,9 @@ def check_confidence(confidence: float) -> float:
     if not 0.0 < confidence < 1.0:
         raise ValueError(f"confidence must lie in (0, 1), got {confidence!r}")
     return confidence
+
+
+def z_value(confidence: float) -> float:
+    """:return: The two-sided normal quantile of a coverage, ``Φ⁻¹(1/2 + confidence/2)`` (1.96 at 0.95)."""
+    check_confidence(confidence)
+    return float(norm.ppf(0.5 + confidence / 2.0))

@@ -8,6 +8,7 @@ statistic's estimand, method, assumptions and measured coverage.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -15,7 +16,16 @@ from numpy.typing import ArrayLike
 
 from art_malleability.metrics._bootstrap import TIE_VARIANCE_RATIO, jackknife_interval, normal_interval, t_interval
 from art_malleability.metrics._flip_posterior import FlipPosterior
-from art_malleability.metrics._scores import _pair, flip_mask, top_indices
+from art_malleability.metrics._matrices import aggregate_jaccard
+from art_malleability.metrics._results import (
+    EB_LOADINGS,
+    ControlMetrics,
+    Estimate,
+    MalleabilityMetrics,
+    Replicates,
+    ResamplingIdentity,
+)
+from art_malleability.metrics._scores import _pair, flip_mask
 from art_malleability.metrics.accumulators import (
     CleanScores,
     PerturbedScores,
@@ -49,10 +59,6 @@ REPLICATED = {"flip_rate": "bootstrap", "top_k_jaccard": "bootstrap", "spearman"
 #: The excesses of an attack over its control: the statistic they difference.
 EXCESSES = {"excess_flip_rate": "flip_rate", "excess_retention": "signed_retention"}
 
-#: Key of the retention's empirical-Bayes loadings among the replicates (:mod:`._retention`): the squares of a pass's
-#: (of a control's mean over draws, of an attack-minus-control difference) sum to the variance its bootstrap misses.
-EB_LOADINGS = "signed_retention_eb_loadings"
-
 
 def _eb_variance(name: str, draws: dict[str, np.ndarray]) -> float:
     """The empirical-Bayes part of the retention's variance (0 for the other statistics)."""
@@ -76,44 +82,62 @@ def pass_metrics(
     perturbed: PerturbedScores,
     confidence: float = 0.95,
     noise: tuple[float, float] | None = None,
-    control: dict[str, Any] | None = None,
+    control: MalleabilityMetrics | ControlMetrics | None = None,
     keep_draws: bool = False,
     selected: bool = True,
-) -> dict[str, Any]:
+) -> MalleabilityMetrics:
     """
-    The metrics of one perturbed pass (see :func:`malleability_metrics` for the keys).
+    The metrics of one perturbed pass (see :func:`malleability_metrics`).
 
     :param perturbed: A complete :class:`~.accumulators.PerturbedScores`.
     :param confidence: Interval coverage.
     :param noise: A projected estimator's noise model.
-    :param control: The control's combined metrics (:func:`combine_controls`), or ``None``.
-    :param keep_draws: Also return the replicates and the resampling's identity.
+    :param control: The control's combined metrics (:func:`combine_controls`), or one draw's metrics with their
+        replicates, or ``None``.
+    :param keep_draws: Also keep the replicates and the resampling's identity
+        (:class:`~art_malleability.metrics.Replicates`).
     :param selected: Whether the set was chosen from these clean scores.
+    :return: The metrics.
     """
     clean = perturbed.clean
-    result, draws = replicated(perturbed, selected=selected)
-    for name in REPLICATED:
-        result[name + "_ci"] = _interval(name, result[name], draws[name], confidence,
-                                         extra_variance=_eb_variance(name, draws))
+    points, draws = replicated(perturbed, selected=selected)
+    estimates = {
+        name: Estimate.of(points[name], _interval(name, points[name], draws[name], confidence,
+                                                  extra_variance=_eb_variance(name, draws)))
+        for name in REPLICATED
+    }
     per_query = perturbed.per_query.cpu().numpy()
-    result["per_query_flip_rate"] = finite_mean(per_query)
-    result["per_query_flip_rate_ci"] = t_interval(per_query, confidence, BOUNDS["per_query_flip_rate"])
-    result.update(_noise_aware(perturbed, clean.threshold(selected), noise, confidence))
+    per_query_rate = Estimate.of(finite_mean(per_query), t_interval(per_query, confidence,
+                                                                     BOUNDS["per_query_flip_rate"]))
     identity = clean.resampling.identity
-    if control is not None:
-        _check_control(control, identity, draws)
-        for excess, name in EXCESSES.items():
-            result[excess] = result[name] - control[name]
-            between = control.get("draw_variance", {}).get(name, 0.0) / max(control.get("n_draws", 1), 1)
-            difference = {key: draws[key] - control["draws"][key] for key in (name, EB_LOADINGS) if key in draws}
-            result[excess + "_ci"] = normal_interval(
-                result[excess], difference[name], confidence, BOUNDS[excess],
-                extra_variance=between + _eb_variance(name, difference),
-            )
-    if keep_draws:
-        result["draws"] = draws
-        result["resamples"] = identity
-    return result
+    excesses = {} if control is None else _excesses(points, draws, control, identity, confidence)
+    return MalleabilityMetrics(
+        **estimates,
+        per_query_flip_rate=per_query_rate,
+        **_noise_aware(perturbed, clean.threshold(selected), noise, confidence),
+        **excesses,
+        replicates=Replicates.from_draws(draws, identity) if keep_draws else None,
+    )
+
+
+def _excesses(points: dict[str, float], draws: dict[str, np.ndarray], control: MalleabilityMetrics | ControlMetrics,
+              identity: ResamplingIdentity, confidence: float) -> dict[str, Estimate]:
+    """
+    The excesses of a pass over its control (:data:`EXCESSES`), each with a normal interval whose variance adds the
+    paired bootstrap variance of the difference and the spread between the control's draws over their number.
+    """
+    _check_control(control, identity, len(draws["flip_rate"]))
+    control_draws = control.replicates.draws()
+    n_draws, spread = (control.n_draws, control.draw_variance) if isinstance(control, ControlMetrics) else (1, {})
+    found = {}
+    for excess, name in EXCESSES.items():
+        value = points[name] - getattr(control, name).value
+        between = spread.get(name, 0.0) / max(n_draws, 1)
+        difference = {key: draws[key] - control_draws[key] for key in (name, EB_LOADINGS) if key in draws}
+        extra = between + _eb_variance(name, difference)
+        found[excess] = Estimate.of(value, normal_interval(value, difference[name], confidence, BOUNDS[excess],
+                                                           extra_variance=extra))
+    return found
 
 
 def replicated(perturbed: PerturbedScores, spearman: bool = True,
@@ -141,7 +165,7 @@ def replicated(perturbed: PerturbedScores, spearman: bool = True,
         retention = (float("nan"), np.full(len(boot_b), np.nan), np.zeros(0))
     points = {
         "flip_rate": float(flip_mask(b_top, a_top).mean()) if top.size else float("nan"),
-        "top_k_jaccard": _jaccard(agg_a, clean),
+        "top_k_jaccard": aggregate_jaccard(agg_a, top, clean.k, clean.rank_by),
         "signed_retention": retention[0],
     }
     draws = {
@@ -155,30 +179,22 @@ def replicated(perturbed: PerturbedScores, spearman: bool = True,
     return points, draws
 
 
-def _jaccard(agg_after: np.ndarray, clean: CleanScores) -> float:
-    set_a = set(clean.top.tolist())
-    set_b = set(top_indices(agg_after, clean.k, clean.rank_by).tolist())
-    union = set_a | set_b
-    return float(len(set_a & set_b) / len(union)) if union else float("nan")
-
-
 def _noise_aware(perturbed: PerturbedScores, threshold: float | None, noise: tuple[float, float] | None,
                  confidence: float) -> dict[str, Any]:
-    """The noise-aware flip rate and what its deconvolution gives beside it."""
+    """The noise-aware flip rate and what its deconvolution gives beside it, by :class:`MalleabilityMetrics` field."""
     clean = perturbed.clean
     nan = float("nan")
     if clean.top.size == 0 or clean.n_query < 2:
-        return {"flip_rate_above_floor": nan, "flip_rate_above_floor_ci": (nan, nan), "flip_rate_null": nan,
-                "no_flip_statistic": nan, "undecided_share": nan, "counted_flips": []}
+        return {"noise_aware_flip_rate": Estimate.undefined(), "flip_rate_null": nan, "no_flip_statistic": nan,
+                "undecided_share": nan, "counted_flips": ()}
     posterior = FlipPosterior(perturbed.paired_sums(), threshold, clean.rank_by, noise)
     probabilities = posterior.flip_probabilities()
     return {
-        "flip_rate_above_floor": posterior.estimate(),
-        "flip_rate_above_floor_ci": posterior.interval(confidence),
-        "flip_rate_null": posterior.null_raw_flip_rate(),
-        "no_flip_statistic": posterior.no_flip_statistic(),
-        "undecided_share": posterior.undecided_share(),
-        "counted_flips": clean.top[np.nan_to_num(probabilities) >= 0.5].tolist(),
+        "noise_aware_flip_rate": Estimate.of(posterior.estimate(), posterior.interval(confidence)),
+        "flip_rate_null": float(posterior.null_raw_flip_rate()),
+        "no_flip_statistic": float(posterior.no_flip_statistic()),
+        "undecided_share": float(posterior.undecided_share()),
+        "counted_flips": tuple(clean.top[np.nan_to_num(probabilities) >= 0.5].tolist()),
     }
 
 
@@ -192,16 +208,16 @@ def malleability_metrics(
     seed: int = 0,
     top: ArrayLike | None = None,
     noise: tuple[float, float] | None = None,
-    control: dict[str, Any] | None = None,
+    control: MalleabilityMetrics | ControlMetrics | None = None,
     keep_draws: bool = False,
     selected: bool = True,
-) -> dict[str, Any]:
+) -> MalleabilityMetrics:
     """
     All malleability metrics of one clean/perturbed pair of influence matrices, each with the interval whose
     coverage the test suite measures (docs/metrics.md): the raw flip rate, the top-k Jaccard and the signed retention
     with a normal interval from the bootstrap standard error (estimand: their expected value at this number of queries;
-    the retention's: see :mod:`._retention`); the per-query flip rate with a Student-t
-    interval over queries; Spearman's correlation with a delete-a-group jackknife interval; the noise-aware flip rate
+    the retention's: see docs/metrics.md); the per-query flip rate with a Student-t interval over queries; Spearman's
+    correlation with a delete-a-group jackknife interval; the noise-aware flip rate
     (:func:`~art_malleability.metrics.noise_aware_flip_rate`) with its own interval; the raw flip rate's expectation
     under query noise alone. The bootstrap is over queries, conditional on the influential set (chosen once, held
     fixed), on resamples shared by every statistic of the audit. Time and memory are linear in the number of queries
@@ -216,19 +232,17 @@ def malleability_metrics(
     :param seed: Seed of the resampling (and of the jackknife's groups and the correlation's pairs).
     :param top: Optional fixed influential set (the perturbed one); default: chosen from all of ``before``.
     :param noise: A projected estimator's noise model (see :func:`~art_malleability.metrics.noise_aware_flip_rate`).
-    :param control: The metrics of the random-sign control of the same set (:func:`combine_controls` of one or
-        several draws, each computed by this function with ``keep_draws=True`` and the same ``seed`` and
-        ``n_bootstrap``); adds the ``excess_flip_rate`` and ``excess_retention`` (this statistic minus the control's
-        mean) with a normal interval whose variance adds the paired bootstrap variance and the spread between the
-        control's draws.
-    :param keep_draws: Also return the replicates of the flip rate, the Jaccard, the retention and Spearman under
-        ``"draws"`` and the resampling's identity under ``"resamples"`` (for a control).
+    :param control: The random-sign control of the same set: :func:`combine_controls` of one or several draws, or
+        one draw, each computed by this function with ``keep_draws=True`` and the same ``seed`` and ``n_bootstrap``;
+        adds the ``excess_flip_rate`` and ``excess_retention`` (this statistic minus the control's mean) with a normal
+        interval whose variance adds the paired bootstrap variance and the spread between the control's draws.
+    :param keep_draws: Also keep the replicates of the flip rate, the Jaccard, the retention and Spearman, with the
+        resampling's identity (``replicates``; what a control needs).
     :param selected: Whether ``top`` was chosen from ``before`` (see
         :func:`~art_malleability.metrics.noise_aware_flip_rate`).
-    :return: Dict with ``flip_rate``, ``flip_rate_null``, ``flip_rate_above_floor`` (the noise-aware rate; the key
-        is kept from earlier versions), ``per_query_flip_rate``, ``spearman``, ``top_k_jaccard``, ``signed_retention``
-        (and ``excess_flip_rate``, ``excess_retention`` with a control), each statistic's ``*_ci``, and
-        ``counted_flips`` (members of the set whose posterior flip probability is at least one half).
+    :return: The metrics (:class:`~art_malleability.metrics.MalleabilityMetrics`): each statistic an
+        :class:`~art_malleability.metrics.Estimate` (``result.flip_rate.value``, ``result.flip_rate.interval``);
+        ``result.to_dict()`` gives them under the keys of an audit's report (``result["flip_rate"]`` reads one).
     """
     before, after = _pair(before, after)
     n_query, n_train = before.shape
@@ -243,7 +257,7 @@ def malleability_metrics(
     return pass_metrics(perturbed, confidence, noise, control, keep_draws, selected)
 
 
-def combine_controls(draws: list[dict[str, Any]], confidence: float = 0.95) -> dict[str, Any]:
+def combine_controls(draws: Sequence[MalleabilityMetrics], confidence: float = 0.95) -> ControlMetrics:
     """
     The random-sign control from several independent draws of its signs, each the :func:`malleability_metrics` of
     one draw (``keep_draws=True``, the same resamples): every statistic is the mean over the draws (the estimand is
@@ -251,52 +265,81 @@ def combine_controls(draws: list[dict[str, Any]], confidence: float = 0.95) -> d
     take the variance of the draws' mean on the shared resamples (bootstrap or jackknife) plus the variance between
     the draws over their number; the noise-aware rate's interval spans the draws' intervals (lowest low, highest high).
 
-    :param draws: One metrics dict per draw.
+    :param draws: The metrics of each draw.
     :param confidence: Coverage.
-    :return: A metrics dict usable as the ``control`` of :func:`malleability_metrics`, with ``n_draws`` and
-        ``draw_variance`` (between-draw variance of each statistic) added.
+    :return: The control (:class:`~art_malleability.metrics.ControlMetrics`), usable as the ``control`` of
+        :func:`malleability_metrics`, with the number of draws and the variance between them of each statistic.
     """
     if not draws:
         raise ValueError("draws must hold at least one control draw, got none")
     first = draws[0]
+    _check_metrics(first, "draws")
+    if first.replicates is None:
+        raise ValueError("draws must be computed by malleability_metrics with keep_draws=True, got a draw without "
+                         "replicates")
     for other in draws[1:]:
-        _check_control(other, first["resamples"], first["draws"], what="the draws of one control")
-    n = len(draws)
-    combined: dict[str, Any] = {"n_draws": n, "resamples": first["resamples"], "draws": {}, "draw_variance": {}}
+        _check_control(other, first.replicates.resamples, first.replicates.n_resamples, what="the draws of one control")
+    n, dicts = len(draws), [d.to_dict() for d in draws]
+    means, spread = {}, {}
     for name in ("flip_rate", "flip_rate_null", "flip_rate_above_floor", "per_query_flip_rate", *REPLICATED):
-        values = np.array([d[name] for d in draws], dtype=np.float64)
-        combined[name] = float(np.nanmean(values)) if np.isfinite(values).any() else float("nan")
-        combined["draw_variance"][name] = float(np.nanvar(values, ddof=1)) if np.isfinite(values).sum() > 1 else 0.0
-    if all(EB_LOADINGS in d["draws"] for d in draws):
-        combined["draws"][EB_LOADINGS] = np.mean([d["draws"][EB_LOADINGS] for d in draws], axis=0)
+        values = np.array([d[name] for d in dicts], dtype=np.float64)
+        means[name] = float(np.nanmean(values)) if np.isfinite(values).any() else float("nan")
+        spread[name] = float(np.nanvar(values, ddof=1)) if np.isfinite(values).sum() > 1 else 0.0
+    mean_draws = _mean_replicates([d["draws"] for d in dicts])
+    estimates = {}
+    for name in REPLICATED:
+        extra = spread[name] / max(n, 1) + _eb_variance(name, mean_draws)
+        estimates[name] = Estimate.of(means[name], _interval(name, means[name], mean_draws[name], confidence,
+                                                             extra_variance=extra))
+    nan = float("nan")
+    noise_aware = _span(d.noise_aware_flip_rate for d in draws)
+    return ControlMetrics(
+        n_draws=n,
+        **estimates,
+        flip_rate_null=means["flip_rate_null"],
+        noise_aware_flip_rate=Estimate.of(means["flip_rate_above_floor"], noise_aware),
+        per_query_flip_rate=Estimate(means["per_query_flip_rate"], nan, nan),
+        draw_variance=spread,
+        replicates=Replicates.from_draws(mean_draws, first.replicates.resamples),
+    )
+
+
+def _mean_replicates(draws: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """The draws' mean replicates of every statistic (and of the retention's loadings where every draw has them)."""
+    mean: dict[str, np.ndarray] = {}
+    if all(EB_LOADINGS in d for d in draws):
+        mean[EB_LOADINGS] = np.mean([d[EB_LOADINGS] for d in draws], axis=0)
     for name in REPLICATED:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # a group undefined in every draw stays NaN
-            mean_draws = np.nanmean(np.stack([d["draws"][name] for d in draws]), axis=0)
-        combined["draws"][name] = mean_draws
-        extra = combined["draw_variance"][name] / max(n, 1) + _eb_variance(name, combined["draws"])
-        combined[name + "_ci"] = _interval(name, combined[name], mean_draws, confidence, extra_variance=extra)
-    lows = [d["flip_rate_above_floor_ci"][0] for d in draws]
-    highs = [d["flip_rate_above_floor_ci"][1] for d in draws]
+            mean[name] = np.nanmean(np.stack([d[name] for d in draws]), axis=0)
+    return mean
+
+
+def _span(estimates: Iterable[Estimate]) -> tuple[float, float]:
+    """The lowest low and the highest high of the intervals defined at both ends (``NaN`` without any)."""
+    lows, highs = np.array([e.interval for e in estimates], dtype=np.float64).reshape(-1, 2).T
     finite = np.isfinite(lows) & np.isfinite(highs)
-    combined["flip_rate_above_floor_ci"] = (
-        (float(np.min(np.asarray(lows)[finite])), float(np.max(np.asarray(highs)[finite])))
-        if finite.any() else (float("nan"), float("nan"))
-    )
-    combined["per_query_flip_rate_ci"] = (float("nan"), float("nan"))
-    return combined
+    if not finite.any():
+        return float("nan"), float("nan")
+    return float(np.min(lows[finite])), float(np.max(highs[finite]))
 
 
-def _check_control(control: dict[str, Any], identity: dict[str, Any], draws: dict[str, np.ndarray],
+def _check_metrics(value: Any, name: str) -> None:
+    if not isinstance(value, (MalleabilityMetrics, ControlMetrics)):
+        raise TypeError(f"{name} must hold the metrics of malleability_metrics or combine_controls, got "
+                        f"{type(value).__name__}")
+
+
+def _check_control(control: MalleabilityMetrics | ControlMetrics, identity: ResamplingIdentity, n_resamples: int,
                    what: str = "control") -> None:
     """A control must be evaluated on the very resamples of the attack (paired bootstrap)."""
-    given = control.get("resamples")
-    length = len(control.get("draws", {}).get("flip_rate", ()))
-    if given is None or given != identity or length != len(draws["flip_rate"]):
+    _check_metrics(control, what)
+    given = None if control.replicates is None else control.replicates.resamples
+    if given is None or given != identity or control.replicates.n_resamples != n_resamples:
         raise ValueError(
             f"{what} must be computed by malleability_metrics with keep_draws=True on the same resamples (seed "
-            f"{identity['seed']}, n_bootstrap {identity['n_bootstrap']}), got "
-            + ("no record of its resamples" if given is None else f"seed {given.get('seed')}, n_bootstrap "
-               f"{given.get('n_bootstrap')}" + ("" if given.get("digest") == identity["digest"] else ", other rows"))
+            f"{identity.seed}, n_bootstrap {identity.n_bootstrap}), got "
+            + ("no record of its resamples" if given is None else f"seed {given.seed}, n_bootstrap "
+               f"{given.n_bootstrap}" + ("" if given.digest == identity.digest else ", other rows"))
         )
-

@@ -8,8 +8,9 @@ on disk when it does not fit the memory given).
   count weights ``W`` (``(B, n_query)``), applied block by block (``W[:, block] @ scores[block]``).
 - :class:`CleanScores`: the clean pass: column sums (the aggregates, hence the influential set), each query's own top
   set, the pairs of Spearman's correlation; at :meth:`CleanScores.finish`, the set's clean scores per query.
-- :class:`PerturbedScores`: one perturbed pass against a finished clean one; :meth:`PerturbedScores.metrics` gives
-  the statistics of :func:`art_malleability.metrics.malleability_metrics`.
+- :class:`PerturbedScores`: one perturbed pass against a finished clean one, from which
+  :func:`art_malleability.metrics.pass_metrics` gives the statistics of
+  :func:`art_malleability.metrics.malleability_metrics`.
 
 Cost per perturbed pass, ``Q`` queries, ``N`` training examples, ``k`` in the set, ``B`` resamples: ``O(B·Q·N)`` time
 (one matrix product per block: the resampled aggregates), ``O(Q·N log k)`` for the per-query top sets, ``O(M·G)``
@@ -19,6 +20,7 @@ noise-aware rate's and the retention's sums; memory ``O(B·N + Q·k + M)`` besid
 
 from __future__ import annotations
 
+import hashlib
 import io
 import shutil
 import tempfile
@@ -30,6 +32,7 @@ import torch
 
 from art_malleability.metrics._bootstrap import resample_rows
 from art_malleability.metrics._flip_posterior import GRID_SIZE, PROFILE_SHARES, PairedSums
+from art_malleability.metrics._results import ResamplingIdentity
 from art_malleability.metrics._retention import RetentionBasis
 from art_malleability.metrics._scores import RANK_BY, top_indices, top_k_count
 from art_malleability.metrics._spearman import SampledPairs
@@ -38,12 +41,14 @@ from art_malleability.metrics._spearman import SampledPairs
 _STEP_ELEMENTS = 2**22
 
 
-def resampling_identity(seed: int, rows: np.ndarray | None) -> dict:
-    """What identifies the resamples of a metrics dict: the seed, their number and a digest of the rows."""
-    import hashlib
-
+def resampling_identity(seed: int, rows: np.ndarray | None) -> ResamplingIdentity:
+    """
+    :param seed: Seed of the resampling.
+    :param rows: The resampled query rows ``(n_bootstrap, n_query)``, or ``None`` without resamples.
+    :return: What identifies the resamples of a result's replicates: the seed, their number and a digest of the rows.
+    """
     digest = "" if rows is None else hashlib.sha256(np.ascontiguousarray(rows, dtype=np.int64).tobytes()).hexdigest()
-    return {"seed": int(seed), "n_bootstrap": 0 if rows is None else int(len(rows)), "digest": digest}
+    return ResamplingIdentity(int(seed), 0 if rows is None else int(len(rows)), digest)
 
 
 class QueryResampling:
