@@ -35,6 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from art_malleability._utils.params import DISTRIBUTED, invalid
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -195,19 +197,20 @@ def current_shard(distributed: bool | str = "auto") -> Shard:
     :param distributed: ``"auto"`` (shard when a ``torch.distributed`` default group with more than
         one process is initialised), ``True`` (require one) or ``False`` (never shard).
     :return: A :class:`Shard` (:data:`ONE_PROCESS` for a single-process run).
-    :raises ValueError: With ``distributed=True`` and no initialised group.
+    :raises InvalidParameterError: For a value other than those (the rule
+        :data:`~art_malleability._utils.params.DISTRIBUTED`), or ``True`` with no initialised group (a ``ValueError``,
+        naming ``distributed``).
     """
-    if distributed not in ("auto", True, False):
-        raise ValueError(f"distributed must be 'auto', True or False, got {distributed!r}")
+    DISTRIBUTED(distributed, "distributed")
     if distributed is False:
         return ONE_PROCESS
     ready = dist.is_available() and dist.is_initialized()
     if not ready:
         if distributed is True:
-            raise ValueError(
-                "distributed must be 'auto' or False without an initialised torch.distributed process group, got True; "
-                "launch with torchrun and call torch.distributed.init_process_group (or "
-                "art_malleability.distributed.init_from_env)"
+            raise invalid(
+                "distributed", "be 'auto' or False without an initialised torch.distributed process group", True,
+                "; launch with torchrun and call torch.distributed.init_process_group (or "
+                "art_malleability.distributed.init_from_env)",
             )
         return ONE_PROCESS
     world = dist.get_world_size()

@@ -12,25 +12,24 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from art_malleability._utils.params import LOSS, LOSS_NAMES, POSITIVE_INT  # noqa: F401 - LOSS_NAMES: its old path
+
 if TYPE_CHECKING:
     from art.estimators.classification import PyTorchClassifier
 
 logger = logging.getLogger(__name__)
 
-LOSS_NAMES = ("cross_entropy", "mse")
 
 
 def check_loss(loss: str) -> str:
     """
-    Check a loss name.
+    Check a loss name (the rule :data:`~art_malleability._utils.params.LOSS`).
 
     :param loss: ``"cross_entropy"`` or ``"mse"``.
     :return: ``loss`` unchanged.
-    :raises ValueError: For any other value.
+    :raises ValueError: For any other value (an :class:`~art_malleability._utils.params.InvalidParameterError`).
     """
-    if loss not in LOSS_NAMES:
-        raise ValueError(f"loss must be one of {LOSS_NAMES}, got {loss!r}")
-    return loss
+    return LOSS(loss, "loss")
 
 
 def labels_to_indices(y: object, name: str = "y") -> np.ndarray:
@@ -245,11 +244,9 @@ def check_positive_int(value: object, name: str) -> int:
     :param value: The candidate.
     :param name: Argument name for the error message.
     :return: It, as an int.
-    :raises ValueError: Otherwise.
+    :raises ValueError: Otherwise (an :class:`~art_malleability._utils.params.InvalidParameterError`).
     """
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
+    return POSITIVE_INT(value, name)
 
 
 def near_chance_warnings(accuracy: float, y: np.ndarray, source: str) -> list[str]:

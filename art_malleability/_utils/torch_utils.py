@@ -18,39 +18,11 @@ import numpy as np
 import torch
 from torch import nn
 
+# resolve_device lives beside the device rule it applies, and is this module's name for it as before
+from art_malleability._utils.params import DTYPE
+from art_malleability._utils.params import resolve_device as resolve_device
+
 logger = logging.getLogger(__name__)
-
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def resolve_device(device: str | torch.device = "auto") -> torch.device:
-    """
-    Turn a device specification into a :class:`torch.device`.
-
-    :param device: ``"auto"`` (CUDA when available, otherwise CPU), ``"cpu"``, ``"gpu"``/``"cuda"``,
-                   ``"cuda:k"`` or a :class:`torch.device`.
-    :return: The device.
-    :raises TypeError: If ``device`` is neither a string nor a :class:`torch.device`.
-    :raises ValueError: If PyTorch does not understand it, or it asks for CUDA where there is none.
-    """
-    if isinstance(device, torch.device):
-        resolved = device
-    elif isinstance(device, str):
-        key = device.strip().lower()
-        if key == "auto":
-            resolved = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        elif key == "gpu":
-            resolved = torch.device("cuda")
-        else:
-            try:
-                resolved = torch.device(key)
-            except RuntimeError as error:
-                raise ValueError(f"device must be 'auto', 'cpu', 'gpu', 'cuda' or 'cuda:k', got {device!r}") from error
-    else:
-        raise TypeError(f"device must be 'auto', a device string or a torch.device, got {type(device).__name__}")
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device must name an available device, got {device!r}; CUDA is not available")
-    return resolved
 
 
 def check_dtype(dtype: torch.dtype, name: str = "dtype") -> torch.dtype:
@@ -60,11 +32,10 @@ def check_dtype(dtype: torch.dtype, name: str = "dtype") -> torch.dtype:
     :param dtype: The dtype to check.
     :param name: Name of the argument, used in the error message.
     :return: ``dtype`` unchanged.
-    :raises TypeError: If ``dtype`` is not a floating-point torch dtype.
+    :raises InvalidParameterTypeError: If ``dtype`` is not a floating-point torch dtype (the rule
+        :data:`~art_malleability._utils.params.DTYPE`, naming ``name``; a ``TypeError``).
     """
-    if not isinstance(dtype, torch.dtype) or dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"{name} must be a floating-point torch.dtype (e.g. torch.float64), got {dtype!r}")
-    return dtype
+    return DTYPE(dtype, name)
 
 
 def to_tensor(

@@ -1,10 +1,29 @@
-"""The classifier an audit needs: an ART ``PyTorchClassifier``, or a raw ``torch.nn.Module`` wrapped into one."""
+"""
+The classifier an audit needs (an ART ``PyTorchClassifier``, or a raw ``torch.nn.Module`` wrapped into one) and the
+checks of what an audit is given: the inputs against the classifier, the model's outputs, the budget's units.
+"""
 
 from __future__ import annotations
 
+import logging
+from typing import Any, NamedTuple
+
+import numpy as np
 import torch
 from art.estimators.classification import PyTorchClassifier
 from art.exceptions import EstimatorError
+
+from art_malleability._utils.checks import check_features, check_labels, check_range
+from art_malleability._utils.provenance import weights_digest
+from art_malleability._utils.state import preserved
+from art_malleability._utils.torch_utils import model_device_dtype, resolve_device
+from art_malleability.audit.params import check_query_budget, default_queries
+from art_malleability.data.streaming import ExampleSource, is_torch_data
+from art_malleability.distributed import Shard, current_shard
+from art_malleability.metrics import top_k_count
+from art_malleability.models.reference import is_transductive
+
+logger = logging.getLogger(__name__)
 
 #: ART's estimator check (``EstimatorError`` otherwise); a raw ``torch.nn.Module`` is wrapped into one.
 ESTIMATOR_REQUIREMENTS = ((PyTorchClassifier, torch.nn.Module),)
@@ -44,3 +63,186 @@ def as_classifier(
             classifier, tuple(input_shape), int(nb_classes), loss=loss, clip_values=clip_values, device=device
         )
     raise EstimatorError(owner, list(ESTIMATOR_REQUIREMENTS), classifier)
+
+
+# ----------------------------------------------------------------------------------------------------
+# What an audit is given, checked before any long work.
+# ----------------------------------------------------------------------------------------------------
+
+
+class AuditInputs(NamedTuple):
+    """What :meth:`~art_malleability.audit.estimator.MalleabilityEstimator.evaluate` audits, checked."""
+
+    #: The training examples.
+    source: ExampleSource
+    #: Where the queries come from (the test points, or ``source``).
+    queries: ExampleSource
+    #: The queries' inputs and labels.
+    x_q: np.ndarray
+    y_q: np.ndarray
+    #: With queries drawn from the training set, their training rows (their self-pairs are excluded), else ``None``.
+    self_pairs: np.ndarray | None
+    #: Size of the influential set.
+    k: int
+    #: The process group.
+    shard: Shard
+    #: Warnings on the inputs, for the report.
+    warnings: list[str]
+
+
+def audit_inputs(est: Any, x: Any, y: Any, x_test: Any, y_test: Any) -> AuditInputs:
+    """
+    Check what an audit is given against the estimator's parameters and classifier, before any long work: the
+    budget's units, the inputs and labels, the model's outputs, the influential set's size, the process group, a
+    seeded sample of the queries and whether their metrics fit the memory.
+
+    :param est: The :class:`~art_malleability.audit.estimator.MalleabilityEstimator`.
+    :return: The checked :class:`AuditInputs`.
+    """
+    clf = est.classifier
+    check_eps_range(clf, est.attacks, est.eps)
+    source = example_source(clf, x, y, "x")
+    warnings = check_model_outputs(clf, source, est.batch_size)
+    k = top_k_count(source.n, est.top_fraction)
+    if k < 1:
+        raise ValueError(
+            f"x must hold at least {int(np.ceil(1 / est.top_fraction))} examples for top_fraction={est.top_fraction}, "
+            f"got {source.n}; with fewer the influential set is empty"
+        )
+    if (x_test is None) != (y_test is None) and not is_torch_data(x_test):
+        given = "x_test" if y_test is None else "y_test"
+        raise ValueError(f"x_test and y_test must be given together (both or neither), got {given} alone")
+    shard = current_shard(est.distributed)
+    if shard.world_size > source.n:
+        raise ValueError(
+            f"x must hold at least one example per process, got {source.n} examples for the {shard.world_size} "
+            "processes of the process group"
+        )
+    shard.agree((source.n, weights_digest(clf.model)), "the classifier's weights and the size of x")
+    rng, wanted = np.random.default_rng(est.seed), default_queries(est.n_queries)
+    if x_test is not None:
+        queries, self_pairs = example_source(clf, x_test, y_test, "x_test"), None
+        rows = np.arange(queries.n)
+        if len(rows) > wanted:
+            rows = np.sort(rng.choice(len(rows), wanted, replace=False))
+    else:
+        if source.n < 2:
+            raise ValueError(
+                f"x must hold at least 2 examples when the queries are drawn from it (x_test=None), got {source.n}"
+            )
+        queries = source
+        rows = self_pairs = np.sort(rng.choice(source.n, min(wanted, source.n), replace=False))
+    x_q, y_q = queries.take(rows, est.batch_size)
+    limit = est.memory_limit_gb if est.memory_limit_gb is not None else getattr(est._influence, "memory_limit_gb", None)
+    check_query_budget(len(x_q), source.n, k, est.n_bootstrap, self_pairs is not None, limit,
+                       resolve_device(est.device))
+    if len(x_q) < 2:
+        message = ("x_test holds a single query point: every interval resamples the queries and needs two or more, "
+                   "so the intervals are null; pass more test points")
+        logger.warning(message)
+        warnings.append(message)
+    return AuditInputs(source, queries, x_q, y_q, self_pairs, k, shard, warnings)
+
+
+def example_source(classifier: PyTorchClassifier, x: Any, y: Any, name: str) -> ExampleSource:
+    """
+    :return: The examples of ``x`` (an array, checked against the classifier's input shape and ``clip_values``, or a
+        dataset read in batches) and their labels ``y`` (argument ``"y" + name[1:]``).
+    """
+    shape, nb_classes = tuple(classifier.input_shape), int(classifier.nb_classes)
+    if is_torch_data(x):
+        return ExampleSource(
+            x, y, input_shape=shape, nb_classes=nb_classes, name=name, clip_values=classifier.clip_values
+        )
+    x = check_features(x, name, shape)
+    check_range(x, name, classifier.clip_values)
+    return ExampleSource(x, check_labels(y, "y" + name[1:], len(x), nb_classes), name=name)
+
+
+def check_eps_range(classifier: PyTorchClassifier, attacks: tuple, eps: float) -> None:
+    """An ℓ∞ budget that covers the whole valid input range is a unit mistake (8 meant as 8/255), not an audit."""
+    clip = classifier.clip_values
+    named = any(isinstance(a, str) for a in attacks)
+    if clip is not None and named and eps >= float(np.max(np.asarray(clip[1]) - np.asarray(clip[0]))):
+        raise ValueError(
+            f"eps must be smaller than the classifier's whole input range clip_values={tuple(map(float, clip))}, "
+            f"got {eps:g}; give eps in the input's units (e.g. 8/255, not 8)"
+        )
+
+
+def check_model_outputs(classifier: PyTorchClassifier, source: ExampleSource, batch_size: int) -> list[str]:
+    """
+    The model's weights must be finite and it must return one tensor of ``nb_classes`` logits per example; every
+    label is read (and, for a dataset, every batch checked against ``clip_values``).
+
+    :return: Warnings on the labels.
+    """
+    model, nb_classes = classifier.model, int(classifier.nb_classes)
+    for name, tensor in (*model.named_parameters(), *model.named_buffers()):
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ValueError(
+                f"classifier.model must have finite weights, got {int((~torch.isfinite(tensor)).sum())} NaN or "
+                f"infinite value(s) in {name!r}; the training that produced them diverged"
+            )
+    x_one, _ = source.take(np.arange(1), 1)
+    device, dtype = model_device_dtype(model)
+    with preserved(model, None), torch.no_grad():
+        model.eval()
+        out = model(torch.as_tensor(x_one, device=device, dtype=dtype))
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(
+            f"classifier.model must return one tensor of logits (n, nb_classes), got {type(out).__name__}; "
+            "wrap it so that forward returns the logits alone"
+        )
+    if out.ndim != 2 or out.shape[1] != nb_classes:
+        raise ValueError(
+            f"classifier.model must return outputs of shape (n, {nb_classes}) for the classifier's "
+            f"nb_classes={nb_classes}, got {tuple(out.shape)}; build the PyTorchClassifier with the model's output "
+            "width"
+        )
+    present = np.unique(source.labels(batch_size * 8))
+    if len(present) < 2:
+        message = (f"y holds a single class ({int(present[0])}) of the classifier's {nb_classes}: "
+                   "the influence and the flip rates describe that class only")
+        logger.warning(message)
+        return [message]
+    return []
+
+
+def clean_accuracy(classifier: PyTorchClassifier, data: ExampleSource, shard: Shard,
+                   batch_size: int) -> tuple[float, np.ndarray]:
+    """:return: Clean accuracy on a source (each process its shard) and the source's labels."""
+    start, stop = shard.bounds(data.n)
+    correct = 0
+    for _, xb, yb in data.batches(batch_size * 8, start, stop):
+        correct += int(np.sum(classifier.predict(xb, batch_size=batch_size).argmax(axis=1) == yb))
+    correct = int(shard.all_reduce(torch.tensor([correct], dtype=torch.int64))[0])
+    return correct / data.n, data.labels(batch_size * 8)
+
+
+def probe_inputs(classifier: PyTorchClassifier, x: Any) -> np.ndarray:
+    """:return: The inputs that decide an audit's sizes: every one for a transductive model, else the first 64."""
+    n = len(x)
+    rows = range(n) if is_transductive(classifier.model) else range(min(n, 64))
+    return np.stack([np.asarray(x[i][0] if is_torch_data(x) else x[i]) for i in rows]).astype(np.float32)
+
+
+def state_fidelity(report: Any, validation: Any, influence: Any, classifier: PyTorchClassifier) -> None:
+    """Put the validated fidelity of the influence estimator that ran into the report (or a warning why not)."""
+    from art_malleability.validation import estimator_label
+
+    label = estimator_label(influence)
+    if validation.model_digest != weights_digest(classifier.model):
+        report.warnings.append(
+            f"the validation given is for other weights ({validation.model}, digest "
+            f"{validation.model_digest[:12]}) than the audited classifier's; its fidelity is not stated"
+        )
+        return
+    fidelity = validation.fidelity(label)
+    if fidelity is None:
+        report.warnings.append(
+            f"the validation given has no result for the estimator that ran ({label}); it holds "
+            f"{sorted(validation.results)}"
+        )
+        return
+    report.fidelity = fidelity

@@ -10,19 +10,37 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import numpy as np
 import torch
 from art.attacks import EvasionAttack
 
-from art_malleability._utils.checks import check_positive_int, loss_name
-from art_malleability._utils.torch_utils import resolve_device, total_memory
+from art_malleability._utils.checks import SignatureParams, loss_name
+from art_malleability._utils.params import (
+    BOOL,
+    CONFIDENCE,
+    DEVICE,
+    DISTRIBUTED,
+    MEMORY_LIMIT_GB,
+    N_QUERIES,
+    NTK_MODE,
+    POSITIVE,
+    POSITIVE_INT,
+    RANK_BY,
+    SEED,
+    TOP_FRACTION,
+    InvalidParameterError,
+    Rule,
+    RuleTable,
+    check_values,
+    invalid,
+    number_type,
+    one_of,
+)
+from art_malleability._utils.torch_utils import total_memory
 from art_malleability.audit.attacks import ATTACK_NAMES, STRATEGIES, attack_label, control_eps, make_attack
-from art_malleability.influence import INFLUENCE_NAMES, InfluenceEstimator, get_influence
+from art_malleability.influence import INFLUENCE_NAMES, InfluenceEstimator, NTKInfluence, get_influence
 from art_malleability.influence.ntk import MEMORY_SHARE
-from art_malleability.influence.ridge_choice import check_ridge
-from art_malleability.metrics import RANK_BY, check_confidence
+from art_malleability.influence.ridge_choice import RIDGE
 from art_malleability.metrics.accumulators import metrics_plan
-from art_malleability.ntk.projection import check_projection_dim
 
 logger = logging.getLogger(__name__)
 
@@ -36,53 +54,173 @@ def default_queries(n_queries: int | None) -> int:
     """:return: The most queries an audit takes: ``n_queries``, or :data:`DEFAULT_MAX_QUERIES` for ``None``."""
     return DEFAULT_MAX_QUERIES if n_queries is None else int(n_queries)
 
+
 #: Constructor arguments of :class:`~art_malleability.audit.estimator.MalleabilityEstimator` that build its classifier;
 #: every other one is a parameter of the audit (its ``estimator_params``, read from the signature).
 CLASSIFIER_ARGS = ("classifier", "input_shape", "nb_classes", "loss", "clip_values", "model_name")
 
+#: The audit's parameters that only configure the NTK influence it builds from the name ``"ntk"``, by the
+#: :class:`~art_malleability.influence.NTKInfluence` parameter they set. Given a configured ``NTKInfluence`` instead,
+#: the audit reads them from it (so that :meth:`get_params` describes what runs).
+NTK_PASS_THROUGH = {"ridge": "ridge", "projection_dim": "projection_dim", "time_budget_s": "exact_budget_s"}
+
+
+def _check_attacks(attacks: object, name: str) -> tuple[str | EvasionAttack, ...]:
+    """The rule of ``attacks``: a non-empty tuple of attack names and ART ``EvasionAttack`` instances."""
+    if isinstance(attacks, (str, EvasionAttack)):
+        attacks = (attacks,)
+    if not isinstance(attacks, (list, tuple)):
+        raise invalid(name, "be an attack name, an ART EvasionAttack or a sequence of them", type(attacks).__name__,
+                      type_error=True)
+    if not attacks:
+        raise invalid(name, "name at least one attack", "an empty sequence")
+    for a in attacks:
+        if not isinstance(a, (str, EvasionAttack)):
+            raise invalid(name, f"hold names {ATTACK_NAMES} or ART EvasionAttack instances", type(a).__name__,
+                          type_error=True)
+        if isinstance(a, str) and a not in ATTACK_NAMES:
+            raise invalid(name, f"name one of {ATTACK_NAMES}", a)
+    return tuple(attacks)
+
+
+#: A positive number of the audit (a float; a ``TypeError`` for a non-number).
+_POSITIVE_NUMBER = (number_type("be a positive number"), POSITIVE)
+
+#: Every parameter's rule, in the manner of scikit-learn's ``_parameter_constraints``: the constructor, ``set_params``
+#: and the command line's ``audit`` check through it. The attacks become a tuple, the numbers floats or ints.
+PARAMETER_RULES: RuleTable = {
+    "attacks": _check_attacks,
+    "eps": _POSITIVE_NUMBER,
+    "influence": (
+        Rule(f"be one of {INFLUENCE_NAMES} or an InfluenceEstimator",
+             lambda v: isinstance(v, (str, InfluenceEstimator)), type_error=True),
+        Rule(f"be one of {INFLUENCE_NAMES} or an InfluenceEstimator",
+             lambda v: isinstance(v, InfluenceEstimator) or v in INFLUENCE_NAMES),
+    ),
+    "top_fraction": TOP_FRACTION,
+    "strategy": one_of(STRATEGIES),
+    "ridge": RIDGE,
+    "rank_by": RANK_BY,
+    "n_bootstrap": POSITIVE_INT,
+    "attack_max_iter": POSITIVE_INT,
+    "batch_size": POSITIVE_INT,
+    "control_draws": POSITIVE_INT,
+    "n_queries": N_QUERIES,
+    "confidence": CONFIDENCE,
+    "seed": SEED,
+    "device": DEVICE,
+    "projection_dim": NTK_MODE,
+    "distributed": DISTRIBUTED,
+    "controls": BOOL,
+    "memory_limit_gb": MEMORY_LIMIT_GB,
+    "time_budget_s": _POSITIVE_NUMBER,
+}
+
 
 def check_params(est: Any) -> None:
     """
-    Validate the parameters of an estimator; ``attacks`` becomes a tuple and ``eps`` a float.
+    Validate the parameters of an estimator against :data:`PARAMETER_RULES` and keep their normalised values
+    (``attacks`` a tuple, ``eps`` a float, ...).
 
     :param est: A :class:`~art_malleability.audit.estimator.MalleabilityEstimator` being configured.
-    :raises ValueError: On an invalid value (``TypeError`` for a value of the wrong type).
+    :raises InvalidParameterError: Naming the first invalid parameter (a ``ValueError``; also a ``TypeError`` for a
+        value of the wrong type).
     """
-    est.attacks = _check_attacks(est.attacks)
-    est.eps = _positive_number("eps", est.eps)
-    if not isinstance(est.influence, (str, InfluenceEstimator)):
-        raise TypeError(f"influence must be one of {INFLUENCE_NAMES} or an InfluenceEstimator, got {est.influence!r}")
-    if isinstance(est.top_fraction, bool) or not 0.0 < float(est.top_fraction) <= 1.0:
-        raise ValueError(f"top_fraction must lie in (0, 1], got {est.top_fraction!r}")
-    if est.strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {STRATEGIES}, got {est.strategy!r}")
-    check_ridge(est.ridge)
-    if est.rank_by not in RANK_BY:
-        raise ValueError(f"rank_by must be one of {RANK_BY}, got {est.rank_by!r}")
-    for name in ("n_bootstrap", "attack_max_iter", "batch_size", "control_draws"):
-        check_positive_int(getattr(est, name), name)
-    if est.n_queries is not None:
-        check_positive_int(est.n_queries, "n_queries")
-    if est.n_queries is not None and est.n_queries < 2:
-        raise ValueError(
-            f"n_queries must be at least 2, got {est.n_queries!r}; every interval resamples the queries and needs two "
-            "or more"
-        )
-    check_confidence(est.confidence)
-    if isinstance(est.seed, bool) or not isinstance(est.seed, (int, np.integer)):
-        raise TypeError(f"seed must be a non-negative integer, got {est.seed!r}")
-    if est.seed < 0:
-        raise ValueError(f"seed must be a non-negative integer (numpy's seeds are), got {est.seed!r}")
-    resolve_device(est.device)
-    if est.projection_dim is not None and est.projection_dim != "auto":
-        check_projection_dim(est.projection_dim)
-    if est.distributed not in ("auto", True, False):
-        raise ValueError(f"distributed must be 'auto', True or False, got {est.distributed!r}")
-    if not isinstance(est.controls, bool):
-        raise TypeError(f"controls must be True or False, got {est.controls!r}")
-    if est.memory_limit_gb is not None:
-        est.memory_limit_gb = _positive_number("memory_limit_gb", est.memory_limit_gb)
-    est.time_budget_s = _positive_number("time_budget_s", est.time_budget_s)
+    checked = check_values(PARAMETER_RULES, {name: getattr(est, name) for name in PARAMETER_RULES})
+    for name, value in checked.items():
+        object.__setattr__(est, name, value)
+    if isinstance(est.influence, NTKInfluence):
+        adopt_influence_params(est, est.influence)
+
+
+def adopt_influence_params(est: Any, influence: NTKInfluence) -> None:
+    """
+    With a configured :class:`~art_malleability.influence.NTKInfluence`, its settings are the audit's: the audit's
+    pass-through parameters (:data:`NTK_PASS_THROUGH`) take the influence's values, with a warning where a value other
+    than the default was given and differs.
+    """
+    import inspect
+
+    defaults = inspect.signature(type(est).__init__).parameters
+    for name, own in NTK_PASS_THROUGH.items():
+        value, theirs = getattr(est, name), getattr(influence, own)
+        if value != theirs and value != defaults[name].default:
+            logger.warning("%s=%r is replaced by the given influence's %s=%r (the influence's settings apply)",
+                           name, value, own, theirs)
+        object.__setattr__(est, name, theirs)
+
+
+class AuditParams:
+    """
+    ART's parameter contract of :class:`~art_malleability.audit.estimator.MalleabilityEstimator`: ``estimator_params``
+    read from the constructor's signature, ``set_params`` / ``get_params``, assignment as ``set_params``, and the
+    attacks and influence estimator rebuilt from the parameters after every change.
+    """
+
+    #: The audit's parameters, read from the constructor's signature (all but what builds the classifier).
+    estimator_params = SignatureParams(leave_out=CLASSIFIER_ARGS)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # after construction, assigning a parameter is set_params: validated, and what depends on it rebuilt; a new
+        # public name is refused, as set_params refuses it (a typo such as ``epsilon`` would otherwise do nothing)
+        configured = self.__dict__.get("_configured", False)
+        if name in self.estimator_params and configured:
+            self.set_params(**{name: value})
+        elif configured and not name.startswith("_") and name not in self.__dict__ and not hasattr(type(self), name):
+            import difflib
+
+            close = difflib.get_close_matches(name, self.estimator_params, n=1)
+            raise AttributeError(
+                f"{type(self).__name__} attribute must be one of its parameters {self.estimator_params}, got the "
+                f"unknown name {name!r}" + (f"; did you mean {close[0]!r}?" if close else "")
+            )
+        else:
+            object.__setattr__(self, name, value)
+
+    def set_params(self, **kwargs: Any) -> None:
+        """
+        Set parameters, ART's way: the values are checked against their rules (:data:`PARAMETER_RULES`) and the
+        attacks and the influence estimator rebuilt, so that ``evaluate`` runs what :meth:`get_params` describes.
+        Assigning an attribute (``estimator.eps = 0.1``) does the same. On an invalid value nothing changes.
+
+        :param kwargs: Parameters named in :attr:`estimator_params`.
+        :raises ValueError: On an unknown name or an invalid value (an
+            :class:`~art_malleability._utils.params.InvalidParameterError` naming it; also a ``TypeError`` for a value
+            of the wrong type).
+        """
+        unknown = sorted(set(kwargs) - set(self.estimator_params))
+        if unknown:
+            raise ValueError(
+                f"set_params arguments must be among {self.estimator_params}, got unknown parameter(s) {unknown}"
+            )
+        saved = dict(self.__dict__)
+        try:
+            for name, value in kwargs.items():
+                object.__setattr__(self, name, value)
+            self._configure()
+        except Exception:
+            self.__dict__.clear()
+            self.__dict__.update(saved)
+            raise
+
+    def get_params(self) -> dict[str, Any]:
+        """:return: The estimator's parameters as JSON-ready values (attacks and influence by name)."""
+        params = {name: getattr(self, name) for name in self.estimator_params}
+        params["attacks"] = [attack_label(a) for a in self._attacks]
+        params["influence"] = getattr(self._influence, "name", type(self._influence).__name__)
+        return params
+
+    def _configure(self) -> None:
+        """Check the parameters (:meth:`_check_params`), then build the attacks and the influence estimator."""
+        object.__setattr__(self, "_configured", False)
+        self._check_params()
+        self._attacks = build_attacks(self)
+        self._influence = build_influence(self)
+        object.__setattr__(self, "_configured", True)
+
+    def _check_params(self) -> None:
+        """ART's parameter check: :func:`check_params`."""
+        check_params(self)
 
 
 def check_query_budget(
@@ -104,7 +242,7 @@ def check_query_budget(
     :param memory_limit_gb: The influence's memory limit (GiB), or ``None``.
     :param device: The device of the metrics.
     :return: The plan.
-    :raises ValueError: Naming ``n_queries`` when it does not fit.
+    :raises InvalidParameterError: Naming ``n_queries`` when it does not fit.
     """
     plan = metrics_plan(n_query, n_train, k, n_bootstrap, excluded_pairs)
     budget = float(memory_limit_gb) * 2**30 if memory_limit_gb is not None else MEMORY_SHARE * total_memory(device)
@@ -112,10 +250,10 @@ def check_query_budget(
         fixed = metrics_plan(0, n_train, k, n_bootstrap, excluded_pairs)["memory_bytes"]
         per_query = max((plan["memory_bytes"] - fixed) / max(n_query, 1), 1.0)
         fits = int(max(budget - fixed, 0) // per_query)
-        raise ValueError(
-            f"n_queries must leave the audit's metrics within the memory budget of {budget / 2**30:.1f} GiB, got "
-            f"{n_query} queries, whose metrics need {plan['memory_bytes'] / 2**30:.1f} GiB (n_train {n_train}, "
-            f"n_bootstrap {n_bootstrap}); pass at most about {fits} queries, or fewer bootstrap resamples"
+        raise InvalidParameterError(
+            "n_queries", f"leave the audit's metrics within the memory budget of {budget / 2**30:.1f} GiB",
+            f"{n_query} queries", f", whose metrics need {plan['memory_bytes'] / 2**30:.1f} GiB (n_train {n_train}, "
+            f"n_bootstrap {n_bootstrap}); pass at most about {fits} queries, or fewer bootstrap resamples",
         )
     logger.info("metrics of %d queries: %.2f GiB in memory, %.2f GiB on disk, blocks of %d queries", n_query,
                 plan["memory_bytes"] / 2**30, plan["disk_bytes"] / 2**30, plan["block_rows"])
@@ -175,44 +313,11 @@ def build_influence(est: Any) -> InfluenceEstimator:
     if isinstance(est.influence, InfluenceEstimator):
         return est.influence
     if est.influence == "ntk":
+        passed = {own: getattr(est, name) for name, own in NTK_PASS_THROUGH.items()}
+        if not isinstance(passed["ridge"], str):
+            passed["ridge"] = float(passed["ridge"])
         return get_influence(
-            "ntk",
-            ridge=est.ridge if isinstance(est.ridge, str) else float(est.ridge),
-            device=est.device,
-            projection_dim=est.projection_dim,
-            projection_seed=int(est.seed),
-            distributed=est.distributed,
-            verbose=est.verbose,
-            memory_limit_gb=est.memory_limit_gb,
-            exact_budget_s=est.time_budget_s,
+            "ntk", **passed, device=est.device, projection_seed=int(est.seed), distributed=est.distributed,
+            verbose=est.verbose, memory_limit_gb=est.memory_limit_gb,
         )
     return get_influence(est.influence, loss=loss_name(est.classifier), device=est.device)
-
-
-def _check_attacks(attacks: object) -> tuple[str | EvasionAttack, ...]:
-    """:return: ``attacks`` as a non-empty tuple of attack names and ART ``EvasionAttack`` instances."""
-    if isinstance(attacks, (str, EvasionAttack)):
-        attacks = (attacks,)
-    if not isinstance(attacks, (list, tuple)):
-        raise TypeError(
-            f"attacks must be an attack name, an ART EvasionAttack or a sequence of them, got {type(attacks).__name__}"
-        )
-    if not attacks:
-        raise ValueError("attacks must name at least one attack, got an empty sequence")
-    for a in attacks:
-        if not isinstance(a, (str, EvasionAttack)):
-            raise TypeError(
-                f"attacks must hold names {ATTACK_NAMES} or ART EvasionAttack instances, got {type(a).__name__}"
-            )
-        if isinstance(a, str) and a not in ATTACK_NAMES:
-            raise ValueError(f"attacks must name one of {ATTACK_NAMES}, got {a!r}")
-    return tuple(attacks)
-
-
-def _positive_number(name: str, value: object) -> float:
-    """:return: ``value`` as a float, once checked to be a positive finite number."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
-        raise TypeError(f"{name} must be a positive number, got {type(value).__name__} {value!r}")
-    if not np.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
-    return float(value)

@@ -17,6 +17,7 @@ from art_malleability.cli.checks import (
     validation_for,
 )
 from art_malleability.cli.options import (
+    AUDIT_OPTIONS,
     Runner,
     Typed,
     add_command,
@@ -160,6 +161,7 @@ def run_audit(args: argparse.Namespace) -> int:
 
 def _check_queries(args: argparse.Namespace, data: Dataset) -> None:
     """``--n-queries`` must fit the memory: checked once the data's sizes are known, before any training."""
+    from art_malleability._utils.params import InvalidParameterError
     from art_malleability._utils.torch_utils import resolve_device
     from art_malleability.audit.params import check_query_budget, default_queries
     from art_malleability.cli.checks import UsageError
@@ -169,8 +171,8 @@ def _check_queries(args: argparse.Namespace, data: Dataset) -> None:
     try:
         check_query_budget(n_query, len(data.x_train), top_k_count(len(data.x_train), args.top_fraction),
                            args.n_bootstrap, False, args.memory_limit_gb, resolve_device(args.device))
-    except ValueError as err:
-        raise UsageError(str(err).replace("n_queries", "--n-queries (n_queries)", 1)) from err
+    except InvalidParameterError as err:
+        raise UsageError(err.message(f"{AUDIT_OPTIONS[err.param]} ({err.param})")) from err
 
 
 def _audit_model(args: argparse.Namespace, name: str, data: Dataset, shard: Shard) -> MalleabilityReport:

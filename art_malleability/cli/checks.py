@@ -12,7 +12,6 @@ import inspect
 import logging
 import math
 import os
-import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -20,21 +19,29 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from art_malleability._utils.torch_utils import eval_mode, model_device_dtype, resolve_device
-from art_malleability.cli.options import DEFAULT_MODELS, estimator_params, typed
+from art_malleability._utils.params import (
+    ALPHA,
+    DEVICE,
+    N_MODELS,
+    N_QUERIES,
+    SEED,
+    Check,
+    InvalidParameterError,
+    Rule,
+    check_value,
+    check_values,
+)
+from art_malleability._utils.torch_utils import eval_mode, model_device_dtype
+from art_malleability.cli.options import AUDIT_OPTIONS, DATA_OPTIONS, DEFAULT_MODELS, dest, estimator_params, typed
 from art_malleability.models.reference import REFERENCE_MODELS
 
 if TYPE_CHECKING:
     from art_malleability.data.datasets import Dataset
 
-#: Parameters of :func:`~art_malleability.data.datasets.load_dataset` and the options that set them.
-_DATA_OPTIONS = {
-    "name_or_path": "--dataset", "root": "--data-root", "n_train": "--n-train", "n_test": "--n-test",
-    "classes": "--classes",
-}
+#: What the data's errors advise that the command line cannot do (it never downloads).
+_DOWNLOAD = "pass download=True to let torchvision download them"
 #: The arguments a ``--model package.module:factory`` is given, when it takes them.
 _FACTORY_ARGUMENTS = ("input_shape", "nb_classes")
-_DATA_MODULES = ("art_malleability.data.datasets", "art_malleability.data._loaders")
 
 logger = logging.getLogger(__name__)
 
@@ -57,10 +64,6 @@ def preflight(args: argparse.Namespace) -> None:
     try:
         if getattr(args, "dataset", None) is not None:
             resolve_source(args.dataset, args.data_root)
-        if getattr(args, "seed", 0) < 0:
-            raise ValueError(f"--seed must be a non-negative integer, got {args.seed}")
-        if any(s < 0 for s in getattr(args, "seeds", None) or []):
-            raise ValueError(f"--seeds must be non-negative integers, got {args.seeds}")
         names = getattr(args, "model", None) or []
         for name in names:
             _model_factory(name)
@@ -81,61 +84,6 @@ def preflight(args: argparse.Namespace) -> None:
 # The numbers and choices of each subcommand: one rule per option, declared once (checked by preflight).
 # ----------------------------------------------------------------------------------------------------
 
-#: A rule: what the value must do (completing "--option must ...") and the test of a parsed value.
-Rule = tuple[str, Callable[[Any], bool]]
-
-_POSITIVE_INT: Rule = ("be a positive integer", lambda v: v >= 1)
-_NON_NEGATIVE_INT: Rule = ("be a non-negative integer", lambda v: v >= 0)
-_POSITIVE: Rule = ("be a positive finite number", lambda v: math.isfinite(v) and v > 0)
-_NON_NEGATIVE: Rule = ("be a non-negative finite number", lambda v: math.isfinite(v) and v >= 0)
-_POSITIVE_OR_DEFAULT: Rule = ("be a positive finite number", lambda v: v is None or (math.isfinite(v) and v > 0))
-_POSITIVE_INTS: Rule = ("hold positive integers", lambda vs: all(v >= 1 for v in vs))
-_DISTINCT: Rule = ("hold distinct values (each one once)", lambda vs: len(set(vs)) == len(vs))
-_TWO_WIDTHS: Rule = ("hold at least two distinct widths (the width exponent is fitted over them)",
-                     lambda vs: len(set(vs)) >= 2)
-_TWO_SEEDS: Rule = ("hold at least two distinct seeds (the intervals are over them)", lambda vs: len(set(vs)) >= 2)
-
-
-def _names(choices: tuple[str, ...], why: str = "") -> Rule:
-    """The rule of an option that names models: each one of ``choices``."""
-    return (f"name models of {choices}{why}", lambda vs: all(v in choices for v in vs))
-
-
-#: Models whose infinite-width NTK ``ntk-check`` knows (MLP-Attn-QKV's trained attention has none).
-NTK_MODELS = ("2l-relu", "mlp-attn")
-_DATA_RULES: dict[str, tuple[Rule, ...]] = {"--n-train": (_POSITIVE_INT,), "--n-test": (_POSITIVE_INT,)}
-_TRAINING_RULES: dict[str, tuple[Rule, ...]] = {
-    "--width": (_POSITIVE_INT,), "--epochs": (_POSITIVE_INT,), "--batch-size": (_POSITIVE_INT,),
-    "--lr": (_POSITIVE,), "--weight-decay": (_NON_NEGATIVE,),
-}
-#: Every subcommand's options and their rules (the audit's own parameters are the estimator's to check as well:
-#: :func:`_check_estimator_params`; ``--seed``, ``--eps``, ``--n-queries``, ... are shared: :func:`_check_settings`).
-OPTION_RULES: dict[str, dict[str, tuple[Rule, ...]]] = {
-    "audit": {**_DATA_RULES, **_TRAINING_RULES, "--time-budget": (_POSITIVE,),
-              "--memory-limit-gb": (_POSITIVE_OR_DEFAULT,)},
-    "validate": {
-        **_DATA_RULES, **_TRAINING_RULES, "--loo-queries": (_NON_NEGATIVE_INT,), "--loo-top": (_POSITIVE_INT,),
-        "--loo-seeds": (_POSITIVE_INT,), "--n-bootstrap": (_POSITIVE_INT,),
-    },
-    "ntk-check": {
-        **_DATA_RULES,
-        "--models": (_names(NTK_MODELS, " (MLP-Attn-QKV's trained attention has no infinite-width kernel here)"),
-                     _DISTINCT),
-        "--widths": (_POSITIVE_INTS, _TWO_WIDTHS), "--seeds": (_TWO_SEEDS,), "--ridge": (_POSITIVE,),
-        "--gd-steps": (_POSITIVE_INT,), "--adam-epochs": (_POSITIVE_INT,),
-        "--gd-lr-scale": (("lie in (0, 2), where the linearised gradient descent is stable", lambda v: 0 < v < 2),),
-    },
-    "spectrum": {"--n-train": (_POSITIVE_INT,)},
-    "reproduce": {
-        **_DATA_RULES, **{k: v for k, v in _TRAINING_RULES.items() if k != "--batch-size"},  # the paper's 128
-        "--models": (_names(REFERENCE_MODELS), _DISTINCT),
-        "--widths": (_POSITIVE_INTS, _DISTINCT), "--seeds": (_DISTINCT,), "--adv-epochs": (_POSITIVE_INT,),
-        "--lds-models": (("be 0 (no LDS) or at least 2 (the LDS correlates over the retrained models)",
-                          lambda v: v == 0 or v >= 2),),
-        "--ntk-n-train": (_POSITIVE_INT,), "--ntk-adam-epochs": (_POSITIVE_INT,),
-    },
-}
-
 
 def as_typed(value: object) -> str:
     """A parsed option value as it is typed on the command line (a list space-separated, a float as ``%g``)."""
@@ -146,18 +94,91 @@ def as_typed(value: object) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+def _rule(must: str, test: Callable[[Any], bool], note: str = "") -> Rule:
+    """A rule of an option's parsed value, whose message shows the value as typed."""
+    return Rule(must, test, note=note, show=as_typed)
+
+
+def _each(rules: Check | tuple[Check, ...]) -> Check:
+    """The rule of a list option whose every value follows ``rules`` (the message shows the first that does not)."""
+
+    def check(values: Any, name: str) -> Any:
+        for value in values or []:
+            check_value(rules, value, name)
+        return values
+
+    return check
+
+
+_POSITIVE_INT = _rule("be a positive integer", lambda v: v >= 1)
+_NON_NEGATIVE_INT = _rule("be a non-negative integer", lambda v: v >= 0)
+_POSITIVE = _rule("be a positive finite number", lambda v: math.isfinite(v) and v > 0)
+_NON_NEGATIVE = _rule("be a non-negative finite number", lambda v: math.isfinite(v) and v >= 0)
+_POSITIVE_INTS = _rule("hold positive integers", lambda vs: all(v >= 1 for v in vs))
+_DISTINCT = _rule("hold distinct values (each one once)", lambda vs: len(set(vs)) == len(vs))
+_TWO_WIDTHS = _rule("hold at least two distinct widths (the width exponent is fitted over them)",
+                    lambda vs: len(set(vs)) >= 2)
+_TWO_SEEDS = _rule("hold at least two distinct seeds (the intervals are over them)", lambda vs: len(set(vs)) >= 2)
+#: An l-inf budget of the data, which every ``--dataset`` scales to [0, 1].
+_EPS = _rule("lie in (0, 1): an l-inf budget on inputs scaled to [0, 1] (every --dataset is)",
+             lambda v: v is None or 0 < v < 1, note=f"; give it in those units (8/255 = {8 / 255:.4f}, not 8)")
+
+
+def _names(choices: tuple[str, ...], why: str = "") -> Rule:
+    """The rule of an option that names models: each one of ``choices``."""
+    return _rule(f"name models of {choices}{why}", lambda vs: all(v in choices for v in vs))
+
+
+#: Models whose infinite-width NTK ``ntk-check`` knows (MLP-Attn-QKV's trained attention has none).
+NTK_MODELS = ("2l-relu", "mlp-attn")
+#: The options of every subcommand that has them: the library's rules of the same settings.
+_SHARED_RULES: dict[str, Check | tuple[Check, ...]] = {
+    "--seed": SEED, "--seeds": _each(SEED), "--n-queries": N_QUERIES, "--eps": _EPS, "--eps-grid": _each(_EPS),
+    "--device": DEVICE,
+    "--dist-timeout": _rule("be a positive number of seconds", lambda v: math.isfinite(v) and v > 0),
+}
+_DATA_RULES: dict[str, tuple[Check, ...]] = {"--n-train": (_POSITIVE_INT,), "--n-test": (_POSITIVE_INT,)}
+_TRAINING_RULES: dict[str, tuple[Check, ...]] = {
+    "--width": (_POSITIVE_INT,), "--epochs": (_POSITIVE_INT,), "--batch-size": (_POSITIVE_INT,),
+    "--lr": (_POSITIVE,), "--weight-decay": (_NON_NEGATIVE,),
+}
+#: Every subcommand's own options and their rules (the audit's parameters are the estimator's, checked through its
+#: rules: :func:`_check_estimator_params`; the options several subcommands share: ``_SHARED_RULES``).
+OPTION_RULES: dict[str, dict[str, tuple[Check, ...]]] = {
+    "audit": {**_DATA_RULES, **_TRAINING_RULES},
+    "validate": {
+        **_DATA_RULES, **_TRAINING_RULES, "--loo-queries": (_NON_NEGATIVE_INT,), "--loo-top": (_POSITIVE_INT,),
+        "--loo-seeds": (_POSITIVE_INT,), "--n-bootstrap": (_POSITIVE_INT,), "--alpha": (ALPHA,),
+        "--n-models": (N_MODELS,),
+    },
+    "ntk-check": {
+        **_DATA_RULES,
+        "--models": (_names(NTK_MODELS, " (MLP-Attn-QKV's trained attention has no infinite-width kernel here)"),
+                     _DISTINCT),
+        "--widths": (_POSITIVE_INTS, _TWO_WIDTHS), "--seeds": (_TWO_SEEDS,), "--ridge": (_POSITIVE,),
+        "--gd-steps": (_POSITIVE_INT,), "--adam-epochs": (_POSITIVE_INT,),
+        "--gd-lr-scale": (_rule("lie in (0, 2), where the linearised gradient descent is stable",
+                                lambda v: 0 < v < 2),),
+    },
+    "spectrum": {"--n-train": (_POSITIVE_INT,)},
+    "reproduce": {
+        **_DATA_RULES, **{k: v for k, v in _TRAINING_RULES.items() if k != "--batch-size"},  # the paper's 128
+        "--models": (_names(REFERENCE_MODELS), _DISTINCT),
+        "--widths": (_POSITIVE_INTS, _DISTINCT), "--seeds": (_DISTINCT,), "--adv-epochs": (_POSITIVE_INT,),
+        "--lds-models": (_rule("be 0 (no LDS) or at least 2 (the LDS correlates over the retrained models)",
+                               lambda v: v == 0 or v >= 2),),
+        "--ntk-n-train": (_POSITIVE_INT,), "--ntk-adam-epochs": (_POSITIVE_INT,),
+    },
+}
+
+
 def _check_option_rules(args: argparse.Namespace) -> None:
-    """The subcommand's numbers and choices against :data:`OPTION_RULES`, then its ``--device``."""
-    for option, rules in OPTION_RULES.get(getattr(args, "command", None), {}).items():
-        value = getattr(args, option[2:].replace("-", "_"))
-        for must, test in rules:
-            if not test(value):
-                raise ValueError(f"{option} must {must}, got {as_typed(value)}")
-    if getattr(args, "device", None) is not None:
-        try:
-            resolve_device(args.device)
-        except ValueError as err:
-            raise ValueError(f"--{err}" if str(err).startswith("device must") else str(err)) from err
+    """The subcommand's options (those it has of ``_SHARED_RULES``, then its own :data:`OPTION_RULES`)."""
+    command = getattr(args, "command", None)
+    shared = {option: rules for option, rules in _SHARED_RULES.items() if hasattr(args, dest(option))}
+    for table in (shared, OPTION_RULES.get(command, {})):
+        for option, rules in table.items():
+            check_value(rules, getattr(args, dest(option)), option)
 
 
 def _check_clashes(args: argparse.Namespace) -> None:
@@ -206,40 +227,17 @@ def _check_clashes(args: argparse.Namespace) -> None:
 
 
 def _check_settings(args: argparse.Namespace) -> None:
-    """The numbers of the audit (budget, top set), of validate and of the queries; reproduce's fixed classes."""
+    """The audit's parameters through the estimator's rules, then the options that depend on each other."""
     from art_malleability.metrics import top_k_count
 
-    for option, values in (("--eps", [getattr(args, "eps", None)]), ("--eps-grid", getattr(args, "eps_grid", None))):
-        for eps in values or []:
-            if eps is not None and not 0 < eps < 1:
-                raise ValueError(
-                    f"{option} must lie in (0, 1): an l-inf budget on inputs scaled to [0, 1] (every --dataset is), "
-                    f"got {eps:g}; give it in those units (8/255 = {8 / 255:.4f}, not 8)"
-                )
-    timeout = getattr(args, "dist_timeout", None)
-    if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
-        raise ValueError(f"--dist-timeout must be a positive number of seconds, got {timeout:g}")
-    fraction = getattr(args, "top_fraction", None)
-    if fraction is not None:
-        if not 0 < fraction <= 1:
-            raise ValueError(f"--top-fraction (top_fraction) must lie in (0, 1], got {fraction}")
-        if args.n_train is not None and top_k_count(args.n_train, fraction) < 1:
-            raise ValueError(
-                f"--n-train must leave a non-empty influential set with --top-fraction {fraction}, got {args.n_train}; "
-                f"pass --n-train of at least {math.ceil(1 / fraction - 1e-9)}"
-            )
-    if getattr(args, "command", None) == "validate":
-        if not 0 < args.alpha < 1:
-            raise ValueError(f"--alpha (alpha) must lie strictly between 0 and 1, got {args.alpha}")
-        if args.n_models < 2:
-            raise ValueError(f"--n-models (n_models) must be at least 2, got {args.n_models}")
-    if getattr(args, "n_queries", None) is not None and args.n_queries < 2:
-        raise ValueError(
-            f"--n-queries must be at least 2, got {args.n_queries}; every interval resamples the queries and needs two "
-            "or more"
-        )
     if getattr(args, "command", None) == "audit":
         _check_estimator_params(args)
+    fraction = getattr(args, "top_fraction", None)
+    if fraction is not None and args.n_train is not None and top_k_count(args.n_train, fraction) < 1:
+        raise ValueError(
+            f"--n-train must leave a non-empty influential set with --top-fraction {fraction}, got {args.n_train}; "
+            f"pass --n-train of at least {math.ceil(1 / fraction - 1e-9)}"
+        )
     if getattr(args, "command", None) == "reproduce" and args.classes is not None:
         raise ValueError(f"--classes must not be given to reproduce, got {args.classes}; Table 3 picks the paper's "
                          "binary classes")
@@ -247,43 +245,32 @@ def _check_settings(args: argparse.Namespace) -> None:
 
 def _check_estimator_params(args: argparse.Namespace) -> None:
     """
-    The audit's options through the estimator's own parameter check (``ridge``, ``n_bootstrap``, a non-finite
-    ``eps``, ...), so that a value the estimator refuses fails here, before any training; the error names the option.
+    The audit's options through the estimator's own rules (:data:`~art_malleability.audit.params.PARAMETER_RULES`),
+    so that a value the estimator refuses fails here, before any training; the error names the option that sets the
+    parameter (:data:`~art_malleability.cli.options.AUDIT_OPTIONS`) and the parameter.
     """
-    from types import SimpleNamespace
+    from art_malleability.audit.params import PARAMETER_RULES
 
-    from art_malleability.audit.estimator import MalleabilityEstimator
-    from art_malleability.audit.params import check_params
-
-    defaults = inspect.signature(MalleabilityEstimator.__init__).parameters
-    params = {name: defaults[name].default for name in MalleabilityEstimator.estimator_params} | estimator_params(args)
     try:
-        check_params(SimpleNamespace(**params))
-    except (ValueError, TypeError) as err:
-        name = re.match(r"(\w+) must\b", str(err))
-        if name is None or not hasattr(args, name.group(1)):
+        check_values(PARAMETER_RULES, estimator_params(args))
+    except InvalidParameterError as err:
+        option = AUDIT_OPTIONS.get(err.param)
+        if option is None:
             raise
-        option = "--" + name.group(1).replace("_", "-")
-        raise type(err)(f"{option} ({name.group(1)}){str(err)[name.end(1):]}") from err
+        raise UsageError(err.message(f"{option} ({err.param})")) from err
 
 
 def message_of(err: BaseException) -> str:
     """
-    The first line of an error's message; in one raised by the data loaders, a leading parameter of
-    :func:`~art_malleability.data.datasets.load_dataset` becomes the option that sets it (``root`` → ``--data-root``).
+    The first line of an error's message; an :class:`~art_malleability._utils.params.InvalidParameterError` of a
+    parameter of :func:`~art_malleability.data.datasets.load_dataset` names the option that sets it instead
+    (``root`` → ``--data-root``: :data:`~art_malleability.cli.options.DATA_OPTIONS`), and says what to do on the
+    command line, where nothing is downloaded.
     """
-    message = str(err).splitlines()[0] if str(err) else type(err).__name__
-    frame = err.__traceback__
-    while frame is not None and frame.tb_next is not None:
-        frame = frame.tb_next
-    if frame is None or frame.tb_frame.f_globals.get("__name__") not in _DATA_MODULES:
-        return message
-    match = re.match(r"(\w+)(?: and (\w+))? must\b", message)
-    if match is None or not all(name in _DATA_OPTIONS for name in match.groups() if name):
-        return message
-    options = " and ".join(_DATA_OPTIONS[name] for name in match.groups() if name)
-    message = options + message[match.end() - len(" must") :]
-    return message.replace("pass download=True to let torchvision download them", "place the files there first")
+    if isinstance(err, InvalidParameterError) and err.param in DATA_OPTIONS:
+        message = err.message(DATA_OPTIONS[err.param])
+        return message.replace(_DOWNLOAD, "place the files there first").splitlines()[0]
+    return str(err).splitlines()[0] if str(err) else type(err).__name__
 
 
 def load_data(args: argparse.Namespace) -> Dataset:

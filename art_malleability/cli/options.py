@@ -173,12 +173,33 @@ def projection_dim(text: str) -> int | str | None:
     return value
 
 
+#: The :class:`~art_malleability.audit.MalleabilityEstimator` parameters that ``audit``'s options set, by the option
+#: that sets each: how an error that names a parameter (``InvalidParameterError.param``) names its option.
+AUDIT_OPTIONS = {
+    "attacks": "--attacks", "eps": "--eps", "influence": "--influence", "top_fraction": "--top-fraction",
+    "strategy": "--strategy", "ridge": "--ridge", "n_queries": "--n-queries", "rank_by": "--rank-by",
+    "n_bootstrap": "--n-bootstrap", "attack_max_iter": "--attack-max-iter", "batch_size": "--batch-size",
+    "seed": "--seed", "device": "--device", "projection_dim": "--projection-dim", "controls": "--no-controls",
+    "control_draws": "--control-draws", "time_budget_s": "--time-budget", "memory_limit_gb": "--memory-limit-gb",
+}
+
+
+#: The :func:`~art_malleability.data.load_dataset` parameters that the data options (:func:`add_data_options`) set,
+#: by the option that sets each: how an error of the data that names a parameter (``InvalidParameterError.param``)
+#: names its option. ``"n_train and n_test"`` labels the error that refuses the two sizes together.
+DATA_OPTIONS = {
+    "name_or_path": "--dataset", "root": "--data-root", "classes": "--classes", "n_train": "--n-train",
+    "n_test": "--n-test", "n_train and n_test": "--n-train and --n-test",
+}
+
+
+def dest(option: str) -> str:
+    """:return: The ``args`` attribute of an option (``--n-queries`` → ``n_queries``)."""
+    return option[2:].replace("-", "_")
+
+
 def estimator_params(args: argparse.Namespace) -> dict[str, Any]:
     """:return: The :class:`~art_malleability.audit.MalleabilityEstimator` parameters the audit options set."""
-    return dict(
-        attacks=args.attacks, eps=args.eps, influence=args.influence, top_fraction=args.top_fraction,
-        strategy=args.strategy, ridge=args.ridge, n_queries=args.n_queries, rank_by=args.rank_by,
-        n_bootstrap=args.n_bootstrap, attack_max_iter=args.attack_max_iter, batch_size=args.batch_size,
-        seed=args.seed, device=args.device, projection_dim=args.projection_dim, controls=not args.no_controls,
-        control_draws=args.control_draws, time_budget_s=args.time_budget, memory_limit_gb=args.memory_limit_gb,
-    )
+    params = {name: getattr(args, dest(option)) for name, option in AUDIT_OPTIONS.items()}
+    params["controls"] = not args.no_controls
+    return params

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from art_malleability._utils.params import InvalidParameterError, InvalidParameterPathError, invalid, invalid_path
+
 logger = logging.getLogger(__name__)
 
 #: Folders below ``root`` searched for the IDX files; the first is also torchvision's class name.
@@ -24,6 +26,8 @@ _IDX_FOLDERS = {"mnist": ("MNIST", "mnist"), "fashion-mnist": ("FashionMNIST", "
 _IDX_PATTERN = "'{train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]'"
 _CIFAR_FOLDER = "cifar-10-batches-py"
 _CIFAR_SPLITS = {"train": [f"data_batch_{i}" for i in range(1, 6)], "test": ["test_batch"]}
+#: What an ``.npz`` file must be (the rule's words in ``name_or_path must ...``).
+_NPZ_ARCHIVE = "be an .npz archive written by numpy.savez with arrays x and y"
 
 
 @dataclass
@@ -59,14 +63,15 @@ def check_folder(name: str, root: Path) -> None:
 
     :param name: ``"mnist"``, ``"fashion-mnist"`` or ``"cifar10"``.
     :param root: An existing folder.
-    :raises FileNotFoundError: When no split's files are there; the message lists near misses.
+    :raises InvalidParameterPathError: Naming ``root``, when no split's files are there (a ``FileNotFoundError``); the
+        message lists near misses.
     """
     if name == "cifar10":
         if not _cifar_splits(root):
-            raise FileNotFoundError(
-                f"root must hold CIFAR-10's {_CIFAR_FOLDER}/ with data_batch_1..5 and/or test_batch and batches.meta, "
-                f"got {str(root)!r}{_cifar_misses(root)}; pass download=True to let torchvision download them, or "
-                "load an .npz file with arrays x and y"
+            raise invalid_path(
+                "root", f"hold CIFAR-10's {_CIFAR_FOLDER}/ with data_batch_1..5 and/or test_batch and batches.meta",
+                root, f"{_cifar_misses(root)}; pass download=True to let torchvision download them, or load an .npz "
+                "file with arrays x and y",
             )
         return
     processed = root / _IDX_FOLDERS[name][0] / "processed"
@@ -74,11 +79,11 @@ def check_folder(name: str, root: Path) -> None:
         raise _no_idx_files(name, root)
 
 
-def _no_idx_files(name: str, root: Path) -> FileNotFoundError:
+def _no_idx_files(name: str, root: Path) -> InvalidParameterPathError:
     folders = _idx_folders(name, root)
-    return FileNotFoundError(
-        f"root must hold the {name} IDX files {_IDX_PATTERN} in one of {[str(f) for f in folders]}, got "
-        f"{str(root)!r}{_near_misses(folders, ('ubyte', 'idx'))}; pass download=True to let torchvision download them"
+    return invalid_path(
+        "root", f"hold the {name} IDX files {_IDX_PATTERN} in one of {[str(f) for f in folders]}", root,
+        f"{_near_misses(folders, ('ubyte', 'idx'))}; pass download=True to let torchvision download them",
     )
 
 
@@ -140,7 +145,7 @@ def _read_idx(path: Path, reader) -> np.ndarray:
     :param path: The IDX file (uncompressed or ``.gz``).
     :param reader: ``torchvision.datasets.mnist.read_image_file`` or ``read_label_file``.
     :return: The array.
-    :raises ValueError: When the file is not an IDX file of the expected kind.
+    :raises InvalidParameterError: Naming ``root``, when the file is not an IDX file of the expected kind.
     """
     try:
         if path.suffix != ".gz":
@@ -151,10 +156,8 @@ def _read_idx(path: Path, reader) -> np.ndarray:
                 shutil.copyfileobj(src, dst)
             return reader(str(target)).numpy()
     except (AssertionError, ValueError, RuntimeError, OSError, EOFError) as err:
-        raise ValueError(
-            f"root must hold readable IDX files, got {str(path)!r}, which cannot be read as one ({type(err).__name__})"
-            "; replace it with the original file"
-        ) from err
+        why = f", which cannot be read as one ({type(err).__name__}); replace it with the original file"
+        raise invalid("root", "hold readable IDX files", str(path), why) from err
 
 
 def load_idx_source(name: str, root: Path, download: bool) -> Source:
@@ -218,10 +221,8 @@ def load_cifar10_source(root: Path, download: bool) -> Source:
         splits[split] = (np.ascontiguousarray(x), np.asarray(ds.targets, dtype=np.int64))
         class_names = tuple(ds.classes)
     if not splits:
-        raise ValueError(
-            f"root must hold intact CIFAR-10 batches, got {str(root / _CIFAR_FOLDER)!r}, whose batches fail "
-            "torchvision's checksum (damaged or partial files); download them again"
-        )
+        raise invalid("root", "hold intact CIFAR-10 batches", str(root / _CIFAR_FOLDER),
+                      ", whose batches fail torchvision's checksum (damaged or partial files); download them again")
     if "train" not in splits:
         logger.info("Only the CIFAR-10 test split is present under %s; train and test are drawn from it.", root)
     return Source(
@@ -238,16 +239,18 @@ def check_npz(path: Path) -> None:
     """
     Check, without reading its arrays, that ``path`` is an ``.npz`` archive (a zip file).
 
-    :raises ValueError: When it is not.
+    :raises InvalidParameterError: Naming ``name_or_path``, when it is not.
     """
     import zipfile
 
     if not zipfile.is_zipfile(path):
         what = "holds a single array (an .npy file)" if _is_npy(path) else "is not a readable .npz archive"
-        raise ValueError(
-            f"name_or_path must be an .npz archive written by numpy.savez with arrays x and y, got {str(path)!r}, "
-            f"which {what}"
-        )
+        raise invalid("name_or_path", _NPZ_ARCHIVE, str(path), f", which {what}")
+
+
+def _bad_npz(must: str, got: str, path: Path, note: str = "") -> InvalidParameterError:
+    """:return: The error of an ``.npz`` file's arrays: ``name_or_path must <must>, got <got> in '<path>'<note>``."""
+    return InvalidParameterError("name_or_path", must, got, f" in {str(path)!r}{note}")
 
 
 def _is_npy(path: Path) -> bool:
@@ -268,10 +271,8 @@ def _images_to_nchw(x: np.ndarray, path: Path) -> np.ndarray:
             return np.ascontiguousarray(x.transpose(0, 3, 1, 2))
         if first:
             return x
-    raise ValueError(
-        f"name_or_path must hold an array x of shape (n, d), (n, h, w), (n, h, w, c) or (n, c, h, w) with c in (1, 3), "
-        f"got {x.shape} in {str(path)!r}"
-    )
+    raise _bad_npz("hold an array x of shape (n, d), (n, h, w), (n, h, w, c) or (n, c, h, w) with c in (1, 3)",
+                   str(x.shape), path)
 
 
 def _labels_from_array(y: np.ndarray, n: int, path: Path) -> np.ndarray:
@@ -280,31 +281,21 @@ def _labels_from_array(y: np.ndarray, n: int, path: Path) -> np.ndarray:
     if y.ndim == 2 and y.shape[1] > 1 and np.all((y == 0) | (y == 1)) and np.all(y.sum(axis=1) == 1):
         y = np.argmax(y, axis=1)
     if y.ndim != 1:
-        raise ValueError(
-            f"name_or_path must hold an array y of class indices (n,) or one-hot labels, got shape {y.shape} in "
-            f"{str(path)!r}"
-        )
+        raise _bad_npz("hold an array y of class indices (n,) or one-hot labels", f"shape {y.shape}", path)
     if y.shape[0] != n:
-        raise ValueError(
-            f"name_or_path must hold arrays x and y of one length, got different lengths {n} and {y.shape[0]} in "
-            f"{str(path)!r}"
-        )
+        raise _bad_npz("hold arrays x and y of one length", f"different lengths {n} and {y.shape[0]}", path)
     integral = np.issubdtype(y.dtype, np.integer) or (
         np.issubdtype(y.dtype, np.floating) and np.all(np.isfinite(y)) and np.all(np.mod(y, 1) == 0)
     )
     if not integral:
-        raise ValueError(
-            f"name_or_path must hold integer class labels in y, got dtype {y.dtype} with non-integers in {str(path)!r}"
-        )
+        raise _bad_npz("hold integer class labels in y", f"dtype {y.dtype} with non-integers", path)
     if y.size and y.min() < 0:
-        raise ValueError(f"name_or_path must hold non-negative labels in y, got minimum {y.min()} in {str(path)!r}")
+        raise _bad_npz("hold non-negative labels in y", f"minimum {y.min()}", path)
     y = y.astype(np.int64)
     present = np.unique(y)
     if len(present) < 2:
-        raise ValueError(
-            f"name_or_path must hold labels of at least two classes in y, got a single class ({int(present[0])}) in "
-            f"{str(path)!r}: a classifier of it learns nothing and its accuracy and flip rates would mean nothing"
-        )
+        raise _bad_npz("hold labels of at least two classes in y", f"a single class ({int(present[0])})", path,
+                       ": a classifier of it learns nothing and its accuracy and flip rates would mean nothing")
     if len(present) < int(present.max()) + 1:
         empty = sorted(set(range(int(present.max()) + 1)) - set(present.tolist()))
         logger.warning("Array y in %s has no example of class(es) %s of 0..%d (labels 1..C instead of 0..C-1?).",
@@ -319,21 +310,14 @@ def _pixels(x: np.ndarray, path: Path) -> np.ndarray:
     if np.issubdtype(x.dtype, np.floating):
         x = x.astype(np.float32)
         if not np.all(np.isfinite(x)):
-            raise ValueError(
-                f"name_or_path must hold finite values in x, got {int((~np.isfinite(x)).sum())} NaN or infinite in "
-                f"{str(path)!r}"
-            )
+            raise _bad_npz("hold finite values in x", f"{int((~np.isfinite(x)).sum())} NaN or infinite", path)
         if x.min() < 0.0 or x.max() > 1.0:
-            raise ValueError(
-                f"name_or_path must hold a float x in [0, 1], got range [{x.min()}, {x.max()}] in {str(path)!r}; "
-                "rescale it or store uint8 pixels (0..255)"
-            )
+            raise _bad_npz("hold a float x in [0, 1]", f"range [{x.min()}, {x.max()}]", path,
+                           "; rescale it or store uint8 pixels (0..255)")
         return x
     if x.dtype == np.bool_:
         return x.astype(np.float32)
-    raise ValueError(
-        f"name_or_path must hold x as uint8 (0..255) or float in [0, 1], got dtype {x.dtype} in {str(path)!r}"
-    )
+    raise _bad_npz("hold x as uint8 (0..255) or float in [0, 1]", f"dtype {x.dtype}", path)
 
 
 def load_npz_source(path: Path) -> Source:
@@ -343,21 +327,16 @@ def load_npz_source(path: Path) -> Source:
     try:
         archive = np.load(path, allow_pickle=False)
     except (ValueError, OSError, EOFError, zipfile.BadZipFile) as err:
-        raise ValueError(
-            f"name_or_path must be an .npz archive written by numpy.savez with arrays x and y, got {str(path)!r}, "
-            "which is not a readable .npz archive"
-        ) from err
+        raise invalid("name_or_path", _NPZ_ARCHIVE, str(path), ", which is not a readable .npz archive") from err
     with archive:
         missing = [key for key in ("x", "y") if key not in archive.files]
         if missing:
-            raise ValueError(f"name_or_path must hold arrays 'x' and 'y', got {archive.files} in {str(path)!r}")
+            raise _bad_npz("hold arrays 'x' and 'y'", str(archive.files), path)
         x = archive["x"]
         y = archive["y"]
         names = tuple(str(c) for c in archive["class_names"]) if "class_names" in archive.files else ()
     if x.ndim < 2 or x.shape[0] < 1:
-        raise ValueError(
-            f"name_or_path must hold an array x of shape (n, ...) with n >= 1, got {x.shape} in {str(path)!r}"
-        )
+        raise _bad_npz("hold an array x of shape (n, ...) with n >= 1", str(x.shape), path)
     y = _labels_from_array(y, x.shape[0], path)
     x = _images_to_nchw(_pixels(x, path), path)
     nb_classes = max(int(y.max()) + 1, 2)

@@ -31,6 +31,17 @@ from pathlib import Path
 import numpy as np
 from sklearn.model_selection import train_test_split
 
+from art_malleability._utils.params import (
+    SEED,
+    InvalidParameterError,
+    InvalidParameterTypeError,
+    Rule,
+    check_value,
+    invalid,
+    invalid_path,
+    is_int,
+    optional,
+)
 from art_malleability.data._loaders import (
     Source,
     check_folder,
@@ -44,6 +55,8 @@ from art_malleability.data._loaders import (
 logger = logging.getLogger(__name__)
 
 DATASET_NAMES: tuple[str, ...] = ("digits", "mnist", "fashion-mnist", "cifar10")
+#: The ``.param`` of the error that refuses ``n_train`` and ``n_test`` together (they do not fit a one-split source).
+BOTH_SIZES = "n_train and n_test"
 
 _DIGITS_DEFAULT_SIZES = (1000, 300)
 _SINGLE_SPLIT_TEST_FRACTION = 0.2
@@ -56,6 +69,11 @@ _ALIASES = {
     "cifar10": "cifar10",
     "cifar-10": "cifar10",
 }
+#: The rule of a subset size (``n_train``, ``n_test``): a positive integer, or ``None`` for the default.
+_SIZE = optional((
+    Rule("be an int or None", is_int, type_error=True, show=lambda v: type(v).__name__),
+    Rule("be >= 1 (or None)", lambda v: v >= 1, int, show=str),
+))
 
 
 @dataclass
@@ -146,16 +164,6 @@ def _split_one_pool(y: np.ndarray, n_train: int, n_test: int, seed: int) -> tupl
     return np.sort(train_idx), np.sort(test_idx)
 
 
-def _check_size(value: int | None, name: str) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int or None, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1 (or None), got {value}")
-    return int(value)
-
-
 def _digits_sizes(n_train: int | None, n_test: int | None, total: int) -> tuple[int | None, int | None]:
     """
     Default subset sizes of the digits dataset: 1000 / 300, scaled down proportionally when fewer than 1300
@@ -185,44 +193,40 @@ def resolve_source(
     :param download: Whether a missing torchvision folder may be created by a download.
     :return: ``(name, folder)`` of a named dataset (``folder`` ``None`` for digits) or ``(None, file)`` of an
         ``.npz`` file.
-    :raises ValueError: On an unknown name, a torchvision dataset without ``root`` or a file that is no ``.npz``
-        archive.
-    :raises FileNotFoundError: When the folder or the file does not exist, or the folder holds no split of the
-        dataset (file names only: the files are not read).
+    :raises InvalidParameterError: Naming ``name_or_path`` or ``root`` (a ``ValueError``): on an unknown name, a
+        torchvision dataset without ``root`` or a file that is no ``.npz`` archive; also a ``FileNotFoundError`` when
+        the folder or the file does not exist, or the folder holds no split of the dataset (file names only: the files
+        are not read), and a ``TypeError`` for a ``name_or_path`` that is neither a string nor a path.
     """
     if not isinstance(name_or_path, (str, os.PathLike)):
-        raise TypeError(f"name_or_path must be a dataset name or a path, got {type(name_or_path).__name__}")
+        raise InvalidParameterTypeError("name_or_path", "be a dataset name or a path", type(name_or_path).__name__)
     key = _ALIASES.get(str(name_or_path).strip().lower().replace("_", "-"))
     if key is not None and not (isinstance(name_or_path, os.PathLike) or str(name_or_path).endswith(".npz")):
         if key == "digits":
             return key, None
         if root is None:
-            raise ValueError(
-                f"root must be the local data folder of {key!r} (torchvision layout), got None; pass the folder that "
-                "holds its files"
-            )
+            raise invalid("root", f"be the local data folder of {key!r} (torchvision layout)", None,
+                          "; pass the folder that holds its files")
         root_path = Path(root).expanduser()
         if not download:
             if not root_path.is_dir():
                 what = "a file" if root_path.exists() else "no existing folder"
-                raise FileNotFoundError(f"root must be an existing folder, got {str(root)!r}, which is {what}")
+                raise invalid_path("root", "be an existing folder", root, f", which is {what}")
             check_folder(key, root_path)
         return key, root_path
     path = Path(name_or_path).expanduser()
     if root is not None and not path.is_absolute():
         path = Path(root).expanduser() / path
     if path.is_dir():
-        raise FileNotFoundError(
-            f"name_or_path must be a dataset name or an .npz file with arrays x and y, got {str(path)!r}, which is a "
-            f"folder; a torchvision folder is given as root with a dataset name, one of {DATASET_NAMES}"
+        raise invalid_path(
+            "name_or_path", "be a dataset name or an .npz file with arrays x and y", path,
+            f", which is a folder; a torchvision folder is given as root with a dataset name, one of {DATASET_NAMES}",
         )
     if not path.is_file() and (path.suffix == ".npz" or os.sep in str(name_or_path)):
-        raise FileNotFoundError(f"name_or_path must be an existing .npz file, got {str(path)!r}, which does not exist")
+        raise invalid_path("name_or_path", "be an existing .npz file", path, ", which does not exist")
     if not path.is_file():
-        raise ValueError(
-            f"name_or_path must be one of {DATASET_NAMES} or the path of an .npz file with arrays x and y, got "
-            f"{str(name_or_path)!r}"
-        )
+        raise invalid("name_or_path", f"be one of {DATASET_NAMES} or the path of an .npz file with arrays x and y",
+                      str(name_or_path))
     check_npz(path)
     return None, path
 
@@ -265,11 +269,14 @@ def load_dataset(
     :param seed: Seed of the subset selection.
     :param download: Allow torchvision to download missing files into `root`.
     :return: The dataset.
+    :raises InvalidParameterError: Naming the argument the data refuses (``name_or_path``, ``root``, ``n_train``,
+        ``n_test``, both sizes as ``"n_train and n_test"``, ``classes`` or ``seed``); a ``ValueError``, also a
+        ``TypeError`` for a value of the wrong type and a ``FileNotFoundError`` for a missing file or folder
+        (:func:`resolve_source`).
     """
-    n_train = _check_size(n_train, "n_train")
-    n_test = _check_size(n_test, "n_test")
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    n_train = _SIZE(n_train, "n_train")
+    n_test = _SIZE(n_test, "n_test")
+    check_value(SEED, seed, "seed")
     key, location = resolve_source(name_or_path, root, download)
     source = _read_source(key, location, download)
     name = key if key is not None else location.stem
@@ -308,15 +315,15 @@ def _read_source(key: str | None, location: Path | None, download: bool) -> Sour
 def _keep_classes(source: Source, classes: list[int], name: str) -> None:
     """Keep the examples of ``classes`` in the source's pools, relabelled ``0 .. k-1`` in that order."""
     if len(classes) < 2 or len(set(classes)) != len(classes):
-        raise ValueError(f"classes must list at least two distinct labels, got {classes}")
+        raise invalid("classes", "list at least two distinct labels", classes)
     out_of_range = [c for c in classes if not 0 <= c < source.nb_classes]
     if out_of_range:
-        raise ValueError(f"classes must lie in 0..{source.nb_classes - 1} of {name!r}, got {out_of_range}")
+        raise invalid("classes", f"lie in 0..{source.nb_classes - 1} of {name!r}", out_of_range)
     source.train = _filter_classes(source.train, classes)
     source.test = _filter_classes(source.test, classes)
     for pool in (source.train, source.test):
         if pool is not None and pool[1].size == 0:
-            raise ValueError(f"classes must have examples in {name!r}, got {classes} with none")
+            raise InvalidParameterError("classes", f"have examples in {name!r}", f"{classes} with none")
     source.class_names = tuple(source.class_names[c] for c in classes) if source.class_names else ()
     source.nb_classes = len(classes)
     source.description += f", classes {classes}"
@@ -332,7 +339,7 @@ def _draw_from_splits(
         ("n_test", n_test, source.test, "test"),
     ):
         if value is not None and value > y.shape[0]:
-            raise ValueError(f"{arg_name} must not exceed the {y.shape[0]} examples of the {what} split, got {value}")
+            raise invalid(arg_name, f"not exceed the {y.shape[0]} examples of the {what} split", value)
         rows = subsample(y, value or y.shape[0], seed, what)
         drawn.append((x[rows], y[rows]))
     return drawn[0], drawn[1]
@@ -353,9 +360,8 @@ def _draw_from_one_pool(
     if n_test is None:
         n_test = total - n_train
     if n_train < 1 or n_test < 1 or n_train + n_test > total:
-        raise ValueError(
-            f"n_train and n_test must each be >= 1 and together at most the {total} examples of {name!r}, got "
-            f"{n_train} and {n_test}"
+        raise InvalidParameterError(
+            BOTH_SIZES, f"each be >= 1 and together at most the {total} examples of {name!r}", f"{n_train} and {n_test}"
         )
     train_idx, test_idx = _split_one_pool(y_pool, n_train, n_test, seed)
     return (x_pool[train_idx], y_pool[train_idx]), (x_pool[test_idx], y_pool[test_idx])

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 
+from art_malleability._utils.params import Rule
 from art_malleability.influence.base import (
     LOSS_NAMES,
     InfluenceEstimator,
@@ -38,6 +39,12 @@ _REGISTRY: dict[str, type[InfluenceEstimator]] = {
 
 INFLUENCE_NAMES: tuple[str, ...] = tuple(_REGISTRY)
 
+#: The rule of an influence estimator: one of :data:`INFLUENCE_NAMES` or an :class:`InfluenceEstimator` instance.
+INFLUENCE = Rule(
+    f"be one of {', '.join(map(repr, INFLUENCE_NAMES))} or an InfluenceEstimator instance",
+    lambda v: isinstance(v, InfluenceEstimator) or (isinstance(v, str) and v in _REGISTRY),
+)
+
 
 def get_influence(name_or_obj: str | InfluenceEstimator, **kwargs: object) -> InfluenceEstimator:
     """
@@ -46,21 +53,19 @@ def get_influence(name_or_obj: str | InfluenceEstimator, **kwargs: object) -> In
     :param name_or_obj: ``"ntk"``, ``"gradient"``, ``"captum"`` or an :class:`InfluenceEstimator`.
     :param kwargs: Constructor arguments for the named estimator (ignored for an instance).
     :return: The estimator.
-    :raises ValueError: For any other value.
+    :raises InvalidParameterError: For any other value (the rule :data:`INFLUENCE`, naming ``influence``; a
+        ``ValueError``).
     """
+    INFLUENCE(name_or_obj, "influence")
     if isinstance(name_or_obj, InfluenceEstimator):
         if kwargs:
             logger.debug("get_influence: ignoring %s for an estimator instance", sorted(kwargs))
         return name_or_obj
-    if isinstance(name_or_obj, str) and name_or_obj in _REGISTRY:
-        return _REGISTRY[name_or_obj](**kwargs)
-    raise ValueError(
-        "influence must be one of 'ntk', 'gradient', 'captum' or an InfluenceEstimator instance, "
-        f"got {name_or_obj!r}"
-    )
+    return _REGISTRY[name_or_obj](**kwargs)
 
 
 __all__ = [
+    "INFLUENCE",
     "INFLUENCE_NAMES",
     "LOSS_NAMES",
     "CaptumInfluence",

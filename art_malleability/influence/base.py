@@ -18,20 +18,21 @@ import torch
 from torch import nn
 
 from art_malleability._utils.checks import (  # noqa: F401 - labels_to_indices: public path of the influence package
-    LOSS_NAMES,
     SignatureParams,
     check_finite,
     check_labels,
-    check_loss,
-    check_positive_int,
     labels_to_indices,
 )
-from art_malleability._utils.torch_utils import (
-    check_dtype,
-    resolve_device,
-    trainable_parameters,
-    working_copy,
+from art_malleability._utils.params import (
+    DEVICE,
+    DTYPE,
+    LOSS_NAMES,
+    POSITIVE_INT,
+    Rule,
+    RuleTable,
+    check_values,
 )
+from art_malleability._utils.torch_utils import resolve_device, trainable_parameters, working_copy
 from art_malleability.data.streaming import ExampleSource, is_torch_data
 from art_malleability.models.reference import is_transductive
 
@@ -61,17 +62,18 @@ def regression_targets(y: torch.Tensor, n_outputs: int, dtype: torch.dtype) -> t
 Loss = str | Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+#: The rule of an influence estimator's loss: a name of ``LOSS_NAMES`` or a per-example ``loss_fn``.
+INFLUENCE_LOSS = Rule(f"be one of {LOSS_NAMES} or a callable loss_fn(outputs, targets)",
+                      lambda v: callable(v) or (isinstance(v, str) and v in LOSS_NAMES))
+
+
 def check_influence_loss(loss: object) -> Loss:
     """
     :param loss: A loss name or a callable ``loss_fn(outputs, targets)`` returning one loss per example.
     :return: ``loss`` unchanged.
-    :raises ValueError: For anything else.
+    :raises ValueError: For anything else (:data:`INFLUENCE_LOSS`).
     """
-    if callable(loss):
-        return loss
-    if not isinstance(loss, str):
-        raise ValueError(f"loss must be one of {LOSS_NAMES} or a callable loss_fn(outputs, targets), got {loss!r}")
-    return check_loss(loss)
+    return INFLUENCE_LOSS(loss, "loss")
 
 
 def per_example_loss(outputs: torch.Tensor, y: torch.Tensor, loss: Loss) -> torch.Tensor:
@@ -184,6 +186,11 @@ class InfluenceEstimator(abc.ABC):
     name: str = ""
     #: The constructor's parameters, read from its signature (``get_params`` returns them all).
     estimator_params = SignatureParams()
+    #: Each parameter's rule (:mod:`art_malleability._utils.params`), checked by :meth:`_check_params`; a subclass
+    #: extends its base's table.
+    _parameter_rules: RuleTable = {
+        "loss": INFLUENCE_LOSS, "device": DEVICE, "dtype": DTYPE, "batch_size": POSITIVE_INT,
+    }
 
     def __init__(
         self,
@@ -208,10 +215,13 @@ class InfluenceEstimator(abc.ABC):
         self._check_params()
 
     def _check_params(self) -> None:
-        check_influence_loss(self.loss)
-        resolve_device(self.device)
-        check_dtype(self.dtype)
-        check_positive_int(self.batch_size, "batch_size")
+        """
+        Every parameter against its rule in :attr:`_parameter_rules`.
+
+        :raises InvalidParameterError: Naming the first parameter refused (a ``ValueError``; also a ``TypeError``
+            for a value of the wrong type).
+        """
+        check_values(self._parameter_rules, {name: getattr(self, name) for name in self._parameter_rules})
 
     def get_params(self) -> dict:
         """

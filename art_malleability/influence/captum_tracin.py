@@ -23,9 +23,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from art_malleability._utils.params import Rule, RuleTable
 from art_malleability._utils.torch_utils import frozen_parameters_to_buffers
-from art_malleability.influence.base import InfluenceEstimator, KMostInfluential, per_example_loss
-from art_malleability.influence.gradient import check_checkpoints, snapshot_state, validate_checkpoints
+from art_malleability.influence._tracin import TracInInfluence, snapshot_state
+from art_malleability.influence.base import KMostInfluential, per_example_loss
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ class CaptumLoss(nn.Module):
         return losses
 
 
-class CaptumInfluence(InfluenceEstimator):
+class CaptumInfluence(TracInInfluence):
     """
     TracIn-CP influence through :class:`captum.influence.TracInCP`.
 
@@ -111,6 +112,10 @@ class CaptumInfluence(InfluenceEstimator):
     """
 
     name = "captum"
+    _parameter_rules: RuleTable = {
+        **TracInInfluence._parameter_rules,
+        "sample_wise_grads_per_batch": Rule("be True, False or 'auto'", lambda v: isinstance(v, bool) or v == "auto"),
+    }
 
     def __init__(
         self,
@@ -124,14 +129,6 @@ class CaptumInfluence(InfluenceEstimator):
     ) -> None:
         self._init_params(locals())
 
-    def _check_params(self) -> None:
-        super()._check_params()
-        check_checkpoints(self.checkpoints, self.learning_rates)
-        if not isinstance(self.sample_wise_grads_per_batch, bool) and self.sample_wise_grads_per_batch != "auto":
-            raise ValueError(
-                f"sample_wise_grads_per_batch must be True, False or 'auto', got {self.sample_wise_grads_per_batch!r}"
-            )
-
     def _loader(self, x: np.ndarray, y: np.ndarray, batch_size: int | None = None) -> DataLoader:
         dataset = TensorDataset(
             torch.tensor(x, dtype=self.dtype, device=self.device_),
@@ -143,8 +140,8 @@ class CaptumInfluence(InfluenceEstimator):
     def _fit(self, model: nn.Module, x_train: np.ndarray, y_train: np.ndarray) -> None:
         from captum.influence import TracInCP
 
-        checkpoints, learning_rates = check_checkpoints(self.checkpoints, self.learning_rates)
-        validate_checkpoints(model, checkpoints)
+        self._fit_checkpoints(model)
+        checkpoints, learning_rates = self._checkpoints, self._learning_rates
         # Captum differentiates with respect to every entry of model.parameters(): frozen
         # parameters (e.g. a fixed output layer) become buffers of the working copy.
         frozen_parameters_to_buffers(model)
@@ -165,6 +162,7 @@ class CaptumInfluence(InfluenceEstimator):
             return learning_rates[index]
 
         reduction = "sum" if self.sample_wise_ else "none"
+        self._final_state = final
         self._tracin = TracInCP(
             model,
             self._loader(x_train, y_train),
@@ -173,17 +171,13 @@ class CaptumInfluence(InfluenceEstimator):
             loss_fn=CaptumLoss(self.loss, reduction),
             sample_wise_grads_per_batch=self.sample_wise_,
         )
-        self._final_state = final
 
     def _captum(self, method: str, *args: object, **kwargs: object) -> object:
         """Call a method of Captum's ``TracInCP`` with gradients on; the model's final weights are restored after."""
-        try:
-            with torch.enable_grad(), warnings.catch_warnings():
-                # the sample-wise path marks its own input copies as requiring grad and says so
-                warnings.filterwarnings("ignore", message="Input Tensor .* did not already require gradients")
-                return getattr(self._tracin, method)(*args, **kwargs)
-        finally:
-            self.model_.load_state_dict(self._final_state)
+        with self._final_weights_after(), torch.enable_grad(), warnings.catch_warnings():
+            # the sample-wise path marks its own input copies as requiring grad and says so
+            warnings.filterwarnings("ignore", message="Input Tensor .* did not already require gradients")
+            return getattr(self._tracin, method)(*args, **kwargs)
 
     def _run(self, x_query: np.ndarray, y_query: np.ndarray, **kwargs: object) -> object:
         # one batch of queries, as Captum's own tuple form (which would draw from the global RNG): a loader of
@@ -218,7 +212,7 @@ class CaptumInfluence(InfluenceEstimator):
         :param y: Their labels.
         :return: ``float64`` array ``(n,)``.
         """
-        self._check_fitted("self_influence")
-        data = None if x is None else self._loader(*self._check_query(x, y))
+        checked = self._check_self_influence(x, y)
+        data = None if checked is None else self._loader(*checked)
         result = self._captum("self_influence", data)
         return result.detach().to(torch.float64).cpu().numpy()

@@ -27,6 +27,7 @@ import torch
 from scipy.linalg import lapack
 from threadpoolctl import threadpool_limits
 
+from art_malleability._utils.params import Rule, is_number
 from art_malleability.linalg import check_finite, row_block
 
 logger = logging.getLogger(__name__)

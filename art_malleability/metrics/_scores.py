@@ -12,7 +12,9 @@ import math
 import numpy as np
 from numpy.typing import ArrayLike
 
-RANK_BY = ("abs", "signed")
+from art_malleability._utils.params import RANK_BY as RANK_BY_RULE
+from art_malleability._utils.params import RANK_BY_NAMES as RANK_BY  # noqa: F401 - the metrics' public name
+from art_malleability._utils.params import TOP_FRACTION
 
 
 def top_k_count(n_train: int, top_fraction: float) -> int:
@@ -22,9 +24,9 @@ def top_k_count(n_train: int, top_fraction: float) -> int:
     :param n_train: Number of training examples.
     :param top_fraction: Share of training examples in the set, in (0, 1].
     :return: Number of examples in the set (0 when the share selects none).
+    :raises InvalidParameterError: For a share outside (0, 1] (the rule ``TOP_FRACTION``).
     """
-    if not 0.0 < top_fraction <= 1.0:
-        raise ValueError(f"top_fraction must lie in (0, 1], got {top_fraction!r}")
+    TOP_FRACTION(top_fraction, "top_fraction")
     return int(math.floor(top_fraction * n_train + 1e-9))
 
 
@@ -54,8 +56,7 @@ def top_indices(values: np.ndarray, k: int, rank_by: str = "abs") -> np.ndarray:
     :param rank_by: ``"abs"`` ranks by magnitude, ``"signed"`` by signed score (most helpful first).
     :return: Integer indices; ties go to the lower index, ``NaN`` never selected.
     """
-    if rank_by not in RANK_BY:
-        raise ValueError(f"rank_by must be one of {RANK_BY}, got {rank_by!r}")
+    RANK_BY_RULE(rank_by, "rank_by")
     values = np.asarray(values, dtype=np.float64)
     key = np.abs(values) if rank_by == "abs" else values.copy()
     finite = np.isfinite(key)

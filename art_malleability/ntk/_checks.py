@@ -10,6 +10,7 @@ import math
 import numpy as np
 
 from art_malleability._utils.checks import check_positive_int
+from art_malleability._utils.params import PROJECTION_DIM
 
 
 def check_batch_size(batch_size: int) -> int:
@@ -35,14 +36,12 @@ def check_chunk_mb(chunk_mb: float) -> float:
 
 def check_projection_dim(projection_dim: object, name: str = "projection_dim") -> int:
     """
-    Check a projection dimension: a positive integer below 2**31.
+    Check a projection dimension through the rule :data:`~art_malleability._utils.params.PROJECTION_DIM`: a positive
+    integer below 2**31.
 
     :param projection_dim: The candidate.
     :param name: Argument name for the error message.
     :return: It, as an int.
-    :raises ValueError: Otherwise.
+    :raises InvalidParameterError: Otherwise, naming ``name`` (a ``ValueError``).
     """
-    ok = not isinstance(projection_dim, bool) and isinstance(projection_dim, (int, np.integer))
-    if not ok or not 0 < int(projection_dim) < 2**31:
-        raise ValueError(f"{name} must be a positive integer below 2**31, got {projection_dim!r}")
-    return int(projection_dim)
+    return PROJECTION_DIM(projection_dim, name)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -14,6 +13,7 @@ from torch import nn
 
 from art_malleability._utils.checks import check_loss, near_chance_warnings
 from art_malleability._utils.io import progress_bar
+from art_malleability._utils.params import ALPHA, N_MODELS, is_int
 from art_malleability._utils.provenance import library_versions, weights_digest
 from art_malleability._utils.state import preserved_rng
 from art_malleability._utils.torch_utils import eval_mode, model_device_dtype
@@ -115,19 +115,14 @@ def _check_settings(
         raise TypeError(
             f"train_fn must be callable as train_fn(x_subset, y_subset, seed), got {type(train_fn).__name__}"
         )
-    if not _is_int(n_models) or n_models < 2:
-        raise ValueError(
-            f"n_models must be an integer >= 2 (the LDS correlates over the subset models), got {n_models!r}"
-        )
-    ok = isinstance(alpha, (int, float, np.integer, np.floating)) and not isinstance(alpha, bool)
-    if not ok or not math.isfinite(float(alpha)) or not 0.0 < float(alpha) < 1.0:
-        raise ValueError(f"alpha must lie strictly between 0 and 1 (the share of each subset), got {alpha!r}")
+    N_MODELS(n_models, "n_models")
+    ALPHA(alpha, "alpha")
     if outcome not in OUTCOMES:
         raise ValueError(f"outcome must be one of {OUTCOMES}, got {outcome!r}")
     for name, value, minimum in (("loo_queries", loo_queries, 0), ("loo_top", loo_top, 1), ("loo_seeds", loo_seeds, 1)):
-        if not _is_int(value) or value < minimum:
+        if not is_int(value) or value < minimum:
             raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    if not _is_int(seed):
+    if not is_int(seed):
         raise ValueError(f"seed must be an integer, got {seed!r}")
     check_loss(loss)
 
@@ -141,10 +136,6 @@ def _check_arrays(
     if x_query.shape[1:] != x.shape[1:]:
         raise ValueError(f"x_query must have input shape {x.shape[1:]} like x, got {x_query.shape[1:]}")
     return np.array(x, dtype=np.float32, copy=True), y, np.array(x_query, dtype=np.float32, copy=True), y_query
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 def _named_estimator(
@@ -173,7 +164,7 @@ def estimator_label(estimator: InfluenceEstimator) -> str:
     suffix = "" if ridge == DEFAULT_RIDGE else f"-ridge-{ridge:g}" if not isinstance(ridge, str) else f"-ridge-{ridge}"
     if mode == "projected":
         requested = estimator.projection_dim
-        return f"{name}-projected-k{requested if _is_int(requested) else estimator.projection_dim_}{suffix}"
+        return f"{name}-projected-k{requested if is_int(requested) else estimator.projection_dim_}{suffix}"
     if mode is not None:
         return f"{name}-{mode}{suffix}"
     return name
