@@ -5,8 +5,8 @@ With ``--measure`` (the default on a CUDA device) the efficiencies are measured 
 otherwise the table is a plan, not a measurement. It combines
 
 - ``D``, the elements of one example's Jacobian factors (the multiply-adds of one kernel entry), **measured** here for
-  each model with the package's own kernel engine (``JacobianGram.factor_elements``, compressed, as ``"auto"`` counts
-  it);
+  each model with the package's own kernel engine (``JacobianGram.factor_elements``, compressed) with ``--method``
+  (default ``"batched"``, what ``"auto"`` runs on a CUDA device);
 - the exact solve's memory per device from the package's own plan (``exact_plan``: dense, tiles in device memory
   dealt out over the devices, or tiles on disk), with 80 % of the device memory as the budget;
 - the device's fp64 GEMM rate: measured with ``torch.mm`` when the script runs on a CUDA device, otherwise the
@@ -63,10 +63,10 @@ def _resnet18() -> torch.nn.Module:
     return resnet18(num_classes=10)
 
 
-def factor_elements(builder, shape: tuple[int, ...]) -> int:
+def factor_elements(builder, shape: tuple[int, ...], method: str) -> int:
     model = builder().double().eval()
     probe = np.random.default_rng(0).normal(size=(2, *shape))
-    return int(JacobianGram(model).factor_elements(probe))
+    return int(JacobianGram(model, method=method).factor_elements(probe))
 
 
 def _seconds(work, device: torch.device) -> float:
@@ -90,11 +90,12 @@ def measured_rate(device: torch.device, size: int) -> float:
     return 2.0 * size**3 / _seconds(lambda: torch.mm(a, a, out=out), device)
 
 
-def kernel_efficiency(builder, shape: tuple[int, ...], n: int, d: int, rate: float, device: torch.device) -> float:
+def kernel_efficiency(builder, shape: tuple[int, ...], n: int, d: int, rate: float, device: torch.device,
+                      method: str) -> float:
     """Planned kernel work ``2 n² D`` over the measured time of ``JacobianGram.gram`` of ``n`` inputs, over ``rate``."""
     model = builder().double().to(device).eval()
     x = torch.randn((n, *shape), dtype=torch.float64, device=device)
-    engine = JacobianGram(model)
+    engine = JacobianGram(model, method=method)
     engine.gram(x[: min(n, 8)])  # plans the layers before the timed calls
     return 2.0 * n * n * d / _seconds(lambda: engine.gram(x), device) / rate
 
@@ -150,6 +151,9 @@ def main() -> None:
     parser.add_argument("--measure", action=argparse.BooleanOptionalAction, default=torch.cuda.is_available(),
                         help="time the kernel and the solve on this machine's device (default: on a CUDA device)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies the measured sizes (kernels, solve)")
+    parser.add_argument("--method", default="batched", choices=["auto", "structured", "batched", "jacobian"],
+                        help="the kernel engine's method whose D and rate enter the plan (default: what 'auto' runs "
+                             "on a CUDA device)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.measure:
@@ -178,11 +182,12 @@ def main() -> None:
           "| kernel | solve | audit |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name, (builder, shape, n, n_kernel) in MODELS.items():
-        d = factor_elements(builder, shape)
+        d = factor_elements(builder, shape, args.method)
         kernel_eff, how = KERNEL_EFFICIENCY, "assumed"
         if args.measure:
             size = max(16, int(n_kernel * args.scale))
-            kernel_eff, how = kernel_efficiency(builder, shape, size, d, rate, device), f"measured, n = {size:,}"
+            kernel_eff = kernel_efficiency(builder, shape, size, d, rate, device, args.method)
+            how = f"measured, n = {size:,}"
         for memory in args.memory_gb:
             budget = int(0.8 * memory * 2**30)
             for devices in args.devices:

@@ -269,6 +269,56 @@ def test_the_tiled_exact_solve_equals_the_dense_one(tmp_path, where):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_tiles_from_kept_factors_compute_each_examples_factors_once(tmp_path):
+    """Tiles whose budget also holds the training set's factors take them from the kept factors: each example's
+    factors are computed once for the whole kernel (not per tile), and the scores and refits equal the dense solve's
+    (1e-8). (Tiles on disk take their tiles the same way; at a test's sizes their blocks fill the budget.)"""
+    where = "memory"
+    import art_malleability.influence.ntk_memory as memory
+    from art_malleability.influence import NTKInfluence
+    from art_malleability.ntk.empirical import JacobianGram
+
+    model = _mlp(d=6, m=8, c=3)
+    n = 480
+    x, y, xq, yq = _data(n=n, d=6)
+    dense = NTKInfluence(projection_dim=None, ridge=1e-2, device="cpu").fit(model, x, y)
+    exact = memory.exact_bytes(n, reserve=_engine_reserve(model, x))
+    form = "tiles of" if where == "memory" else "on disk"
+    for share in np.linspace(0.99, 0.01, 99):  # the largest budget under the dense solve's whose plan is as asked
+        budget = share * exact
+        try:
+            plan = NTKInfluence(projection_dim=None, ridge=1e-2, device="cpu", memory_limit_gb=budget / 2**30,
+                                tile_folder=tmp_path).plan(model, x, n)
+        except ValueError:  # nothing fits any more
+            break
+        if form in plan["reason"] and (where == "disk" or "on disk" not in plan["reason"]) and plan["kept_bytes"]:
+            break
+    assert plan["mode"] == "exact" and plan["kept_bytes"] > 0, plan
+    rows = []
+    features = JacobianGram.features
+
+    def counted(engine, xb, yb=None):
+        rows.append(len(xb))
+        return features(engine, xb, yb)
+
+    tiled = NTKInfluence(projection_dim=None, ridge=1e-2, device="cpu", memory_limit_gb=budget / 2**30,
+                         tile_folder=tmp_path)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(JacobianGram, "features", counted)
+        tiled.fit(model, x, y)
+    assert tiled.solver_.block is not None and (tiled.solver_.folder is not None) == (where == "disk")
+    assert tiled._backend.kept is not None
+    assert sum(rows) == n  # once per example, for every tile
+    before = dense.scores(xq, yq)
+    np.testing.assert_allclose(tiled.scores(xq, yq), before, rtol=1e-8, atol=1e-8 * np.abs(before).max())
+    changed = np.array([1, 7, 50])
+    x_new = x[changed] + 0.2
+    after = dense.refit(changed, x_new).scores(xq, yq)
+    np.testing.assert_allclose(tiled.refit(changed, x_new).scores(xq, yq), after, rtol=1e-8,
+                               atol=1e-8 * np.abs(after).max())
+    tiled.solver_.close()
+
+
 def test_the_exact_plan_takes_the_cheapest_form_that_fits():
     """Dense in one process when two n x n matrices fit; else tiles in memory, dealt out over the processes; else on
     disk; else nothing."""

@@ -148,7 +148,7 @@ def test_primal_scores_equal_an_explicit_leave_one_out_resolve():
     est = NTKInfluence(projection_dim=20, ridge=0.05, device="cpu").fit(model, x, y)
     assert isinstance(est.solver_, PrimalRidge)
     phi = est.solver_.features_.numpy()
-    phi_q = est._features(xq).numpy()
+    phi_q = est._backend.features(xq).numpy()
     targets = np.eye(3)[y]
     k = phi.shape[1]
     w = np.linalg.solve(phi.T @ phi + 0.05 * np.eye(k), phi.T @ targets)
@@ -398,8 +398,8 @@ def test_exact_refit_without_kept_factors_equals_a_fresh_fit():
     x, y = _images(30, seed=9)
     xq, yq = _images(4, seed=10)
     est = NTKInfluence(projection_dim=None, device="cpu").fit(model, x, y)
-    assert est._kept is not None
-    est._kept = None  # as when the training set's factors do not fit the memory
+    assert est._backend.kept is not None
+    est._backend.kept = None  # as when the training set's factors do not fit the memory
     changed = np.array([4, 17])
     x_new = x.copy()
     x_new[changed] += 0.3
@@ -435,8 +435,8 @@ def test_the_projected_features_of_blocks_of_queries_are_kept_between_refits(mon
     xq, yq = rng.normal(size=(9, 4)).astype(np.float32), rng.integers(0, 3, 9)
     est = NTKInfluence(projection_dim=20, ridge=0.05, device="cpu").fit(model, x, y)
     calls = []
-    project = est._project
-    monkeypatch.setattr(est, "_project", lambda rows: calls.append(len(rows)) or project(rows))
+    project = est._backend.features
+    monkeypatch.setattr(est._backend, "features", lambda rows: calls.append(len(rows)) or project(rows))
     whole = est.scores(xq, yq)
     blocks = [est.scores(xq[s : s + 4], yq[s : s + 4]) for s in range(0, 9, 4)]
     np.testing.assert_allclose(np.concatenate(blocks), whole, rtol=1e-9, atol=1e-15)
@@ -445,7 +445,7 @@ def test_the_projected_features_of_blocks_of_queries_are_kept_between_refits(mon
         est.scores(xq[s : s + 4], yq[s : s + 4])
     assert calls == [9, 4, 4, 1, 2]  # the whole set, each block once; after the refit only its own 2 rows
     monkeypatch.setattr(cache, "QUERY_CACHE_BYTES", 1)  # nothing fits: every call projects again
-    est._query_features = None
+    est._backend._query_features = None
     est.scores(xq[:4], yq[:4])
     est.scores(xq[:4], yq[:4])
     assert calls[-2:] == [4, 4]
@@ -459,7 +459,7 @@ def test_the_exact_modes_query_factors_of_blocks_are_kept_between_refits():
     xq, yq = rng.normal(size=(9, 4)).astype(np.float32), rng.integers(0, 3, 9)
     est = NTKInfluence(projection_dim=None, ridge=0.05, device="cpu").fit(model, x, y)
     est.refit(np.array([1, 2]), rng.normal(size=(2, 4)).astype(np.float32))
-    kept = est._kept
+    kept = est._backend.kept
     calls = []
     features = kept.engine.features
     kept.engine.features = lambda rows: calls.append(len(rows)) or features(rows)
@@ -482,7 +482,7 @@ def test_the_first_query_factors_stay_when_not_all_fit(monkeypatch):
     x, y = rng.normal(size=(40, 4)).astype(np.float32), rng.integers(0, 3, 40)
     xq, yq = rng.normal(size=(12, 4)).astype(np.float32), rng.integers(0, 3, 12)
     est = NTKInfluence(projection_dim=None, ridge=0.05, device="cpu").fit(model, x, y)
-    kept = est._kept
+    kept = est._backend.kept
     monkeypatch.setattr(kept.engine, "_block_rows", lambda: 4)
     est.refit(np.array([0]), x[:1] + 1)
     est.scores(xq, yq)

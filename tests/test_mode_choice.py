@@ -132,6 +132,17 @@ def test_the_mode_rule_is_a_pure_function_of_sizes_options_and_facts():
     # a budget too small for the dense solve takes tiles; one too small for anything refuses projection_dim=None
     tight = MachineFacts(cpu, world=1, budget=30 * 2**20, budget_text="30 MiB", rate=1e10, rate_text="test")
     assert choose_mode(1000, ModeOptions(projection_dim=None), tight, model).plan[0] is not None
+    # tiles keep the set's factors where they fit half of what the tiles leave (each example's computed once)
+    from art_malleability.influence.ntk_memory import plan_bytes
+
+    four_gib = MachineFacts(cpu, world=1, budget=4 * 2**30, budget_text="4 GiB", rate=1e10, rate_text="test")
+    tiled = choose_mode(20_000, ModeOptions(projection_dim=None), four_gib, model)
+    left = 4 * 2**30 - plan_bytes(tiled.plan, 20_000, cpu, 1, tiled.reserve)
+    assert tiled.plan == (tiled.plan[0], False) and tiled.plan[0] is not None and 20_000 * 16_000 <= left // 2
+    assert tiled.kept_bytes == 20_000 * 16_000 and tiled.factor_cache >= 2**30
+    heavy = ModelFacts(factor=2000, example_bytes=left // 20_000, batch_size=256, chunk_mb=64.0, panel=1000,
+                       example_seconds=1e-4)
+    assert choose_mode(20_000, ModeOptions(projection_dim=None), four_gib, heavy).kept_bytes == 0
     tiny = MachineFacts(cpu, world=1, budget=2**10, budget_text="1 KiB", rate=1e10, rate_text="test")
     with pytest.raises(ValueError, match="projection_dim must be 'auto' or an integer"):
         choose_mode(1000, ModeOptions(projection_dim=None), tiny, model)

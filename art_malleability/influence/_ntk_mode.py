@@ -16,9 +16,10 @@ from art_malleability._utils.io import duration_text
 from art_malleability.influence.ntk_memory import (
     _GIB,
     engine_reserve,
-    exact_bytes,
     exact_plan,
     exact_seconds,
+    plan_bytes,
+    projected_bytes,
     projected_seconds,
 )
 
@@ -106,6 +107,30 @@ class ModeChoice:
     seconds: dict[str, float] | None = field(default=None)
     note: str | None = None
 
+    def query_cache_bytes(self, n: int, queries: int, dim: int) -> int:
+        """
+        Bytes of what is kept of ``queries`` queries between the passes of an audit, at most ``QUERY_CACHE_BYTES``
+        each: exact, their solves on the unchanged rows and, with the set's factors kept, their kernel rows on the set
+        and their factors; projected (``dim`` features), their features.
+        """
+        bound = _cache.QUERY_CACHE_BYTES
+        if self.mode != "exact":
+            return min(bound, 8 * queries * dim)
+        rows = min(bound, 8 * queries * n)
+        kept = rows + min(self.factor_cache, queries * self.example_bytes) if self.kept_bytes else 0
+        return rows + kept
+
+    def need(self, n: int, queries: int, dim: int, device: torch.device, world: int, n_local: int) -> tuple[int, str]:
+        """
+        Bytes per process of the mode's large buffers with what is kept of ``queries`` queries between passes, and
+        what they are for (``n_local``: this process's training rows, for the projected mode).
+        """
+        cache = self.query_cache_bytes(n, queries, dim)
+        if self.mode == "exact":  # the solve's form, the engine's chunks, and the set's factors where they are kept
+            need = plan_bytes(self.plan, n, device, world, self.reserve) + self.kept_bytes + cache
+            return need, f"the exact NTK influence of {n} examples ({self.form()})"
+        return projected_bytes(n_local, n, dim) + cache, f"the projected NTK influence of {n} examples (k = {dim})"
+
     def form(self) -> str:
         """The exact solve's form, in words."""
         block, on_disk = self.plan
@@ -125,17 +150,17 @@ def needs_model_facts(options: ModeOptions, estimating: bool) -> bool:
     return options.projection_dim is None or estimates(options, estimating)
 
 
-def keeps_factors(n: int, example_bytes: int, budget: int, device: torch.device, reserve: int) -> bool:
-    """Whether the dense exact mode keeps the training set's factors: they fit half the memory its matrices leave."""
-    return example_bytes * n <= (budget - exact_bytes(n, device, reserve)) // 2
+def keeps_factors(n: int, example_bytes: int, budget: int, held: int) -> bool:
+    """Whether the exact mode keeps the training set's factors (each example's computed once per kernel, tiles
+    included): they fit half the memory that its solve's form (``held`` bytes, :func:`plan_bytes`) leaves."""
+    return example_bytes * n <= (budget - held) // 2
 
 
-def query_factor_bound(n: int, budget: int, device: torch.device, reserve: int, kept_bytes: int) -> int:
+def query_factor_bound(budget: int, held: int, kept_bytes: int) -> int:
     """Bytes of the queries' Jacobian factors the exact mode keeps between passes (with the set's factors kept): a
-    quarter of what the budget leaves beside the solve and the set's factors, at least ``QUERY_CACHE_BYTES`` (from
-    the budget, a fixed fact; only the time depends on it, never a number)."""
-    left = budget - exact_bytes(n, device, reserve) - kept_bytes
-    return max(_cache.QUERY_CACHE_BYTES, left // 4)
+    quarter of what the budget leaves beside the solve (``held`` bytes) and the set's factors, at least
+    ``QUERY_CACHE_BYTES`` (from the budget, a fixed fact; only the time depends on it, never a number)."""
+    return max(_cache.QUERY_CACHE_BYTES, (budget - held - kept_bytes) // 4)
 
 
 def choose_mode(n: int, options: ModeOptions, machine: MachineFacts, model: ModelFacts | None,
@@ -166,9 +191,10 @@ def choose_mode(n: int, options: ModeOptions, machine: MachineFacts, model: Mode
     budget, world, device = machine.budget, machine.world, machine.device
     reserve = engine_reserve(n, model.example_bytes, model.batch_size, model.chunk_mb)
     plan = exact_plan(n, budget, device, world, reserve)
-    kept = plan is not None and plan[0] is None and keeps_factors(n, model.example_bytes, budget, device, reserve)
+    held = plan_bytes(plan, n, device, world, reserve) if plan is not None else 0
+    kept = plan is not None and keeps_factors(n, model.example_bytes, budget, held)
     kept_bytes = n * model.example_bytes if kept else 0
-    factor_cache = query_factor_bound(n, budget, device, reserve, kept_bytes) if kept else 0
+    factor_cache = query_factor_bound(budget, held, kept_bytes) if kept else 0
     choice = ModeChoice("projected", "", plan, reserve, kept_bytes, model.example_bytes, factor_cache)
     work = dict(refits=int(options.planned_refits), queries=int(options.planned_queries))
     if estimating:  # counted operations at the nominal rate: the fit of a given mode needs none of it

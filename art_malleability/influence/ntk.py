@@ -48,52 +48,25 @@ their memory before they allocate and stop with an error that names the way out.
 from __future__ import annotations
 
 import logging
-import math
 import os
-import tempfile
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import replace
-from functools import partial
 
 import numpy as np
 import torch
 from torch import nn
 
-from art_malleability._utils import cache as _cache
-from art_malleability._utils.cache import BoundedCache
-from art_malleability._utils.io import progress_bar
-from art_malleability._utils.torch_utils import resolve_device, tensor_digest, working_copy
+from art_malleability._utils.torch_utils import resolve_device, working_copy
 from art_malleability.data.streaming import ExampleSource
 from art_malleability.distributed import Shard, current_shard
-from art_malleability.influence._ntk_mode import (
-    DEFAULT_PROJECTION_DIM,
-    MachineFacts,
-    ModelFacts,
-    ModeOptions,
-    choose_mode,
-    estimates,
-    needs_model_facts,
-)
-from art_malleability.influence.base import InfluenceEstimator, regression_targets
-from art_malleability.influence.ntk_memory import (  # noqa: F401 - MEMORY_SHARE: its public path
-    _GIB,
-    FACTOR_EFFICIENCY,
-    MEMORY_SHARE,
-    check_available,
-    engine_chunk_mb,
-    factor_flops,
-    memory_budget,
-    nominal_gemm_rate,
-    plan_bytes,
-    projected_bytes,
-)
-from art_malleability.influence.ridge import DualRidge, PrimalRidge, loo_scores
-from art_malleability.influence.ridge_choice import DEFAULT_RIDGE, RIDGE_RULES, check_ridge, choose_ridge
-from art_malleability.ntk.empirical import NTK_METHODS, JacobianGram
-from art_malleability.ntk.kept import KeptFactors
-from art_malleability.ntk.projection import ProjectedNTK, check_projection_dim
+from art_malleability.influence._ntk_exact import ExactNTK, check_ridge_rule
+from art_malleability.influence._ntk_mode import DEFAULT_PROJECTION_DIM, ModeChoice, ModeOptions
+from art_malleability.influence._ntk_projected import ProjectedNTKFit
+from art_malleability.influence._ntk_rules import NTK_RULES
+from art_malleability.influence._ntk_session import NTKSession
+from art_malleability.influence.base import InfluenceEstimator
+from art_malleability.influence.ntk_memory import MEMORY_SHARE, memory_budget
+from art_malleability.influence.ridge import loo_scores
+from art_malleability.influence.ridge_choice import DEFAULT_RIDGE
+from art_malleability.linalg.ridge import DualRidge, PrimalRidge
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +75,8 @@ DEFAULT_MAX_EXACT_N = None
 #: Longest estimated time (seconds) of the exact mode's planned work under ``projection_dim="auto"``
 #: (:func:`~art_malleability.influence.ntk_memory.exact_seconds`, at the device's nominal rate).
 DEFAULT_EXACT_BUDGET_S = 1800.0
+
+
 class NTKInfluence(InfluenceEstimator):
     """
     Leave-one-out influence of kernel ridge regression on the empirical NTK of the model.
@@ -120,7 +95,8 @@ class NTKInfluence(InfluenceEstimator):
     :param device: ``"auto"``, a device string or a :class:`torch.device`.
     :param dtype: Dtype of the kernel and feature computation (default ``torch.float64``); the
         ridge solves are always done in float64.
-    :param batch_size: Examples per block in the kernel and feature computations.
+    :param batch_size: Examples per block in the kernel and feature computations (on a CUDA device the exact
+        kernel's blocks take at least 1,024 where the device's memory allows).
     :param method: eNTK method of the exact mode (``"auto"``, ``"structured"``, ``"batched"`` or ``"jacobian"``), see
         :func:`~art_malleability.ntk.empirical.empirical_ntk`.
     :param projection_dim: ``"auto"`` (exact or projected by the rule in the module docstring),
@@ -164,6 +140,7 @@ class NTKInfluence(InfluenceEstimator):
 
     name = "ntk"
     streams = True
+    _parameter_rules = NTK_RULES
 
     def __init__(
         self,
@@ -186,106 +163,34 @@ class NTKInfluence(InfluenceEstimator):
     ) -> None:
         self._init_params(locals())
 
-    def _check_params(self) -> None:
-        super()._check_params()
-        check_ridge(self.ridge)
-        if self.method not in NTK_METHODS:
-            raise ValueError(f"method must be one of {NTK_METHODS}, got {self.method!r}")
-        if self.projection_dim is not None and self.projection_dim != "auto":
-            check_projection_dim(self.projection_dim)
-        if isinstance(self.projection_seed, bool) or not isinstance(self.projection_seed, (int, np.integer)):
-            raise ValueError(f"projection_seed must be an integer, got {self.projection_seed!r}")
-        cap = self.max_exact_n
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, np.integer)) or cap < 0):
-            raise ValueError(f"max_exact_n must be a non-negative integer or None, got {cap!r}")
-        if self.memory_limit_gb is not None:
-            ok = not isinstance(self.memory_limit_gb, bool) and isinstance(
-                self.memory_limit_gb, (int, float, np.integer, np.floating)
-            )
-            if not ok or not math.isfinite(float(self.memory_limit_gb)) or self.memory_limit_gb <= 0:
-                raise ValueError(
-                    f"memory_limit_gb must be a positive number of GiB or None, got {self.memory_limit_gb!r}"
-                )
-        budget_s = self.exact_budget_s
-        if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float, np.integer, np.floating)) or not (
-            math.isfinite(float(budget_s)) and budget_s >= 0
-        ):
-            raise ValueError(f"exact_budget_s must be a non-negative number of seconds, got {budget_s!r}")
-        for name in ("planned_refits", "planned_queries"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-        if self.distributed not in ("auto", True, False):
-            raise ValueError(f"distributed must be 'auto', True or False, got {self.distributed!r}")
-        if self.tile_folder is not None and not os.path.isdir(self.tile_folder):
-            raise ValueError(f"tile_folder must be an existing folder or None, got {str(self.tile_folder)!r}")
-
     # ------------------------------------------------------------------ mode and memory
-    def _choose_mode(self, n: int, shard: Shard, model: nn.Module, probe: np.ndarray) -> str:
+    def _choose_mode(self, n: int, session: NTKSession, model: nn.Module, probe: np.ndarray,
+                     planning: bool = False) -> ModeChoice:
         """
         The mode (:func:`~art_malleability.influence._ntk_mode.choose_mode`), from the inputs, the options and fixed
         facts of the machine and the model only (its total memory, threads and device kind, and counted operations:
         nothing timed, nothing read of what other processes hold); the reason goes to ``mode_reason_``. The chosen
-        mode must then fit the memory available now (:meth:`_check_available`).
+        mode must then fit the memory available now (checked by :meth:`fit`); ``planning``: estimate both modes.
         """
         options = ModeOptions(self.projection_dim, self.max_exact_n, self.exact_budget_s, self.planned_refits,
                               self.planned_queries)
-        planning = getattr(self, "_planning", False)  # plan() estimates any mode
+        device = session.device
         budget_text = (f"memory_limit_gb={self.memory_limit_gb:g}" if self.memory_limit_gb is not None
-                       else f"{MEMORY_SHARE:.0%} of the {self.device_.type.upper()} device's total memory")
-        machine = MachineFacts(self.device_, shard.world_size, self._budget, budget_text)
-        facts = None
-        if needs_model_facts(options, planning):
-            engine = self._engine(model, n, self._budget)
-            seconds = None
-            if estimates(options, planning):  # counted operations at the nominal rate
-                rate, rate_text = nominal_gemm_rate(self.device_)
-                rate = -float(shard.all_reduce(torch.tensor([-rate], dtype=torch.float64), "max")[0])  # the slowest
-                machine = replace(machine, rate=rate, rate_text=rate_text)
-                seconds = factor_flops(engine, probe) / (rate * FACTOR_EFFICIENCY)
-            example_bytes = engine.factor_elements(probe, compressed=False) * torch.finfo(engine.dtype).bits // 8
-            facts = ModelFacts(engine.factor_elements(probe), example_bytes, engine.batch_size, engine.chunk_mb,
-                               engine.panel_rows(), seconds)
-        choice = choose_mode(n, options, machine, facts, estimating=planning)
-        self._choice = choice
-        self.estimated_seconds_, self.mode_reason_, self.auto_note_ = choice.seconds, choice.reason, choice.note
+                       else f"{MEMORY_SHARE:.0%} of the {device.type.upper()} device's total memory")
+        choice = session.choose(n, options, budget_text, model, probe, planning)
+        self.mode_, self.estimated_seconds_, self.mode_reason_, self.auto_note_ = (
+            choice.mode, choice.seconds, choice.reason, choice.note)
         if choice.note is not None and not planning:  # plan() reports it instead
             logger.warning("NTK influence: %s", choice.note)
-        if choice.mode == "exact":
-            self._log_plan(n, shard.world_size)
-        return choice.mode
+        return choice
 
-    def _need(self, n: int) -> tuple[int, str]:
-        """Bytes per process of the chosen mode's large buffers (with what is kept of the planned queries between
-        passes), and what they are for."""
-        shard = self.shard_
-        if self.mode_ == "exact":  # the solve's form, the engine's chunks, and the set's factors where they are kept
-            choice = self._choice
-            need = (plan_bytes(choice.plan, n, self.device_, shard.world_size, choice.reserve) + choice.kept_bytes
-                    + self._query_cache_bytes(n))
-            return need, f"the exact NTK influence of {n} examples ({choice.form()})"
-        start, stop = shard.bounds(n)
-        dim = DEFAULT_PROJECTION_DIM if self.projection_dim == "auto" else int(self.projection_dim)
-        need = projected_bytes(stop - start, n, dim) + self._query_cache_bytes(n)
-        return need, f"the projected NTK influence of {n} examples (k = {dim})"
+    def _dim(self) -> int:
+        """The projection dimension asked for (``"auto"``: :data:`DEFAULT_PROJECTION_DIM`)."""
+        return DEFAULT_PROJECTION_DIM if self.projection_dim in ("auto", None) else int(self.projection_dim)
 
-    def _query_cache_bytes(self, n: int) -> int:
-        """Bytes of what is kept of ``planned_queries`` queries between the passes of an audit, at most
-        ``QUERY_CACHE_BYTES`` each: exact, their solves on the unchanged rows and, with the set's factors kept, their
-        kernel rows on the set and their factors; projected, their features."""
-        q, bound = int(self.planned_queries), _cache.QUERY_CACHE_BYTES
-        if self.mode_ != "exact":
-            dim = DEFAULT_PROJECTION_DIM if self.projection_dim == "auto" else int(self.projection_dim)
-            return min(bound, 8 * q * dim)
-        choice = self._choice
-        factors = min(choice.factor_cache, q * choice.example_bytes)
-        kept = min(bound, 8 * q * n) + factors if choice.kept_bytes else 0
-        return min(bound, 8 * q * n) + kept
-
-    def _check_available(self, n: int) -> None:
-        """The chosen mode's memory must be available now (:func:`~.ntk_memory.check_available`)."""
-        need, what = self._need(n)
-        check_available(need, self.device_, what, self.shard_)
+    def _session(self, shard: Shard, n_outputs: int) -> NTKSession:
+        return NTKSession(self.device_, shard, memory_budget(self.memory_limit_gb, self.device_, shard), self.ridge,
+                          n_outputs, self.method, self.batch_size, self.verbose)
 
     def plan(self, model: nn.Module, x_probe: np.ndarray, n_train: int) -> dict:
         """
@@ -297,76 +202,23 @@ class NTKInfluence(InfluenceEstimator):
         :param x_probe: A few training inputs (up to 64 are used).
         :param n_train: Training examples.
         :return: ``{"mode", "reason", "seconds" (by mode), "bytes", "cache_bytes" (what is kept of the planned queries
-            between passes), "budget"}``.
+            between passes), "kept_bytes" (the training set's factors, when the exact mode keeps them; else 0),
+            "budget"}``.
         """
         other = type(self)(**self.get_params())
         other._check_params()
-        other._planning = True
         other.device_ = resolve_device(other.device)
-        shard = current_shard(other.distributed)
-        other.shard_ = shard
         copy = working_copy(model, other.device_, other.dtype)
-        other._budget = memory_budget(other.memory_limit_gb, other.device_, shard)
-        other._jacobian_gram = None
-        probe = np.asarray(x_probe[:64])
-        mode = other._choose_mode(int(n_train), shard, copy, probe)
-        other.mode_ = mode
-        return {"mode": mode, "reason": other.mode_reason_, "seconds": dict(other.estimated_seconds_),
-                "bytes": other._need(int(n_train))[0], "cache_bytes": other._query_cache_bytes(int(n_train)),
-                "budget": other._budget}
+        session = other._session(current_shard(other.distributed), 0)
+        choice = other._choose_mode(int(n_train), session, copy, np.asarray(x_probe[:64]), planning=True)
+        return {"mode": choice.mode, "reason": choice.reason, "seconds": dict(choice.seconds),
+                "bytes": session.need(int(n_train), int(self.planned_queries), other._dim())[0],
+                "cache_bytes": choice.query_cache_bytes(int(n_train), int(self.planned_queries), other._dim()),
+                "kept_bytes": choice.kept_bytes, "budget": session.budget}
 
-    def _check_ridge_rule(self, n: int) -> None:
-        """
-        A ridge rule needs the kernel as one matrix: refuse it, before the long work, where the exact solve has none
-        (the projected mode checks its realised dimension once the projection is planned).
-        """
-        self.ridge_ = None if self.ridge in RIDGE_RULES else float(self.ridge)
-        self.ridge_criteria_ = None
-        if self.ridge_ is not None:
-            return
-        if self.mode_ == "exact" and self._choice.plan[0] is not None:
-            where = "tiles on disk" if self._choice.plan[1] else "tiles"
-            raise ValueError(
-                f"ridge must be a number for the exact solve in {where} ({n} training examples, "
-                f"{self.shard_.world_size} process(es)), got {self.ridge!r}: the rule "
-                "needs the kernel's eigendecomposition, which only the dense solve in one process holds; choose the "
-                "ridge on a subset, or raise memory_limit_gb"
-            )
-
-    def _ridge_for(self, kernel: torch.Tensor, y: np.ndarray) -> float:
-        """The fixed ridge, or the rule's choice on this kernel (computed once, at the clean fit)."""
-        if self.ridge_ is None:
-            self.ridge_, self.ridge_criteria_ = choose_ridge(kernel, self._targets(y), str(self.ridge))
-        return self.ridge_
-
-    def _log_plan(self, n: int, world: int) -> None:
-        block, on_disk = self._choice.plan
-        if block is None:
-            logger.info("NTK influence: exact solve, %d x %d matrices in memory", n, n)
-            return
-        where = f"files in {self.tile_folder or tempfile.gettempdir()}" if on_disk else "memory"
-        logger.info("NTK influence: exact solve in tiles of %d rows over %d process(es), held in %s", block, world,
-                    where)
-
-    def _engine(self, model: nn.Module, n: int, budget: int) -> JacobianGram:
-        """
-        The exact kernel's engine, with a chunk budget that lets it keep the factors of all ``n``
-        training examples between blocks when the memory left beside the two ``n × n`` matrices
-        allows (each block would otherwise compute them again).
-        """
-        engine = getattr(self, "_jacobian_gram", None)
-        if engine is not None and engine.model is model:
-            return engine
-        chunk_mb = engine_chunk_mb(n, budget, self.device_)
-        self._jacobian_gram = JacobianGram(model, method=self.method, batch_size=self.batch_size, chunk_mb=chunk_mb)
-        return self._jacobian_gram
-
-    # ------------------------------------------------------------------ fit
+    # ------------------------------------------------------------------ fit and refit
     def _fit(self, model: nn.Module, x_train: np.ndarray, y_train: np.ndarray) -> None:
         self._fit_source(model, ExampleSource(x_train, y_train, name="x_train"))
-
-    def _targets(self, y: np.ndarray) -> torch.Tensor:
-        return regression_targets(torch.as_tensor(y, device=self.device_), self.n_outputs_, torch.float64)
 
     def _fit_source(self, model: nn.Module, source: ExampleSource) -> None:
         n = source.n
@@ -376,160 +228,46 @@ class NTKInfluence(InfluenceEstimator):
                 f"x_train must hold at least one example per process, got {n} examples for the "
                 f"{shard.world_size} processes of the process group"
             )
-        self.shard_ = shard
-        self.seconds_ = dict.fromkeys(("features", "solve", "communication", "scores"), 0.0)
-        self._jacobian_gram = None
-        self._kept = None
-        self._query_features = None
-        self._budget = memory_budget(self.memory_limit_gb, self.device_, shard)
-        self._choice = None
-        previous = getattr(self, "solver_", None)
-        if isinstance(previous, DualRidge):
+        previous = getattr(self, "_backend", None)
+        if previous is not None:
             previous.close()  # a previous fit's tiles on disk go now
+        warm = previous.projector if self._warm_start and isinstance(previous, ProjectedNTKFit) else None
+        self._backend = None
+        session = self._session(shard, self.n_outputs_)
         probe, _ = source.take(np.arange(min(n, 64)), self.batch_size)
-        self.mode_ = self._choose_mode(n, shard, model, probe)
-        self._check_ridge_rule(n)
-        self._check_available(n)
-        self._prev_local = np.zeros(0, dtype=np.int64)
-        if self.mode_ == "exact":
-            self._fit_exact(model, source)
-        else:
-            self._fit_projected(model, source, probe)
+        choice = self._choose_mode(n, session, model, probe)
+        check_ridge_rule(session, n)
+        session.check_memory(n, int(self.planned_queries), self._dim())
+        backend = (ExactNTK(session, self.tile_folder) if choice.mode == "exact"
+                   else ProjectedNTKFit(session, self._dim(), self.projection_seed, like=warm))
+        self._backend = backend  # what a failed fit leaves is closed by the next
+        backend.fit(model, source, probe, self._check_labels)
+        self._session_, self.x_train_, self.y_train_ = session, backend.x_train, backend.y_train
 
-    def _fit_exact(self, model: nn.Module, source: ExampleSource) -> None:
-        """The exact mode: the ``n × n`` eNTK of the training set and its dual solve (dense, or in tiles)."""
-        self.projector_, self.projection_dim_ = None, None
-        x, y = source.arrays(self.batch_size)
-        self._check_labels(y, "y_train")
-        self.x_train_, self.y_train_ = np.array(x, copy=True), y
-        self._x_base = self.x_train_
-        block, on_disk = self._choice.plan
-        if block is not None:  # tiles, computed from the model tile by tile (over the group: each its own)
-            engine = self._engine(model, len(x), self._budget)
+    def _refit(self, changed: np.ndarray, x_changed: np.ndarray) -> None:
+        order = np.argsort(changed, kind="stable")
+        self._backend.refit(changed[order], x_changed[order])
+        self.x_train_ = self._backend.x_train
 
-            def tile(rows: np.ndarray, cols: np.ndarray) -> torch.Tensor:
-                with self._clock("features"):
-                    return engine.gram(x[rows], x[cols]).to(torch.float64)
+    # ------------------------------------------------------------------ fitted state
+    shard_ = property(lambda self: self._session_.shard, doc="The process group of the fit.")
+    seconds_ = property(lambda self: self._session_.seconds, doc="Wall time since :meth:`fit` per phase.")
+    ridge_ = property(lambda self: self._session_.ridge_value, doc="The ridge in use.")
+    ridge_criteria_ = property(lambda self: self._session_.ridge_criteria, doc="A ridge rule's grid and criteria.")
+    solver_ = property(lambda self: self._backend.solver, doc="The ridge solver of the fit.")
+    projector_ = property(lambda self: getattr(self._backend, "projector", None), doc="The projection, if any.")
 
-            with self._clock("solve"):
-                folder = (self.tile_folder or tempfile.gettempdir()) if on_disk else None
-                solver = DualRidge(self.ridge_, block=block, folder=folder, group=self.shard_)
-                self.solver_ = solver.fit(tile, self._targets(y))
-            return
-        with self._clock("features"):
-            kernel = self._exact_fit_kernel(model, x)
-        with self._clock("solve"):
-            self.solver_ = DualRidge(self._ridge_for(kernel, y)).fit(kernel, self._targets(y))
-        logger.debug("NTK influence (exact): kernel %s, ridge %g", tuple(kernel.shape), self.ridge_)
-
-    def _train_columns(self, x_rows: np.ndarray, x_train: np.ndarray) -> torch.Tensor:
-        """
-        The kernel between ``x_rows`` and the whole training set ``x_train``, ``(len(x_rows), n)``; over a group each
-        process computes the columns of its block and the blocks are gathered.
-        """
-        start, stop = self.shard_.bounds(self.n_train_)
-        local = self.shard_.run_everywhere(
-            lambda: self._kernel(self.model_, x_rows, x_train[start:stop]).to(torch.float64))
-        return self._comm(self.shard_.all_gather_columns, local)
-
-    def _fit_projected(self, model: nn.Module, source: ExampleSource, probe: np.ndarray) -> None:
-        """The projected mode: this process's block of the features ``Φ``, then the primal or dual solve."""
-        n, shard = source.n, self.shard_
-        start, stop = shard.bounds(n)
-        previous = getattr(self, "projector_", None) if self._warm_start else None
-        self.projector_, self.projection_dim_, self.x_train_ = None, None, None
-        # every process plans, checks its memory and computes its features before any collective
-        projector, phi, y = shard.run_everywhere(self._projected_features, model, source, probe, previous, start, stop)
-        dim = projector.dim
-        self.projector_, self.projection_dim_ = projector, dim
-        self.y_train_ = y
-        self._bounds = (start, stop)
-        if n <= dim:  # dual on ΦΦᵀ: stable when the regression nearly interpolates, and no larger
-            phi = self._comm(shard.all_gather_rows, phi)
-            y = self._comm(shard.all_gather_rows, torch.as_tensor(y)).numpy()
-            self.y_train_ = y
-            self._bounds = (0, n)
-            self._phi_base, self._phi = phi, phi
-            with self._clock("solve"):
-                gram = phi @ phi.T
-                self.solver_ = DualRidge(self._ridge_for(gram, y)).fit(gram, self._targets(y))
-        else:
-            reduce = partial(self._comm, shard.all_reduce)
-            with self._clock("solve"):
-                self.solver_ = PrimalRidge(self.ridge_, reduce=reduce).fit(phi, self._targets(y))
-        logger.debug(
-            "NTK influence (projected, k=%d of %d, %s): %d examples here of %d",
-            dim, projector.full_dim, type(self.solver_).__name__, stop - start, n,
-        )
-
-    def _projected_features(
-        self, model: nn.Module, source: ExampleSource, probe: np.ndarray, previous: ProjectedNTK | None,
-        start: int, stop: int,
-    ) -> tuple[ProjectedNTK, torch.Tensor, np.ndarray]:
-        """
-        Plan the projection (like ``previous`` when warm-started), check the memory, and compute the features of
-        the training rows ``start:stop``.
-
-        :return: ``(projector, Φ rows, their labels)``.
-        """
-        n = source.n
-        k = DEFAULT_PROJECTION_DIM if self.projection_dim == "auto" else int(self.projection_dim)
-        projector = ProjectedNTK(
-            model, k, seed=int(self.projection_seed), batch_size=self.batch_size,
-            max_bytes=self._budget // 2, like=previous,
-        )
-        projector.plan(probe)
-        dim = projector.dim
-        if self.ridge_ is None and n > dim:
-            raise ValueError(
-                f"ridge must be a number for the projected mode with more training examples ({n}) than features "
-                f"({dim}), got {self.ridge!r}: the rule needs the n x n kernel; use the exact mode "
-                "(projection_dim=None)"
-            )
-        need = projected_bytes(stop - start, n, dim)
-        if need > self._budget:
-            raise ValueError(
-                f"projection_dim must fit {n} training examples in the {self._budget / _GIB:.1f} GiB budget, got "
-                f"{dim}, which needs about {need / _GIB:.1f} GiB; lower projection_dim"
-                + (" or shard over more processes" if n > dim else "")
-            )
-        phi = torch.empty((stop - start, dim), dtype=torch.float64, device=self.device_)
-        y = np.empty(stop - start, dtype=np.int64)
-        with self._clock("features"), progress_bar(
-            total=stop - start, desc="NTK features", unit="ex", verbose=self.verbose
-        ) as bar:
-            for off, xb, yb in source.batches(self.batch_size, start, stop):
-                phi[off : off + len(xb)] = projector.features(xb)
-                y[off : off + len(yb)] = yb
-                bar.update(len(xb))
-        self._check_labels(y, "y_train")
-        return projector, phi, y
-
-    def _exact_fit_kernel(self, model: nn.Module, x: np.ndarray) -> torch.Tensor:
-        """
-        The training kernel; the training set's Jacobian factors are kept for the queries and the
-        refits when they fit the memory left beside the two ``n × n`` matrices (decided with the mode,
-        :meth:`_choose_mode`; otherwise every later call computes them again).
-        """
-        engine = self._engine(model, len(x), self._budget)
-        if self._choice.kept_bytes:
-            self._kept = KeptFactors(engine, x, query_bytes=self._choice.factor_cache)
-            return self._kept.gram().to(torch.float64)
-        logger.info("NTK influence: the training set's Jacobian factors do not fit the memory; not kept")
-        return self._kernel(model, x).to(torch.float64)
-
-    def _kernel(self, model: nn.Module, x1: np.ndarray, x2: np.ndarray | None = None) -> torch.Tensor:
-        return self._engine(model, self.n_train_, self._budget).gram(x1, x2)
+    projection_dim_ = property(lambda self: getattr(self.projector_, "dim", None),
+                               doc="The realised projection dimension (``None`` in the exact mode).")
 
     @property
     def kernel_(self) -> torch.Tensor:
-        """The exact mode's ``n × n`` eNTK of the fitted training set (its base fit)."""
+        """The exact mode's ``n × n`` eNTK of the fitted training set (its base fit), when it is held whole."""
         self._check_fitted("kernel_")
-        if self.mode_ != "exact" or not isinstance(self.solver_.kernel_, torch.Tensor):
-            raise AttributeError(
-                "kernel_ exists in the in-memory exact mode only (projection_dim=None, the n x n kernel in memory)"
-            )
-        return self.solver_.kernel_
+        kernel = getattr(self.solver_, "kernel_", None) if self.mode_ == "exact" else None
+        if not isinstance(kernel, torch.Tensor):
+            raise AttributeError("kernel_ exists in the in-memory exact mode only (projection_dim=None)")
+        return kernel
 
     @property
     def alpha_(self) -> torch.Tensor:
@@ -539,139 +277,7 @@ class NTKInfluence(InfluenceEstimator):
             raise AttributeError("alpha_ exists when the solve is in the dual (exact mode, or n <= projection_dim)")
         return self.solver_.alpha_
 
-    # ------------------------------------------------------------------ refit
-    def _refit(self, changed: np.ndarray, x_changed: np.ndarray) -> None:
-        order = np.argsort(changed, kind="stable")
-        changed, x_changed = changed[order], x_changed[order]
-        if self.mode_ == "exact":
-            # every process passed its own rows, or all: gather each block's once
-            start, stop = self.shard_.bounds(self.n_train_)
-            here = (changed >= start) & (changed < stop)
-            changed = self._comm(self.shard_.all_gather_rows, torch.as_tensor(changed[here])).numpy()
-            x_changed = self._comm(self.shard_.all_gather_rows, torch.as_tensor(x_changed[here])).numpy()
-            x = np.array(self._x_base, copy=True)
-            x[changed] = x_changed
-            with self._clock("features"):
-                if self._kept is not None:
-                    previous = (self._kept._changed, self._kept._x_changed)
-                    self._kept.set_changed(changed, x_changed)
-                    rows = self._kept.changed_rows().to(torch.float64) if len(changed) else None
-                else:  # the solver asks for the columns it needs (over a group: each process its own)
-                    rows = self._changed_columns(x_changed, x) if len(changed) else None
-            try:
-                with self._clock("solve"):
-                    empty = torch.zeros((0, self.n_train_), dtype=torch.float64, device=self.device_)
-                    self.solver_.update(changed, rows if rows is not None else empty)
-            except BaseException:
-                if self._kept is not None:
-                    self._kept.set_changed(*previous)
-                raise
-            self.x_train_ = x
-            return
-        # every process may pass the whole change: each takes the rows of its own block
-        start, stop = self.shard_.bounds(self.n_train_)
-        here = (changed >= start) & (changed < stop)
-        mine, x_mine = changed[here], x_changed[here]
-        feats = self._features(x_mine)
-        if isinstance(self.solver_, DualRidge):  # every process holds all of Φ
-            mine = self._comm(self.shard_.all_gather_rows, torch.as_tensor(mine)).numpy()
-            feats = self._comm(self.shard_.all_gather_rows, feats)
-            phi = self._phi_base.clone()
-            phi[torch.as_tensor(mine, device=phi.device)] = feats
-            with self._clock("solve"):
-                self.solver_.update(mine, feats @ phi.T)
-            self._phi = phi
-            return
-        # primal: rows changed by the previous refit go back to their fitted values in the same update
-        local = mine - start
-        prev, prev_base = self._prev_local, getattr(self, "_prev_base", None)
-        restore = np.setdiff1d(prev, local)
-        rows_restore = prev_base[torch.as_tensor(np.searchsorted(prev, restore))] if len(restore) else feats[:0]
-        base_new = self.solver_.features_[torch.as_tensor(local)].clone()
-        in_prev = np.isin(local, prev)
-        if in_prev.any():
-            base_new[torch.as_tensor(np.flatnonzero(in_prev))] = prev_base[
-                torch.as_tensor(np.searchsorted(prev, local[in_prev]))
-            ]
-        with self._clock("solve"):
-            self.solver_.update(np.concatenate([restore, local]), torch.cat([rows_restore, feats]))
-        self._prev_local, self._prev_base = local, base_new
-
-    def _changed_columns(self, x_changed: np.ndarray, x: np.ndarray) -> Callable[[np.ndarray], torch.Tensor]:
-        """The kernel rows of the changed examples against the training set ``x``, as a function of its columns."""
-        model = self.model_
-
-        def columns(cols: np.ndarray) -> torch.Tensor:
-            with self._clock("features"):
-                return self._kernel(model, x_changed, x[cols]).to(torch.float64)
-
-        return columns
-
-    @contextmanager
-    def _clock(self, phase: str) -> Iterator[None]:
-        """Add the wall time of the block to ``seconds_[phase]``; time clocked inside it by another phase (kernel
-        columns inside a solve, communication) is counted there and not here."""
-        def others() -> float:
-            return sum(v for k, v in self.seconds_.items() if k != phase)
-
-        before, start = others(), time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds_[phase] += time.perf_counter() - start - (others() - before)
-
-    def _comm(self, fn: Callable[..., torch.Tensor], *args: object) -> torch.Tensor:
-        """A collective of the shard, timed as communication."""
-        start = time.perf_counter()
-        try:
-            return fn(*args)
-        finally:
-            self.seconds_["communication"] += time.perf_counter() - start
-
-    def _features(self, x: np.ndarray) -> torch.Tensor:
-        with self._clock("features"):
-            return self._project(x)
-
-    def _project(self, x: np.ndarray) -> torch.Tensor:
-        if len(x) == 0:
-            return torch.zeros((0, self.projection_dim_), dtype=torch.float64, device=self.device_)
-        out = torch.empty((len(x), self.projection_dim_), dtype=torch.float64, device=self.device_)
-        for s in range(0, len(x), self.batch_size):
-            out[s : s + self.batch_size] = self.projector_.features(x[s : s + self.batch_size])
-        return out
-
     # ------------------------------------------------------------------ queries
-    def _query_parts(self, x_query: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Predictions ``f`` (n_q, C) and the leave-one-out factors ``b`` (n_q, n here) and ``β`` (n here, C)."""
-        if self.mode_ == "exact":
-            # the queries' rows on the examples a refit leaves alone depend on the queries only: one key for both
-            key = tensor_digest(torch.as_tensor(np.ascontiguousarray(x_query)))
-            if self._kept is not None:
-                k_q = self._kept.rows(x_query, key).to(torch.float64)
-            else:
-                k_q = self._train_columns(x_query, self.x_train_)
-            return self.solver_.loo_parts(k_q, key)
-        phi_q = self._cached_query_features(x_query)
-        if isinstance(self.solver_, DualRidge):
-            return self.solver_.loo_parts(phi_q @ self._phi.T)
-        return self.solver_.loo_parts(phi_q)
-
-    def _cached_query_features(self, x_query: np.ndarray) -> torch.Tensor:
-        """
-        The projected features of queries: an audit asks for the same blocks of queries after every refit (the
-        projection does not change), so they are kept by the digest of the block, up to ``QUERY_CACHE_BYTES``.
-        """
-        if self._query_features is None:
-            self._query_features = BoundedCache(_cache.QUERY_CACHE_BYTES, lambda t: t.numel() * t.element_size())
-        key = tensor_digest(torch.as_tensor(np.ascontiguousarray(x_query)))
-        return self._query_features.get(key, lambda: self._project(x_query))
-
-    def _gather(self, t: torch.Tensor) -> torch.Tensor:
-        """Columns of every process side by side (the primal solve holds each process's own), else ``t``."""
-        if isinstance(self.solver_, PrimalRidge):
-            return self._comm(self.shard_.all_gather_columns, t)
-        return t
-
     def predict(self, x_query: np.ndarray) -> np.ndarray:
         """
         Kernel ridge regression predictions at the queries.
@@ -680,7 +286,7 @@ class NTKInfluence(InfluenceEstimator):
         :return: ``float64`` array ``(n_query, C)``.
         """
         self._check_fitted("predict")
-        f, _, _ = self._query_parts(self._check_inputs(x_query, "x_query"))
+        f, _, _ = self._backend.query_parts(self._check_inputs(x_query, "x_query"))
         return f.cpu().numpy()
 
     def loo_predictions(self, x_query: np.ndarray) -> np.ndarray:
@@ -692,7 +298,7 @@ class NTKInfluence(InfluenceEstimator):
         :return: ``float64`` array ``(n_query, n_train, C)``.
         """
         self._check_fitted("loo_predictions")
-        f, b, beta = self._query_parts(self._check_inputs(x_query, "x_query"))
+        f, b, beta = self._backend.query_parts(self._check_inputs(x_query, "x_query"))
         if isinstance(self.solver_, PrimalRidge):
             b, beta = self.shard_.all_gather_columns(b), self.shard_.all_gather_rows(beta)
         return (f[:, None, :] - b[:, :, None] * beta[None, :, :]).cpu().numpy()
@@ -707,24 +313,11 @@ class NTKInfluence(InfluenceEstimator):
         :return: ``float64`` array ``(n_train,)``.
         """
         self._check_fitted("self_influence")
-        if x is not None or y is not None or self.mode_ != "projected" or self.x_train_ is not None:
-            return super().self_influence(x, y)
-        dual = isinstance(self.solver_, DualRidge)
-        phi = self._phi if dual else self.solver_.features_  # every row (dual) or this process's block (primal)
-        labels = torch.as_tensor(self.y_train_, device=phi.device)
-        out = torch.empty(len(phi), dtype=torch.float64, device=phi.device)
-        with self._clock("scores"):
-            for s in range(0, len(phi), self.batch_size):
-                rows = torch.arange(s, min(s + self.batch_size, len(phi)), device=phi.device)
-                f, b, beta = self.solver_.loo_parts(phi[rows] @ phi.T if dual else phi[rows])
-                block = loo_scores(f, b[:, rows], beta[rows], labels[rows], self.loss)  # the rows on each other
-                out[rows] = block.diagonal()
-        if not dual:
-            out = self._comm(self.shard_.all_gather_rows, out)
-        return out.cpu().numpy()
+        own = self._backend.self_influence(self.loss) if x is None and y is None else None
+        return super().self_influence(x, y) if own is None else own
 
     def _scores(self, x_query: np.ndarray, y_query: np.ndarray) -> np.ndarray:
-        with self._clock("scores"):
-            f, b, beta = self._query_parts(x_query)
+        with self._session_.clock("scores"):
+            f, b, beta = self._backend.query_parts(x_query)
             y = torch.as_tensor(y_query, device=f.device)
-            return self._gather(loo_scores(f, b, beta, y, self.loss)).cpu().numpy()
+            return self._backend.gather(loo_scores(f, b, beta, y, self.loss)).cpu().numpy()

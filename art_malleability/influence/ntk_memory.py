@@ -355,8 +355,9 @@ def exact_seconds(
     - solve: the base factorisation with its inverse and that of the unchanged rows (``4 n³ / 3``), and per refit the
       Schur complement of the changed rows (``2 (n − m)² m``), at ``SOLVE_EFFICIENCY``;
     - kernel: the contraction (``2 n² D`` for the fit, ``2 m n D`` per refit) at ``CONTRACTION_EFFICIENCY`` plus the
-      Jacobian factors of :func:`factor_passes` examples for the fit and, per refit, of the ``m`` changed ones and one
-      more pass over the set (none when the set's factors are ``kept``), at ``example_seconds`` each; without
+      Jacobian factors of :func:`factor_passes` examples for the fit (``n`` when the set's factors are ``kept``, tiles
+      included) and, per refit, of the ``m`` changed ones and one more pass over the set (none when the set's factors
+      are ``kept``), at ``example_seconds`` each; without
       ``example_seconds``, ``2 n² D`` at ``KERNEL_EFFICIENCY``;
     - queries: ``A⁻¹`` applied to their kernel rows (``4 n² q``: the factor and its transpose) after the fit and the
       first refit; after the later refits of the same rows only the changed rows' part (``4 m n q``) for the share of
@@ -396,7 +397,8 @@ def exact_seconds(
     else:
         panel = panel or n
         again = 0 if kept else n  # the set's factors, computed again per panel of new rows unless kept
-        examples = (factor_passes(n, panel, block) + refits * (m + again * math.ceil(m / panel))
+        fit = n if kept else factor_passes(n, panel, block)  # kept: each example's factors once, tiles included
+        examples = (fit + refits * (m + again * math.ceil(m / panel))
                     + query_factors + passes * again * math.ceil(q / panel))
         contraction = 2.0 * ((n + refits * m) * n + row_products) * factor / CONTRACTION_EFFICIENCY / rate
         kernel = contraction + examples * example_seconds

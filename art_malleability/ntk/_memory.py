@@ -118,6 +118,14 @@ class Features:
             convs=[(like(a), like(d)) for a, d in self.convs],
         )
 
+    def take(self, start: int, stop: int) -> Features:
+        """:return: The factors of the examples ``start:stop`` (views, nothing copied)."""
+        def rows(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[start:stop]
+
+        return Features(n=stop - start, acts=[rows(a) for a in self.acts], grads=[rows(g) for g in self.grads],
+                        jac=rows(self.jac), convs=[(rows(a), rows(d)) for a, d in self.convs])
+
     def fill(self, part: Features, start: int) -> None:
         """Copy the factors of ``part`` into rows ``start:start + part.n``."""
         stop = start + part.n

@@ -126,6 +126,33 @@ class KeptFactors:
 
         return self._retrying(compute)
 
+    def block(self, rows: np.ndarray, cols: np.ndarray) -> torch.Tensor:
+        """
+        A block of the traced kernel of the kept examples as given at construction (a tile of the exact solve), from
+        the kept factors: contractions only.
+
+        :param rows: Indices into the kept examples.
+        :param cols: Indices into the kept examples.
+        :return: ``(len(rows), len(cols))`` kernel block.
+        """
+        def compute() -> torch.Tensor:
+            return self._contract_all(self._take(rows), self._take(cols), len(cols))
+
+        return self._retrying(compute)
+
+    def _take(self, idx: np.ndarray) -> list[Features]:
+        """The kept factors of the examples ``idx`` in their order, as views of the kept blocks (one per run of
+        consecutive indices within a block)."""
+        idx = np.asarray(idx, dtype=np.int64).reshape(-1)
+        starts = np.cumsum([0] + [b.n for b in self._blocks])
+        breaks = np.flatnonzero((np.diff(idx) != 1) | np.isin(idx[1:], starts[1:-1])) + 1
+        out = []
+        for run in np.split(idx, breaks):
+            if len(run):
+                k = int(np.searchsorted(starts, run[0], side="right")) - 1
+                out.append(self._blocks[k].take(int(run[0] - starts[k]), int(run[-1] - starts[k] + 1)))
+        return out
+
     def _swap_columns(self, rows: torch.Tensor, f: list[Features] | None = None) -> torch.Tensor:
         if len(self._changed):
             f = self._changed_blocks if f is None else f
@@ -194,3 +221,17 @@ class KeptFactors:
             return self._x_changed
 
         self._retrying(compute)
+
+    def snapshot(self) -> tuple:
+        """:return: The swapped rows, their inputs and their factors now, for :meth:`restore` (nothing is copied:
+            :meth:`set_changed` replaces them rather than writing into them)."""
+        return self._changed, self._x_changed, self._changed_blocks, self._blocks
+
+    def restore(self, snapshot: tuple) -> None:
+        """Go back to a :meth:`snapshot`'s swapped rows: with its factors where the kept ones are those it was taken
+        with, computed again where a change of representation has rebuilt them since."""
+        changed, x_changed, changed_blocks, blocks = snapshot
+        if blocks is self._blocks:
+            self._changed, self._x_changed, self._changed_blocks = changed, x_changed, changed_blocks
+        else:
+            self.set_changed(changed, x_changed)
