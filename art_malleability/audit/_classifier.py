@@ -13,7 +13,6 @@ import torch
 from art.estimators.classification import PyTorchClassifier
 from art.exceptions import EstimatorError
 
-from art_malleability._utils.checks import check_features, check_labels, check_range
 from art_malleability._utils.provenance import weights_digest
 from art_malleability._utils.state import preserved
 from art_malleability._utils.torch_utils import model_device_dtype, resolve_device
@@ -71,10 +70,22 @@ def as_classifier(
 
 
 class AuditInputs(NamedTuple):
-    """What :meth:`~art_malleability.audit.estimator.MalleabilityEstimator.evaluate` audits, checked."""
+    """
+    What :meth:`~art_malleability.audit.estimator.MalleabilityEstimator.evaluate` audits, checked and converted once:
+    the steps of the audit take from it what each needs.
+    """
 
     #: The training examples.
     source: ExampleSource
+    #: Their labels (int64 class indices), every one read once.
+    y: np.ndarray
+    #: What the influence estimator is fitted on: the training inputs as an array or the dataset as given, or for a
+    #: transductive model every input read into an array (its context).
+    train: Any
+    #: The labels given with ``train`` (``None`` for a dataset, which yields them).
+    train_labels: np.ndarray | None
+    #: The first training inputs (up to :data:`PROBE_ROWS`), on which the NTK influence's mode is planned.
+    probe: np.ndarray
     #: Where the queries come from (the test points, or ``source``).
     queries: ExampleSource
     #: The queries' inputs and labels.
@@ -90,35 +101,37 @@ class AuditInputs(NamedTuple):
     warnings: list[str]
 
 
+class PerturbedRows(NamedTuple):
+    """This process's rows of the perturbed set, read once from the training source for every control and attack."""
+
+    #: Their training indices, sorted.
+    rows: np.ndarray
+    #: Their clean inputs (float32).
+    x: np.ndarray
+    #: Their labels, one-hot (float32), as the attacks take them.
+    y_onehot: np.ndarray
+    #: A transductive model's whole training set, inputs and labels (its refits patch the rows into it), else None.
+    whole: tuple[np.ndarray, np.ndarray] | None
+
+
+#: Training inputs the NTK influence's mode is planned on.
+PROBE_ROWS = 64
+
+
 def audit_inputs(est: Any, x: Any, y: Any, x_test: Any, y_test: Any) -> AuditInputs:
     """
-    Check what an audit is given against the estimator's parameters and classifier, before any long work: the
-    budget's units, the inputs and labels, the model's outputs, the influential set's size, the process group, a
-    seeded sample of the queries and whether their metrics fit the memory.
+    Check and convert what an audit is given, against the estimator's parameters and classifier, before any long
+    work: the budget's units, the inputs and labels, the model's outputs, the influential set's size, the process
+    group, a seeded sample of the queries and whether their metrics fit the memory.
 
     :param est: The :class:`~art_malleability.audit.estimator.MalleabilityEstimator`.
     :return: The checked :class:`AuditInputs`.
     """
     clf = est.classifier
     check_eps_range(clf, est.attacks, est.eps)
-    source = example_source(clf, x, y, "x")
-    warnings = check_model_outputs(clf, source, est.batch_size)
+    source, labels, warnings = training_examples(clf, x, y, est.batch_size)
     k = top_k_count(source.n, est.top_fraction)
-    if k < 1:
-        raise ValueError(
-            f"x must hold at least {int(np.ceil(1 / est.top_fraction))} examples for top_fraction={est.top_fraction}, "
-            f"got {source.n}; with fewer the influential set is empty"
-        )
-    if (x_test is None) != (y_test is None) and not is_torch_data(x_test):
-        given = "x_test" if y_test is None else "y_test"
-        raise ValueError(f"x_test and y_test must be given together (both or neither), got {given} alone")
-    shard = current_shard(est.distributed)
-    if shard.world_size > source.n:
-        raise ValueError(
-            f"x must hold at least one example per process, got {source.n} examples for the {shard.world_size} "
-            "processes of the process group"
-        )
-    shard.agree((source.n, weights_digest(clf.model)), "the classifier's weights and the size of x")
+    shard = _check_sizes(est, source.n, k, x_test, y_test)
     rng, wanted = np.random.default_rng(est.seed), default_queries(est.n_queries)
     if x_test is not None:
         queries, self_pairs = example_source(clf, x_test, y_test, "x_test"), None
@@ -141,22 +154,44 @@ def audit_inputs(est: Any, x: Any, y: Any, x_test: Any, y_test: Any) -> AuditInp
                    "so the intervals are null; pass more test points")
         logger.warning(message)
         warnings.append(message)
-    return AuditInputs(source, queries, x_q, y_q, self_pairs, k, shard, warnings)
+    train = source.arrays(est.batch_size * 8)[0] if is_transductive(clf.model) else source.given
+    probe, _ = source.take(np.arange(min(source.n, PROBE_ROWS)), est.batch_size)
+    return AuditInputs(source, labels, train, None if is_torch_data(train) else labels, probe, queries, x_q, y_q,
+                       self_pairs, k, shard, warnings)
+
+
+def _check_sizes(est: Any, n: int, k: int, x_test: Any, y_test: Any) -> Shard:
+    """
+    The influential set must not be empty, the test points come with their labels, every process gets a training
+    example, and every process audits the same weights and training set size.
+
+    :return: The process group.
+    """
+    if k < 1:
+        raise ValueError(
+            f"x must hold at least {int(np.ceil(1 / est.top_fraction))} examples for top_fraction={est.top_fraction}, "
+            f"got {n}; with fewer the influential set is empty"
+        )
+    if (x_test is None) != (y_test is None) and not is_torch_data(x_test):
+        given = "x_test" if y_test is None else "y_test"
+        raise ValueError(f"x_test and y_test must be given together (both or neither), got {given} alone")
+    shard = current_shard(est.distributed)
+    if shard.world_size > n:
+        raise ValueError(
+            f"x must hold at least one example per process, got {n} examples for the {shard.world_size} "
+            "processes of the process group"
+        )
+    shard.agree((n, weights_digest(est.classifier.model)), "the classifier's weights and the size of x")
+    return shard
 
 
 def example_source(classifier: PyTorchClassifier, x: Any, y: Any, name: str) -> ExampleSource:
     """
     :return: The examples of ``x`` (an array, checked against the classifier's input shape and ``clip_values``, or a
-        dataset read in batches) and their labels ``y`` (argument ``"y" + name[1:]``).
+        dataset read in batches, each batch checked so) and their labels ``y`` (argument ``"y" + name[1:]``).
     """
-    shape, nb_classes = tuple(classifier.input_shape), int(classifier.nb_classes)
-    if is_torch_data(x):
-        return ExampleSource(
-            x, y, input_shape=shape, nb_classes=nb_classes, name=name, clip_values=classifier.clip_values
-        )
-    x = check_features(x, name, shape)
-    check_range(x, name, classifier.clip_values)
-    return ExampleSource(x, check_labels(y, "y" + name[1:], len(x), nb_classes), name=name)
+    return ExampleSource(x, y, input_shape=tuple(classifier.input_shape), nb_classes=int(classifier.nb_classes),
+                         name=name, clip_values=classifier.clip_values)
 
 
 def check_eps_range(classifier: PyTorchClassifier, attacks: tuple, eps: float) -> None:
@@ -170,25 +205,45 @@ def check_eps_range(classifier: PyTorchClassifier, attacks: tuple, eps: float) -
         )
 
 
-def check_model_outputs(classifier: PyTorchClassifier, source: ExampleSource, batch_size: int) -> list[str]:
+def training_examples(classifier: PyTorchClassifier, x: Any, y: Any,
+                      batch_size: int) -> tuple[ExampleSource, np.ndarray, list[str]]:
     """
-    The model's weights must be finite and it must return one tensor of ``nb_classes`` logits per example; every
-    label is read (and, for a dataset, every batch checked against ``clip_values``).
+    The training examples, checked in this order before any long work: the inputs and labels against the classifier
+    (:func:`example_source`); the model (finite weights, one tensor of ``nb_classes`` logits for the first example);
+    then every label, read once (and, for a dataset, every batch checked against ``clip_values``).
 
-    :return: Warnings on the labels.
+    :return: The examples, their labels (int64 class indices) and the warnings on the labels.
     """
+    source = example_source(classifier, x, y, "x")
     model, nb_classes = classifier.model, int(classifier.nb_classes)
+    check_finite_weights(model)
+    x_one, _ = source.take(np.arange(1), 1)
+    device, dtype = model_device_dtype(model)
+    with preserved(model, None), torch.no_grad():
+        model.eval()
+        check_logits(model(torch.as_tensor(x_one, device=device, dtype=dtype)), nb_classes)
+    labels = source.labels(batch_size * 8)
+    present = np.unique(labels)
+    if len(present) > 1:
+        return source, labels, []
+    message = (f"y holds a single class ({int(present[0])}) of the classifier's {nb_classes}: "
+               "the influence and the flip rates describe that class only")
+    logger.warning(message)
+    return source, labels, [message]
+
+
+def check_finite_weights(model: torch.nn.Module) -> None:
+    """A model with NaN or infinite weights or buffers is refused before any work."""
     for name, tensor in (*model.named_parameters(), *model.named_buffers()):
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise ValueError(
                 f"classifier.model must have finite weights, got {int((~torch.isfinite(tensor)).sum())} NaN or "
                 f"infinite value(s) in {name!r}; the training that produced them diverged"
             )
-    x_one, _ = source.take(np.arange(1), 1)
-    device, dtype = model_device_dtype(model)
-    with preserved(model, None), torch.no_grad():
-        model.eval()
-        out = model(torch.as_tensor(x_one, device=device, dtype=dtype))
+
+
+def check_logits(out: Any, nb_classes: int) -> None:
+    """The model must return one tensor of ``nb_classes`` logits per example (``out``: its output)."""
     if not isinstance(out, torch.Tensor):
         raise TypeError(
             f"classifier.model must return one tensor of logits (n, nb_classes), got {type(out).__name__}; "
@@ -200,30 +255,15 @@ def check_model_outputs(classifier: PyTorchClassifier, source: ExampleSource, ba
             f"nb_classes={nb_classes}, got {tuple(out.shape)}; build the PyTorchClassifier with the model's output "
             "width"
         )
-    present = np.unique(source.labels(batch_size * 8))
-    if len(present) < 2:
-        message = (f"y holds a single class ({int(present[0])}) of the classifier's {nb_classes}: "
-                   "the influence and the flip rates describe that class only")
-        logger.warning(message)
-        return [message]
-    return []
-
-
-def clean_accuracy(classifier: PyTorchClassifier, data: ExampleSource, shard: Shard,
-                   batch_size: int) -> tuple[float, np.ndarray]:
-    """:return: Clean accuracy on a source (each process its shard) and the source's labels."""
-    start, stop = shard.bounds(data.n)
-    correct = 0
-    for _, xb, yb in data.batches(batch_size * 8, start, stop):
-        correct += int(np.sum(classifier.predict(xb, batch_size=batch_size).argmax(axis=1) == yb))
-    correct = int(shard.all_reduce(torch.tensor([correct], dtype=torch.int64))[0])
-    return correct / data.n, data.labels(batch_size * 8)
 
 
 def probe_inputs(classifier: PyTorchClassifier, x: Any) -> np.ndarray:
-    """:return: The inputs that decide an audit's sizes: every one for a transductive model, else the first 64."""
+    """
+    :return: The inputs that decide an audit's sizes: every one for a transductive model, else the first
+        :data:`PROBE_ROWS`.
+    """
     n = len(x)
-    rows = range(n) if is_transductive(classifier.model) else range(min(n, 64))
+    rows = range(n) if is_transductive(classifier.model) else range(min(n, PROBE_ROWS))
     return np.stack([np.asarray(x[i][0] if is_torch_data(x) else x[i]) for i in rows]).astype(np.float32)
 
 

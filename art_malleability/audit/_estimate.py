@@ -115,7 +115,8 @@ def estimate_audit(est: Any, n_train: int, n_query: int, refits: int, x_probe: n
         "metrics": float(metrics),
     }
     seconds["total"] = sum(v for v in seconds.values() if v is not None)
-    inputs = int(np.prod(x_probe.shape[1:])) * 4 * (n_train + n_query + changed)
+    # the training inputs, the queries, and the perturbed rows twice (read once as they are, and perturbed)
+    inputs = int(np.prod(x_probe.shape[1:])) * 4 * (n_train + n_query + 2 * changed)
     metric_bytes = metrics_plan(n_query, n_train, k, est.n_bootstrap)["memory_bytes"]
     peak = PROCESS_BYTES + inputs + metric_bytes + (0 if plan is None else plan["bytes"])
     return AuditEstimate(n_train, n_query, refits, None if plan is None else plan["mode"],

@@ -18,9 +18,11 @@ import torch
 from art.attacks import EvasionAttack
 from art.utils import compute_success_array
 
-from art_malleability._utils.checks import one_hot
+from art_malleability._utils.checks import near_chance_warnings, one_hot
 from art_malleability._utils.io import progress_bar
+from art_malleability._utils.provenance import library_versions
 from art_malleability._utils.torch_utils import resolve_device
+from art_malleability.audit._classifier import AuditInputs, PerturbedRows
 from art_malleability.audit.attacks import (
     CONTROL_LABEL,
     attack_config,
@@ -29,9 +31,9 @@ from art_malleability.audit.attacks import (
     random_sign_perturbation,
 )
 from art_malleability.audit.params import control_budgets
-from art_malleability.audit.report import AttackResult, control_summary, undecided_warning
+from art_malleability.audit.report import AttackResult, MalleabilityReport, control_summary, undecided_warning
 from art_malleability.data.input_pipeline import with_input_pipeline
-from art_malleability.data.streaming import ExampleSource, is_torch_data
+from art_malleability.data.streaming import ExampleSource
 from art_malleability.distributed import Shard
 from art_malleability.influence import InfluenceEstimator, NTKInfluence
 from art_malleability.metrics import (
@@ -72,50 +74,70 @@ def timed(seconds: dict[str, float], key: str) -> Iterator[None]:
     seconds[key] = time.perf_counter() - start
 
 
-class AuditRun:
+def run_audit(est: Any, given: AuditInputs, dataset: str | None) -> MalleabilityReport:
     """
-    One audit of an estimator's classifier on a training source: the working copy of the model the influence
-    sees, the queries, and what the steps find (clean scores, top set, controls, attack results).
+    The audit proper, on checked inputs: accuracy, clean influence, controls, attacks, then the report.
 
     :param est: The :class:`~art_malleability.audit.estimator.MalleabilityEstimator` (its parameters and classifier).
-    :param source: The training examples.
-    :param x_q: Query inputs.
-    :param y_q: Query labels.
-    :param self_pairs: Training row of every query drawn from the training set (its self-score is excluded),
-        or ``None`` for test queries.
-    :param shard: The process group (:data:`~art_malleability.distributed.ONE_PROCESS` in one process).
+    :param given: What is audited (:func:`~art_malleability.audit._classifier.audit_inputs`).
+    :param dataset: Name of the data set for the report.
+    :return: The report; the caller adds the warnings on the inputs.
+    """
+    run = AuditRun(est, given)
+    query_source = "test" if given.self_pairs is None else "train"
+    with timed(run.seconds, "accuracy"):
+        accuracy = clean_accuracy(est.classifier, given.queries, given.shard, est.batch_size)
+        y_acc = given.y if given.queries is given.source else given.queries.labels(est.batch_size * 8)
+        warnings = near_chance_warnings(accuracy, y_acc, query_source)
+    perturbed = run.score_clean(given)
+    control_metrics = run.run_controls(perturbed)
+    results = [run.run_attack(attack, control_metrics, perturbed) for attack in est._attacks]
+    run.steps.close()
+    return MalleabilityReport(
+        model=est.model_name, config=est.get_params(), n_train=run.n, n_queries=len(run.x_q),
+        query_source=query_source, top_k=given.k, top_indices=run.top, clean_accuracy=accuracy,
+        scores_before=run.agg_before, results=results, seconds=run.seconds, versions=library_versions(),
+        dataset=dataset, warnings=warnings + run.warnings(), execution=run.execution(), noise_model=run.noise_model(),
+    )
+
+
+def clean_accuracy(classifier: Any, data: ExampleSource, shard: Shard, batch_size: int) -> float:
+    """:return: Clean accuracy on a source (each process its shard)."""
+    start, stop = shard.bounds(data.n)
+    correct = 0
+    for _, xb, yb in data.batches(batch_size * 8, start, stop):
+        correct += int(np.sum(classifier.predict(xb, batch_size=batch_size).argmax(axis=1) == yb))
+    correct = int(shard.all_reduce(torch.tensor([correct], dtype=torch.int64))[0])
+    return correct / data.n
+
+
+class AuditRun:
+    """
+    One audit of an estimator's classifier: the working copy of the model the influence sees, the queries, and what
+    the steps find. It keeps no training inputs: :meth:`score_clean` is given the checked inputs and returns the rows
+    that the controls and the attacks are given.
+
+    :param est: The :class:`~art_malleability.audit.estimator.MalleabilityEstimator` (its parameters and classifier).
+    :param given: What is audited (:func:`~art_malleability.audit._classifier.audit_inputs`).
     """
 
-    def __init__(
-        self,
-        est: Any,
-        source: ExampleSource,
-        x_q: np.ndarray,
-        y_q: np.ndarray,
-        self_pairs: np.ndarray | None,
-        shard: Shard,
-    ) -> None:
-        self.est, self.source, self.shard = est, source, shard
-        self.x_q, self.y_q, self.self_pairs = x_q, y_q, self_pairs
+    def __init__(self, est: Any, given: AuditInputs) -> None:
+        self.est, self.shard, self.n = est, given.shard, given.source.n
+        self.x_q, self.y_q, self.self_pairs = given.x_q, given.y_q, given.self_pairs
         self.influence: InfluenceEstimator = est._influence
         self.work, self.transductive = _working_model(est.classifier, self.influence)
-        if shard.world_size > 1 and not isinstance(self.influence, NTKInfluence):
+        if self.shard.world_size > 1 and not isinstance(self.influence, NTKInfluence):
             raise ValueError(
                 "influence must be the NTK influence (influence='ntk') in a sharded audit, got "
                 f"{type(self.influence).__name__}, which runs in one process"
             )
         self.controls = control_budgets(est)
         self.seconds: dict[str, float] = {}
-        self.steps = progress_bar(
-            total=1 + 2 * len(est._attacks) + len(set(self.controls.values())), desc="malleability", verbose=est.verbose
-        )
-        # transductive models need the whole training set as their context: read it into an array
-        self.x_all = source.arrays(est.batch_size * 8)[0] if self.transductive else None
-        self.y = source.labels(est.batch_size * 8)
-        self.train_data = self.x_all if self.x_all is not None else source.given
+        self.steps = progress_bar(total=1 + 2 * len(est._attacks) + len(set(self.controls.values())),
+                                  desc="malleability", verbose=est.verbose)
         self.noise: tuple[float, float] | None = None
         self.undecided: dict[str, float] = {}
-        self.plan = metrics_plan(len(x_q), source.n, 0, est.n_bootstrap, self_pairs is not None)
+        self.plan = metrics_plan(len(self.x_q), self.n, 0, est.n_bootstrap, self.self_pairs is not None)
         self.metrics_device = resolve_device(est.device)
 
     # ------------------------------------------------------------------ influence
@@ -133,38 +155,42 @@ class AuditRun:
 
     def _aggregate(self, estimator: InfluenceEstimator) -> np.ndarray:
         """The aggregate score of every training example (its mean over the queries), rank 0's on every process."""
-        sums = ColumnSums(self.source.n, torch.device("cpu"))
+        sums = ColumnSums(self.n, torch.device("cpu"))
         for block in self._score_blocks(estimator):
             sums.add(0, torch.as_tensor(block))  # no resampling weights: the rows' position does not matter
         return self.shard.broadcast_object(sums.means().numpy())
 
-    def _fit_on(self, estimator: InfluenceEstimator, x_train: Any, warm_start: bool = False) -> None:
+    def _fit_on(self, estimator: InfluenceEstimator, x_train: Any, y_train: np.ndarray | None,
+                warm_start: bool = False) -> None:
+        """Fit ``estimator`` on the working model and ``x_train`` (labels ``y_train``; ``None`` for a dataset)."""
         if self.transductive:
             self.work.set_context(x_train)
-        if is_torch_data(x_train):
-            estimator.fit(self.work, x_train, warm_start=warm_start)
-        else:
-            estimator.fit(self.work, x_train, self.y, warm_start=warm_start)
+        estimator.fit(self.work, x_train, y_train, warm_start=warm_start)
         if getattr(estimator, "shard_", self.shard) != self.shard:
             raise ValueError(
                 f"distributed of the influence estimator must be 'auto' or True in a sharded audit, got "
                 f"{getattr(estimator, 'distributed', None)!r}; it did not shard over the process group"
             )
 
-    def _perturbed_scores(self, x_new: np.ndarray) -> Iterator[np.ndarray]:
-        """Influence with this process's perturbed training rows ``local`` replaced by ``x_new``, in query blocks."""
-        rows, influence = self.local, self.influence
+    def _perturbed_scores(self, x_new: np.ndarray, rows: np.ndarray,
+                          whole: tuple[np.ndarray, np.ndarray] | None) -> Iterator[np.ndarray]:
+        """
+        Influence with this process's perturbed training rows ``rows`` replaced by ``x_new``, in query blocks (a
+        transductive model is fitted again on ``whole``, the training set, with every process's rows replaced).
+        """
+        influence = self.influence
         if self.transductive:
+            x_all, y_all = whole
             rows_all = self.shard.all_gather_rows(torch.as_tensor(rows)).numpy()
             new_all = self.shard.all_gather_rows(torch.as_tensor(x_new)).numpy()
-            x_full = self.x_all.copy()
+            x_full = x_all.copy()
             x_full[rows_all] = new_all
-            self._fit_on(influence, x_full, warm_start=True)  # the same random projection as the clean fit
+            self._fit_on(influence, x_full, y_all, warm_start=True)  # the same random projection as the clean fit
         else:
             influence.refit(rows, x_new)
         return self._score_blocks(influence)
 
-    def _other_seed_scores(self) -> list[np.ndarray]:
+    def _other_seed_scores(self, x_train: Any, y_train: np.ndarray | None) -> list[np.ndarray]:
         """
         Clean aggregate scores of twin estimators with the next projection seeds (none when the influence does not
         run projected): with the clean fit's, they give the projection's noise model.
@@ -172,28 +198,30 @@ class AuditRun:
         influence, found = self.influence, []
         for offset in range(1, PROJECTION_SEEDS):
             twin = type(influence)(**{**influence.get_params(), "projection_seed": influence.projection_seed + offset})
-            self._fit_on(twin, self.train_data)
+            self._fit_on(twin, x_train, y_train)
             if getattr(twin, "mode_", None) != "projected" or twin.projector_.is_exact:
                 return []
             found.append(self._aggregate(twin))
             del twin
         return found
 
-    def score_clean(self, k: int) -> None:
+    def score_clean(self, given: AuditInputs) -> PerturbedRows:
         """
         The clean influence (``before``, its aggregate ``agg_before``), the projection's noise model (``noise``)
-        and the ``k`` most influential examples (``top``), with the rows to perturb (``perturbed``; ``local``:
-        those of this process).
+        and the ``k`` most influential examples (``top``), with the rows to perturb (``perturbed``).
+
+        :param given: What is audited.
+        :return: This process's rows to perturb, read from the training source.
         """
-        influence, twins = self.influence, []
-        twin_first = self._projection_planned()
+        influence, twins, k = self.influence, [], given.k
+        twin_first = self._projection_planned(given.probe)
         if twin_first:  # large runs: before the clean fit, so that two fitted estimators never share the memory
             self.steps.set_postfix_str("influence (other projection seeds)", refresh=False)
             with timed(self.seconds, "influence_other_seeds"):
-                twins = self._other_seed_scores()
+                twins = self._other_seed_scores(given.train, given.train_labels)
         self.steps.set_postfix_str("influence (clean)", refresh=False)
         with timed(self.seconds, "influence_clean"):
-            self._fit_on(influence, self.train_data)
+            self._fit_on(influence, given.train, given.train_labels)
             self.clean = self._clean_pass(self._score_blocks(influence), k)
             self.top, self.agg_before = self.shard.broadcast_object(
                 None if self.clean is None else (self.clean.top, self.clean.aggregates)
@@ -203,7 +231,7 @@ class AuditRun:
         if self.projected:
             if not twin_first:
                 with timed(self.seconds, "influence_other_seeds"):
-                    twins = self._other_seed_scores()
+                    twins = self._other_seed_scores(given.train, given.train_labels)
             if twins:
                 self.noise = projection_noise(np.stack([self.agg_before, *twins]))
         self.seed_agreement = None
@@ -212,24 +240,27 @@ class AuditRun:
                 "spearman": spearman(self.agg_before[None, :], twins[0][None, :]),
                 "top_k_jaccard": aggregate_jaccard(twins[0], self.top, k, self.est.rank_by),
             }
-        self.perturbed = self.top if self.est.strategy == "top" else np.arange(self.source.n)
-        lo, hi = self.shard.bounds(self.source.n)
-        self.local = np.sort(self.perturbed[(self.perturbed >= lo) & (self.perturbed < hi)])
+        self.perturbed = self.top if self.est.strategy == "top" else np.arange(self.n)
+        lo, hi = self.shard.bounds(self.n)
+        rows = np.sort(self.perturbed[(self.perturbed >= lo) & (self.perturbed < hi)])
+        x_rows, y_rows = given.source.take(rows, max(self.est.batch_size * 8, 1))
+        whole = (given.train, given.y) if self.transductive else None
+        return PerturbedRows(rows, x_rows, one_hot(y_rows, int(self.est.classifier.nb_classes)), whole)
 
-    def _projection_planned(self) -> bool:
+    def _projection_planned(self, probe: np.ndarray) -> bool:
         """
         Whether the NTK influence will run projected (then its second seed is fitted before the clean fit, so that
-        two fitted estimators never share the memory): given, or the plan of ``"auto"`` says so (the same decision as
-        the fit's, from fixed facts; a transductive model's plan would need its context first, so it is not asked).
+        two fitted estimators never share the memory): given, or the plan of ``"auto"`` on the first training inputs
+        ``probe`` says so (the same decision as the fit's, from fixed facts; a transductive model's plan would need
+        its context first, so it is not asked).
         """
-        influence, n = self.influence, self.source.n
+        influence, n = self.influence, self.n
         if not isinstance(influence, NTKInfluence) or influence.projection_dim is None:
             return False
         if influence.projection_dim != "auto" or (influence.max_exact_n is not None and n > influence.max_exact_n):
             return True
         if self.transductive:
             return False
-        probe, _ = self.source.take(np.arange(min(n, 64)), self.est.batch_size)
         return influence.plan(self.work, probe, n)["mode"] == "projected"
 
     def _clean_pass(self, blocks: Iterator[np.ndarray], k: int) -> CleanScores | None:
@@ -243,7 +274,7 @@ class AuditRun:
             if self.shard.rank != 0:
                 return None
             resampling = QueryResampling(len(self.x_q), est.n_bootstrap, est.seed, self.metrics_device)
-            return CleanScores(resampling, self.source.n, est.top_fraction, est.rank_by, STORE_MEMORY_BYTES,
+            return CleanScores(resampling, self.n, est.top_fraction, est.rank_by, STORE_MEMORY_BYTES,
                                folder=getattr(self.influence, "tile_folder", None))
 
         def finish() -> None:
@@ -297,10 +328,10 @@ class AuditRun:
             timing["metrics"] = timing.get("metrics", 0.0) + time.perf_counter() - start - influence_s
         return result
 
-
     # ------------------------------------------------------------------ controls and attacks
-    def run_controls(self) -> dict[float, ControlMetrics]:
+    def run_controls(self, perturbed: PerturbedRows) -> dict[float, ControlMetrics]:
         """
+        :param perturbed: The rows to perturb (:meth:`score_clean`).
         :return: The random-sign control of every distinct budget, by budget: ``control_draws`` independent draws
             of the signs, combined (:func:`~art_malleability.metrics.combine_controls`).
         """
@@ -310,24 +341,30 @@ class AuditRun:
                 draws = []
                 for draw in range(self.est.control_draws):
                     self.steps.set_postfix_str(f"control eps={eps:g} draw {draw + 1}", refresh=False)
-                    x_ctrl = self.shard.run_everywhere(self._control_rows, eps, draw)
-                    draws.append(self._metrics_of(self._perturbed_scores(x_ctrl))[0])
+                    x_ctrl = self.shard.run_everywhere(self._control_rows, perturbed, eps, draw)
+                    scores = self._perturbed_scores(x_ctrl, perturbed.rows, perturbed.whole)
+                    draws.append(self._metrics_of(scores)[0])
                 control_metrics[eps] = combine_controls(draws, self.est.confidence)  # every process has the draws
             self.steps.update()
         return control_metrics
 
-    def run_attack(self, attack: EvasionAttack, control_metrics: dict[float, ControlMetrics]) -> AttackResult:
-        """:return: The result of one attack: the influence after it, against the clean one and the control."""
+    def run_attack(self, attack: EvasionAttack, control_metrics: dict[float, ControlMetrics],
+                   perturbed: PerturbedRows) -> AttackResult:
+        """
+        :param perturbed: The rows to perturb (:meth:`score_clean`).
+        :return: The result of one attack: the influence after it, against the clean one and the control.
+        """
         label, timing = attack_label(attack), {}
         self.steps.set_postfix_str(f"attack {label}", refresh=False)
         with timed(timing, "attack"):
-            x_adv, changed, linf = self.shard.run_everywhere(self._attack_rows, attack)
+            x_adv, changed, linf = self.shard.run_everywhere(self._attack_rows, attack, perturbed)
             success, linf = _combine_attack_stats(changed, linf, len(self.perturbed), self.shard)
         self.steps.update()
         self.steps.set_postfix_str(f"influence ({label})", refresh=False)
         eps = self.controls.get(attack)
         control = control_metrics.get(eps)
-        metrics, scores_after = self._metrics_of(self._perturbed_scores(x_adv), control, timing)
+        scores = self._perturbed_scores(x_adv, perturbed.rows, perturbed.whole)
+        metrics, scores_after = self._metrics_of(scores, control, timing)
         self.steps.update()
         result = AttackResult.from_metrics(
             metrics,
@@ -345,47 +382,42 @@ class AuditRun:
             self.undecided[label] = metrics.undecided_share  # one warning for all of them (warnings)
         return result
 
-    def _attack_rows(self, attack: EvasionAttack) -> tuple[np.ndarray, int, float]:
+    def _attack_rows(self, attack: EvasionAttack, perturbed: PerturbedRows) -> tuple[np.ndarray, int, float]:
         """
-        Run the attack on this process's perturbed training rows, in chunks read from the source. numpy's global
-        generator is seeded with ``seed`` plus the chunk's offset for every chunk: attacks with random
-        starts (not the named ones, which are deterministic) therefore depend on the chunking, and a
-        sharded run differs from a single-process one for them.
+        Run the attack on this process's perturbed training rows, in chunks. numpy's global generator is seeded with
+        ``seed`` plus the chunk's offset for every chunk: attacks with random starts (not the named ones, which are
+        deterministic) therefore depend on the chunking, and a sharded run differs from a single-process one for them.
 
         :return: ``(x_adv rows, number whose prediction changed, largest ℓ∞ change)``.
         """
-        est, rows, nb_classes = self.est, self.local, int(self.est.classifier.nb_classes)
-        x_adv = np.empty((len(rows), *self.source.input_shape), dtype=np.float32)
+        est, x, labels = self.est, perturbed.x, perturbed.y_onehot
+        x_adv = np.empty_like(x)
         changed, linf = 0, 0.0
         chunk = max(est.batch_size * 8, 1)
-        bar = progress_bar(
-            total=len(rows),
-            desc=f"attack {attack_label(attack)}",
-            unit="ex",
-            leave=False,
-            verbose=est.verbose and len(rows) > chunk,
-        )
-        for s, xb, yb in self.source.batches(chunk, indices=rows):
-            labels = one_hot(yb, nb_classes)
-            adv = perturb_training_set(attack, xb, labels, np.arange(len(xb)), seed=est.seed + s)
+        bar = progress_bar(total=len(x), desc=f"attack {attack_label(attack)}", unit="ex", leave=False,
+                           verbose=est.verbose and len(x) > chunk)
+        for s in range(0, len(x), chunk):
+            xb, yb = x[s : s + chunk], labels[s : s + chunk]
+            adv = perturb_training_set(attack, xb, yb, np.arange(len(xb)), seed=est.seed + s)
             x_adv[s : s + len(xb)] = adv
-            changed += int(np.sum(compute_success_array(est.classifier, xb, labels, adv, batch_size=est.batch_size)))
+            changed += int(np.sum(compute_success_array(est.classifier, xb, yb, adv, batch_size=est.batch_size)))
             linf = max(linf, float(np.max(np.abs(adv - xb))) if len(xb) else 0.0)
             bar.update(len(xb))
         bar.close()
         return x_adv, changed, linf
 
-    def _control_rows(self, eps: float, draw: int) -> np.ndarray:
+    def _control_rows(self, perturbed: PerturbedRows, eps: float, draw: int) -> np.ndarray:
         """
-        Draw ``draw`` of the random-sign control of this process's perturbed training rows, read from the source in
-        chunks; the signs of draw ``d`` are seeded with ``seed + 1000 d``.
+        Draw ``draw`` of the random-sign control of this process's perturbed training rows, in chunks; the signs of
+        draw ``d`` are seeded with ``seed + 1000 d``.
         """
-        est, rows = self.est, self.local
-        x_ctrl = np.empty((len(rows), *self.source.input_shape), dtype=np.float32)
-        clip = est.classifier.clip_values
-        for s, xb, _ in self.source.batches(max(est.batch_size * 8, 1), indices=rows):
-            x_ctrl[s : s + len(xb)] = random_sign_perturbation(
-                xb, rows[s : s + len(xb)], eps, clip, seed=est.seed + CONTROL_SEED_STRIDE * draw
+        est, x, rows = self.est, perturbed.x, perturbed.rows
+        x_ctrl = np.empty_like(x)
+        chunk = max(est.batch_size * 8, 1)
+        for s in range(0, len(x), chunk):
+            x_ctrl[s : s + chunk] = random_sign_perturbation(
+                x[s : s + chunk], rows[s : s + chunk], eps, est.classifier.clip_values,
+                seed=est.seed + CONTROL_SEED_STRIDE * draw,
             )
         return x_ctrl
 

@@ -14,12 +14,10 @@ from art.attacks import EvasionAttack
 from art.estimators.classification import PyTorchClassifier
 from torch.utils.data import DataLoader, Dataset
 
-from art_malleability._utils.checks import near_chance_warnings
-from art_malleability._utils.provenance import library_versions
 from art_malleability._utils.state import preserved
 from art_malleability.audit import _classifier as inputs
 from art_malleability.audit._estimate import AuditEstimate, estimate_audit
-from art_malleability.audit._run import AuditRun, timed
+from art_malleability.audit._run import run_audit
 from art_malleability.audit.attacks import ATTACK_NAMES
 from art_malleability.audit.params import (
     AuditParams,
@@ -172,7 +170,7 @@ class MalleabilityEstimator(AuditParams):
         if validation is not None and not hasattr(validation, "fidelity"):
             validation = ValidationReport.load(validation)
         with preserved(clf.model, clf.loss), planned_work(self._influence, audit_refits(self), len(given.x_q)):
-            report = self._audit(given, dataset)
+            report = run_audit(self, given, dataset)
         report.warnings.extend(given.warnings)
         if validation is not None:
             inputs.state_fidelity(report, validation, self._influence, clf)
@@ -192,26 +190,6 @@ class MalleabilityEstimator(AuditParams):
         """
         n_query = min(default_queries(self.n_queries), len(x_test) if x_test is not None else len(x))
         return estimate_audit(self, len(x), n_query, audit_refits(self), inputs.probe_inputs(self.classifier, x))
-
-    def _audit(self, given: inputs.AuditInputs, dataset: str | None) -> MalleabilityReport:
-        """The audit proper, on checked inputs: accuracy, clean influence, controls, attacks, then the report."""
-        run = AuditRun(self, given.source, given.x_q, given.y_q, given.self_pairs, given.shard)
-        query_source = "test" if given.self_pairs is None else "train"
-        with timed(run.seconds, "accuracy"):
-            clean_accuracy, y_acc = inputs.clean_accuracy(self.classifier, given.queries, given.shard,
-                                                          self.batch_size)
-            warnings = near_chance_warnings(clean_accuracy, y_acc, query_source)
-        run.score_clean(given.k)
-        control_metrics = run.run_controls()
-        results = [run.run_attack(attack, control_metrics) for attack in self._attacks]
-        run.steps.close()
-        return MalleabilityReport(
-            model=self.model_name, config=self.get_params(), n_train=given.source.n, n_queries=len(given.x_q),
-            query_source=query_source, top_k=given.k, top_indices=run.top, clean_accuracy=clean_accuracy,
-            scores_before=run.agg_before, results=results, seconds=run.seconds, versions=library_versions(),
-            dataset=dataset, warnings=warnings + run.warnings(), execution=run.execution(),
-            noise_model=run.noise_model(),
-        )
 
 
 def influence_flip_rate(

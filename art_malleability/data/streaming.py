@@ -37,11 +37,15 @@ class ExampleSource:
     """
     Examples and labels from arrays or from a map-style torch dataset, read in validated batches.
 
-    :param x: Inputs ``(n, *input_shape)`` (a numpy array, validated by the caller and used as it
-        is), or a ``Dataset`` / ``DataLoader`` of ``(x, y)`` pairs (validated batch by batch).
-    :param y: Class indices ``(n,)`` for array inputs; must be ``None`` for a dataset.
-    :param input_shape: Input shape expected from a dataset (default: the shape of its first example).
-    :param nb_classes: Number of classes, the bound of a dataset's labels (default: no bound).
+    :param x: Inputs ``(n, *input_shape)`` (a numpy array: checked here when ``input_shape`` is given, else used
+        as it is, validated by the caller), or a ``Dataset`` / ``DataLoader`` of ``(x, y)`` pairs (validated batch by
+        batch).
+    :param y: Labels for array inputs (class indices ``(n,)``, or one-hot rows when ``input_shape`` is given); must
+        be ``None`` for a dataset.
+    :param input_shape: The expected input shape: array inputs are checked against it (finite values in
+        ``clip_values``, labels below ``nb_classes``) and converted to float32 inputs and int64 class indices; a
+        dataset's batches are checked against it (default: the shape of its first example).
+    :param nb_classes: Number of classes, the bound of the labels (default: no bound).
     :param name: Argument name of ``x`` (for error messages); the labels are ``y`` + its suffix.
     :param clip_values: The classifier's valid input range: every batch read from a dataset must lie in it, as
         arrays must (:func:`~art_malleability._utils.checks.check_range`); ``None``: any range.
@@ -64,7 +68,10 @@ class ExampleSource:
         self.collate_fn = None
         self.num_workers = 0
         if not is_torch_data(x):
-            # arrays: validated by the caller, used as they are (no copy)
+            if input_shape is not None:  # arrays checked as every batch of a dataset is
+                x = check_features(x, name, tuple(input_shape))
+                check_range(x, name, clip_values)
+                y = check_labels(y, self.label_name, len(x), self.nb_classes)
             self.dataset: Dataset | None = None
             self.given = x
             self.x = x
