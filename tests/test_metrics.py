@@ -158,6 +158,35 @@ def test_bootstrap_is_deterministic_and_validated(rng):
         M.spearman(np.zeros((2, 2, 2)), np.zeros((2, 2, 2)))
 
 
+def test_the_metrics_check_their_settings_through_the_shared_rules():
+    """``n_bootstrap``, ``confidence`` and ``rank_by`` go through the rules the audit uses, naming the parameter: a
+    float count such as ``3.0`` is refused here as the audit's ``n_bootstrap`` refuses it."""
+    from art_malleability._utils.params import CONFIDENCE, POSITIVE_INT, RANK_BY, InvalidParameterError
+    from art_malleability.metrics.accumulators import CleanScores, QueryResampling
+
+    for bad in (0, -2, 3.0, True, "5", None):
+        with pytest.raises(InvalidParameterError) as refused:
+            M.resample_rows(10, n_bootstrap=bad)
+        with pytest.raises(InvalidParameterError) as rule:
+            POSITIVE_INT(bad, "n_bootstrap")
+        assert refused.value.param == "n_bootstrap" and str(refused.value) == str(rule.value)
+    rows = M.resample_rows(10, n_bootstrap=np.int64(4), seed=2)
+    assert rows.shape == (4, 10) and np.array_equal(rows, M.resample_rows(10, 4, 2))
+    for bad in (0.0, 1.0, float("nan"), -0.5, "0.9", None, True):
+        with pytest.raises(InvalidParameterError) as refused:
+            M.check_confidence(bad)
+        with pytest.raises(InvalidParameterError) as rule:
+            CONFIDENCE(bad, "confidence")
+        assert refused.value.param == "confidence" and str(refused.value) == str(rule.value)
+    assert M.check_confidence(np.float32(0.9)) == np.float32(0.9) and M.check_confidence(0.95) == 0.95
+    for bad in ("first", None, "ABS"):
+        with pytest.raises(InvalidParameterError) as refused:
+            CleanScores(QueryResampling(4, 5, 0), 10, rank_by=bad)
+        with pytest.raises(InvalidParameterError) as rule:
+            RANK_BY(bad, "rank_by")
+        assert refused.value.param == "rank_by" and str(refused.value) == str(rule.value)
+
+
 def test_inputs_not_mutated(rng):
     before = rng.normal(size=(6, 20))
     after = rng.normal(size=(6, 20))
@@ -311,3 +340,11 @@ def test_any_scores_give_ordered_intervals_in_range(shape, seed, ties, nan_share
         assert lowest <= low <= high <= highest, (name, low, high)
     mean, (low, high) = M.seed_interval(np.array([result.flip_rate.value, control.flip_rate.value]), confidence)
     assert np.isnan(low) or low <= high
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5, 1 / 3, 0.1, 0.07, 0.001])
+def test_the_smallest_training_set_is_the_first_with_a_non_empty_influential_set(fraction):
+    from art_malleability.metrics import smallest_training_set, top_k_count
+
+    n = smallest_training_set(fraction)
+    assert top_k_count(n, fraction) >= 1 and (n == 1 or top_k_count(n - 1, fraction) == 0)

@@ -19,7 +19,7 @@ from art_malleability._utils.torch_utils import model_device_dtype, resolve_devi
 from art_malleability.audit.params import check_query_budget, default_queries
 from art_malleability.data.streaming import ExampleSource, is_torch_data
 from art_malleability.distributed import Shard, current_shard
-from art_malleability.metrics import top_k_count
+from art_malleability.metrics import smallest_training_set, top_k_count
 from art_malleability.models.reference import is_transductive
 
 logger = logging.getLogger(__name__)
@@ -169,8 +169,8 @@ def _check_sizes(est: Any, n: int, k: int, x_test: Any, y_test: Any) -> Shard:
     """
     if k < 1:
         raise ValueError(
-            f"x must hold at least {int(np.ceil(1 / est.top_fraction))} examples for top_fraction={est.top_fraction}, "
-            f"got {n}; with fewer the influential set is empty"
+            f"x must hold at least {smallest_training_set(est.top_fraction)} examples for "
+            f"top_fraction={est.top_fraction}, got {n}; with fewer the influential set is empty"
         )
     if (x_test is None) != (y_test is None) and not is_torch_data(x_test):
         given = "x_test" if y_test is None else "y_test"

@@ -78,7 +78,14 @@ from art_malleability.metrics._results import (
     Replicates,
     ResamplingIdentity,
 )
-from art_malleability.metrics._scores import RANK_BY, aggregate_scores, flip_mask, top_indices, top_k_count
+from art_malleability.metrics._scores import (
+    RANK_BY,
+    aggregate_scores,
+    flip_mask,
+    smallest_training_set,
+    top_indices,
+    top_k_count,
+)
 from art_malleability.metrics._spearman import SPEARMAN_PAIRS
 from art_malleability.metrics._summary import (
     BOUNDS,
@@ -92,6 +99,7 @@ from art_malleability.metrics.accumulators import QueryResampling, top_masks
 
 __all__ = [
     "RANK_BY",
+    "smallest_training_set",
     "top_k_count",
     "aggregate_scores",
     "top_indices",

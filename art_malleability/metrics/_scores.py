@@ -30,6 +30,17 @@ def top_k_count(n_train: int, top_fraction: float) -> int:
     return int(math.floor(top_fraction * n_train + 1e-9))
 
 
+def smallest_training_set(top_fraction: float) -> int:
+    """
+    The fewest training examples whose influential set is not empty (:func:`top_k_count` at least 1).
+
+    :param top_fraction: Share of training examples in the set, in (0, 1].
+    :return: Training examples.
+    """
+    TOP_FRACTION(top_fraction, "top_fraction")
+    return max(1, math.ceil((1.0 - 1e-9) / top_fraction))
+
+
 def aggregate_scores(scores: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
     """
     Mean influence of each training example over the queries, ignoring ``NaN`` (excluded pairs).
