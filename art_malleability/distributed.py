@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from art_malleability._utils.params import DISTRIBUTED, invalid
+from art_malleability._utils.params import DISTRIBUTED, POSITIVE_SECONDS, invalid
 
 logger = logging.getLogger(__name__)
 
@@ -263,8 +263,7 @@ def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT
         makes the others fail after this long.
     :return: This process's :class:`Shard` (:data:`ONE_PROCESS` in a single-process run).
     """
-    if not (timeout_s > 0):
-        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    POSITIVE_SECONDS(timeout_s, "timeout_s")
     if not dist.is_initialized():
         if not launched_by_torchrun():
             return ONE_PROCESS

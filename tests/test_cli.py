@@ -348,6 +348,11 @@ def test_quiet_prints_nothing_on_success(tmp_path):
          "input_shape= and nb_classes= (or from no arguments), got 'os:system', which needs 'command'"),
         (["--model", "collections:OrderedDict"], "a class that is not a torch.nn.Module"),
         (["--n-queries", "1"], "--n-queries must be at least 2"),
+        # the package's shared rules, the value shown as typed (0, not 0.0)
+        (["--lr", "0"], "--lr must be a positive finite number, got 0\n"),
+        (["--weight-decay", "-0.5"], "--weight-decay must be a non-negative finite number, got -0.5\n"),
+        (["--n-train", "0"], "--n-train must be a positive integer, got 0\n"),
+        (["--epochs", "0"], "--epochs must be a positive integer, got 0\n"),
         (["--output", "/proc/art-malleability-cannot-write-here"], "--output must be a folder this process can write"),
         (["--output", "FILE/below"], "--output must be a folder this process can write"),
     ],
@@ -425,3 +430,27 @@ def test_queries_whose_metrics_do_not_fit_are_refused_after_the_data_and_before_
     err = capsys.readouterr().err
     assert "--n-queries (n_queries) must leave the audit's metrics within the memory budget" in err, err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        # the reproduction config's rule, in its words (the command line said "name models of" before)
+        (["reproduce", "--tables", "table2", "--models", "2l-relu", "foo"],
+         "--models must name reference models ('2l-relu', 'mlp-attn', 'mlp-attn-qkv'), got 2l-relu foo\n"),
+        # the checker's rules: duplicates are refused up front (the checker refused them only once it was built)
+        (["ntk-check", "--seeds", "0", "1", "0"], "--seeds must hold distinct values (each one once), got 0 1 0\n"),
+        (["ntk-check", "--widths", "16", "64", "64"],
+         "--widths must hold distinct values (each one once), got 16 64 64\n"),
+    ],
+)
+def test_the_studies_options_are_checked_through_the_librarys_rules(tmp_path, capsys, monkeypatch, args, message):
+    import art_malleability.cli.studies as studies
+
+    def never(args):
+        raise AssertionError("the data was read before the options were checked")
+
+    monkeypatch.setattr(studies, "load_data", never)
+    assert main([*args, "--output", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.endswith(f"error: {message}")
+    assert not (tmp_path / "out").exists()

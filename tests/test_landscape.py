@@ -285,3 +285,16 @@ def test_rise_needs_both_signs_in_the_grid():
     with pytest.raises(ValueError, match="^at must"):
         profile.rise(0.2)
     assert profile.rise(0.0) == 0.0
+
+
+def test_the_seed_goes_through_the_shared_seed_rule():
+    """The seed's words are the package's seed rule's (before: "seed must be an int >= 0")."""
+    from art_malleability._utils.params import InvalidParameterError, InvalidParameterTypeError
+
+    model, x, y = _case("conv")
+    with pytest.raises(InvalidParameterError) as refused:
+        loss_profile(model, x, y, seed=-1, verbose=False)
+    assert refused.value.param == "seed"
+    assert str(refused.value) == "seed must be a non-negative integer (numpy's seeds are), got -1"
+    with pytest.raises(InvalidParameterTypeError):  # a ValueError as before, and a TypeError
+        hessian_top_eigenvalues(model, x, y, seed="0", verbose=False)

@@ -277,3 +277,22 @@ def test_kept_records_leave_out_diverged_runs_and_match_every_key():
     assert kept_records(records, model="a", protocol="gd") == [records[1]]
     assert kept_records(records, model="a", protocol=None) == [records[2]]  # a missing key reads as None
     assert kept_records(records) == records[1:]
+
+
+def test_the_checkers_settings_go_through_its_rule_table():
+    """Each setting is refused through :data:`CHECKER_RULES`, naming it (an ``InvalidParameterError``); a mapping of
+    factories passes the models' rule; the widths and seeds become ints; a model without an analytic limit is refused
+    before any work (it failed inside the limit kernel before)."""
+    from art_malleability._utils.params import InvalidParameterError
+    from art_malleability.ntk.convergence import CHECKER_RULES
+
+    for name, bad in (("widths", [16, 16.5]), ("seeds", [3]), ("gd_lr_scale", 0), ("adam_batch_size", 0),
+                      ("adam_lr", -1e-3), ("adam_weight_decay", float("nan")), ("n_bootstrap", 1.0),
+                      ("models", ["mlp-attn-qkv"]), ("device", "tpu9")):
+        with pytest.raises(InvalidParameterError) as refused:
+            NTKConvergenceChecker(verbose=False, **{name: bad})
+        assert refused.value.param == name and name in CHECKER_RULES
+    factories = {"a": lambda width, seed: torch.nn.Linear(2, 2)}
+    checker = NTKConvergenceChecker(models=factories, widths=(np.int64(8), 16), seeds=(np.int64(0), 1), verbose=False)
+    assert checker.widths == [8, 16] and checker.seeds == [0, 1]
+    assert all(type(v) is int for v in checker.widths + checker.seeds)

@@ -2,6 +2,8 @@
 declared rule refuses a bad value through the library and the command line, naming the parameter or its option."""
 
 import pickle
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ from art_malleability.influence import CaptumInfluence, GradientInfluence, NTKIn
 from art_malleability.influence._ntk_rules import NTK_RULES
 from art_malleability.models import build_reference_model
 from art_malleability.models.training import make_classifier
+from art_malleability.ntk.empirical import NTK_METHODS
 
 
 @pytest.fixture(scope="module")
@@ -175,6 +178,7 @@ def test_every_audit_option_that_sets_a_parameter_has_a_bad_value_here():
 @pytest.mark.parametrize("option", sorted(BAD_OPTIONS))
 def test_each_audit_option_is_refused_by_its_rule_naming_the_option(tmp_path, capsys, monkeypatch, option):
     import art_malleability.cli.audit as cli_audit
+    from art_malleability.cli.checks import _SHARED_RULES, OPTION_RULES
 
     def never(*args, **kwargs):
         raise AssertionError("the data was read before the options were checked")
@@ -190,8 +194,8 @@ def test_each_audit_option_is_refused_by_its_rule_naming_the_option(tmp_path, ca
         assert err.startswith(f"art-malleability audit: error: {option} "), err
         assert len(err.strip().splitlines()) == 1
         param = next(p for p, o in AUDIT_OPTIONS.items() if o == option)
-        if f"{option} ({param})" not in err:  # the options several subcommands share: checked by the same rule
-            assert option in ("--eps", "--n-queries", "--seed", "--device", "--batch-size"), err
+        if f"{option} ({param})" not in err:  # checked first among the subcommand's options, by the same rule
+            assert option in {*_SHARED_RULES, *OPTION_RULES["audit"]}, err
     assert code == 2
     assert not (tmp_path / "out").exists()
 
@@ -222,6 +226,20 @@ def test_get_influence_refuses_through_its_rule_naming_influence():
     assert get_influence(given) is given
     assert [type(get_influence(name)).__name__ for name in INFLUENCE_NAMES] == [
         "NTKInfluence", "GradientInfluence", "CaptumInfluence"]
+
+
+def test_the_audit_refuses_an_influence_through_the_influence_packages_rule(clf):
+    """The audit's ``influence`` is the influence package's rule, in its words; a value that is neither a name nor an
+    estimator is a ``TypeError`` too (as it was), a wrong name a ``ValueError`` only."""
+    from art_malleability.influence import get_influence
+
+    for bad, type_error in (("tracin", False), (3, True), (None, True), (["ntk"], True)):
+        with pytest.raises(InvalidParameterError) as refused:
+            MalleabilityEstimator(clf, influence=bad, verbose=False)
+        with pytest.raises(InvalidParameterError) as library:
+            get_influence(bad)
+        assert refused.value.param == "influence" and str(refused.value) == str(library.value)
+        assert isinstance(refused.value, TypeError) is type_error
 
 
 def test_projection_dim_and_dtype_checks_go_through_the_declared_rules():
@@ -319,7 +337,7 @@ DATA_ERRORS = [
     ({"name_or_path": "digits", "classes": [3]}, "classes", None,
      "classes must list at least two distinct labels, got [3]"),
     ({"name_or_path": "digits", "classes": [3, 12]}, "classes", None, "classes must lie in 0..9 of 'digits', got [12]"),
-    ({"name_or_path": "digits", "n_train": 0}, "n_train", None, "n_train must be >= 1 (or None), got 0"),
+    ({"name_or_path": "digits", "n_train": 0}, "n_train", None, "n_train must be a positive integer, got 0"),
     ({"name_or_path": "digits", "n_test": 1.5}, "n_test", TypeError, "n_test must be an int or None, got float"),
     ({"name_or_path": "mnist", "root": "two-splits", "n_train": 50}, "n_train", None,
      "n_train must not exceed the 40 examples of the training split, got 50"),
@@ -477,3 +495,439 @@ def test_resolve_device_resolves_cuda_only_where_there_is_cuda(monkeypatch, cuda
             with pytest.raises(InvalidParameterError, match="; CUDA is not available$") as refused:
                 resolve_device(spec)
             assert refused.value.param == "device"
+
+
+# ------------------------------------------------------------------------------ 6. one home per rule, and its page
+
+#: The modules that declare rules, lowest layer first; a rule's home is the module whose own statement names it.
+RULE_MODULES = (
+    "art_malleability._utils.params", "art_malleability.models._attention", "art_malleability.models.training",
+    "art_malleability.ntk.empirical", "art_malleability.ntk.convergence", "art_malleability.influence.ridge_choice",
+    "art_malleability.influence.base", "art_malleability.influence._tracin", "art_malleability.influence._ntk_rules",
+    "art_malleability.influence", "art_malleability.data.datasets", "art_malleability.validation.lds",
+    "art_malleability.validation.run", "art_malleability.audit.attacks", "art_malleability.audit.params",
+    "art_malleability.paper.reproduce", "art_malleability.cli.checks",
+)
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "parameters.md"
+BEGIN, END = "<!-- the rules: generated, checked by tests/test_param_rules.py -->", "<!-- end of the rules -->"
+
+
+def _module_names(module_name: str) -> set[str]:
+    """:return: The names that ``module_name``'s own module-level statements assign (not those it imports)."""
+    import ast
+    import importlib
+
+    source = Path(importlib.import_module(module_name).__file__).read_text()
+    names = set()
+    for node in ast.parse(source).body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, ast.AnnAssign) else []
+        names.update(t.id for t in targets if isinstance(t, ast.Name))
+        if isinstance(node, ast.FunctionDef):
+            names.add(node.name)
+    return names
+
+
+def _is_rule(value: object) -> bool:
+    from art_malleability._utils.params import Rule
+
+    if isinstance(value, tuple):
+        return bool(value) and all(_is_rule(v) for v in value)
+    return isinstance(value, Rule) or hasattr(value, "optional_of") or isinstance(getattr(value, "must", None), str)
+
+
+def _named_rules() -> dict[int, tuple[str, object]]:
+    """
+    :return: ``id -> (home, rule)`` for every rule a module of :data:`RULE_MODULES` names as its own, its home
+        ``"module.NAME"`` without the package's prefix (a copy shown otherwise, the command line's, keeps its rule's).
+    """
+    import importlib
+
+    named: dict[int, tuple[str, object]] = {}
+    for module_name in RULE_MODULES:
+        module, short = importlib.import_module(module_name), module_name.removeprefix("art_malleability.")
+        for name in sorted(_module_names(module_name)):
+            value = getattr(module, name, None)
+            if not name.lstrip("_").isupper() or not _is_rule(value) or id(value) in named:
+                continue
+            if any(_same(value, other) for _, other in named.values()):  # a copy shown otherwise: its home is kept
+                continue
+            named[id(value)] = (f"{short}.{name}", value)
+    return named
+
+
+def _same(a: object, b: object) -> bool:
+    """Whether two rules are one: the same object, or copies shown otherwise (:func:`shown`) of the same rules."""
+    from art_malleability._utils.params import Rule
+
+    if a is b:
+        return True
+    if isinstance(a, Rule) and isinstance(b, Rule):
+        return (a.test, a.must, a.type_error, a.note) == (b.test, b.must, b.type_error, b.note)
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    inner_a, inner_b = getattr(a, "optional_of", None), getattr(b, "optional_of", None)
+    return inner_a is not None and inner_b is not None and _same(inner_a, inner_b)
+
+
+def _home(rules: object, named: dict[int, tuple[str, object]]) -> str:
+    """:return: Where ``rules`` are declared: their names, or ``inline`` for a rule written in the table itself."""
+    home = next((home for home, value in named.values() if _same(rules, value)), None)
+    if home is not None:
+        return f"`{home}`"
+    if isinstance(rules, tuple):
+        return " + ".join(_home(rule, named) for rule in rules)
+    if hasattr(rules, "optional_of"):
+        return f"optional({_home(rules.optional_of, named)})"
+    if hasattr(rules, "each_of"):
+        return f"each({_home(rules.each_of, named)})"
+    return "inline"
+
+
+def _words(rules: object) -> str:
+    """What a value must do (:func:`~art_malleability._utils.params.words`), as Markdown."""
+    from art_malleability._utils.params import words
+
+    return re.sub(r":\w+:`", "`", words(rules)).replace("``", "`").replace("|", "\\|")
+
+
+def _tables() -> list[tuple[str, dict, dict]]:
+    """:return: Every rule table of the library: its name, its rules and its base's (whose entries it repeats)."""
+    from art_malleability.data.datasets import DATA_RULES
+    from art_malleability.influence import InfluenceEstimator
+    from art_malleability.influence._tracin import TracInInfluence
+    from art_malleability.models.training import TRAINING_RULES
+    from art_malleability.ntk.convergence import CHECKER_RULES
+    from art_malleability.paper.reproduce import REPRODUCTION_RULES
+    from art_malleability.validation.run import VALIDATE_RULES
+
+    base, tracin = InfluenceEstimator._parameter_rules, TracInInfluence._parameter_rules
+    return [
+        ("`influence.base.InfluenceEstimator._parameter_rules`", base, {}),
+        ("`influence._tracin.TracInInfluence._parameter_rules`", tracin, base),
+        ("`influence.gradient.GradientInfluence._parameter_rules`", GradientInfluence._parameter_rules, tracin),
+        ("`influence.captum_tracin.CaptumInfluence._parameter_rules`", CaptumInfluence._parameter_rules, tracin),
+        ("`influence._ntk_rules.NTK_RULES` (`NTKInfluence._parameter_rules`)", NTK_RULES, base),
+        ("`models.training.TRAINING_RULES` (`train_model`)", TRAINING_RULES, {}),
+        ("`data.datasets.DATA_RULES` (`load_dataset`)", DATA_RULES, {}),
+        ("`ntk.convergence.CHECKER_RULES` (`NTKConvergenceChecker`)", CHECKER_RULES, {}),
+        ("`validation.run.VALIDATE_RULES` (`validate`)", VALIDATE_RULES, {}),
+        ("`audit.params.PARAMETER_RULES` (`MalleabilityEstimator`)", PARAMETER_RULES, {}),
+        ("`paper.reproduce.REPRODUCTION_RULES` (`ReproductionConfig`)", REPRODUCTION_RULES, {}),
+    ]
+
+
+def _cli_rows(named: dict[int, str]) -> list[str]:
+    """The command line's own rules: one row per option and rule, with the subcommands that check it."""
+    from art_malleability.cli.checks import _SHARED_RULES, OPTION_RULES
+
+    rows: dict[tuple[str, int], list] = {}
+    for option, rules in _SHARED_RULES.items():
+        rows.setdefault((option, id(rules)), [rules, ["every subcommand that has it"]])
+    for command, table in OPTION_RULES.items():
+        for option, rules in table.items():
+            rules = rules[0] if len(rules) == 1 else rules
+            rows.setdefault((option, id(rules)), [rules, []])[1].append(command)
+    return [f"| `{option}` | {', '.join(commands)} | {_home(rules, named)} | {_words(rules)} |"
+            for (option, _), (rules, commands) in sorted(rows.items(), key=lambda item: item[0][0])]
+
+
+def render_rules() -> str:
+    """:return: The generated part of docs/parameters.md: every rule, every table's entries and where each lives."""
+    from art_malleability.cli.options import (
+        AUDIT_OPTIONS,
+        DATA_OPTIONS,
+        NTK_CHECK_OPTIONS,
+        REPRODUCE_OPTIONS,
+        VALIDATE_OPTIONS,
+    )
+
+    named = _named_rules()
+    lines = ["## Named rules", "", "| Rule | The value must |", "| --- | --- |"]
+    lines += [f"| `{home}` | {_words(rules)} |" for home, rules in named.values()]
+    for title, table, base in _tables():
+        own = {name: rules for name, rules in table.items() if base.get(name) is not rules}
+        lines += ["", f"## {title}", ""]
+        if len(own) < len(table):
+            lines += ["Its base's entries, and:", ""]
+        lines += ["| Parameter | Rule | The value must |", "| --- | --- | --- |"]
+        lines += [f"| `{name}` | {_home(rules, named)} | {_words(rules)} |" for name, rules in own.items()]
+    lines += ["", "## The command line's options", "", "| Option | Subcommands | Rule | The value must |",
+              "| --- | --- | --- | --- |", *_cli_rows(named)]
+    lines += ["", "## Which option sets which parameter", "", "| Option | Parameter | Of |", "| --- | --- | --- |"]
+    for of, table in (("`MalleabilityEstimator`", AUDIT_OPTIONS), ("`validate`", VALIDATE_OPTIONS),
+                      ("`NTKConvergenceChecker`", NTK_CHECK_OPTIONS), ("`ReproductionConfig`", REPRODUCE_OPTIONS),
+                      ("`load_dataset`", DATA_OPTIONS)):
+        lines += [f"| `{option}` | `{param}` | {of} |" for param, option in table.items()]
+    return "\n".join(lines)
+
+
+def test_the_parameters_page_lists_every_rule_where_it_lives():
+    text = PAGE.read_text()
+    assert text.count(BEGIN) == 1 and text.count(END) == 1, "docs/parameters.md lost its markers"
+    generated = text.split(BEGIN, 1)[1].split(END, 1)[0].strip()
+    expected = render_rules()
+    assert generated == expected, f"docs/parameters.md is out of date; its generated part must read:\n{expected}"
+
+
+def _declared_twice(everything: list) -> dict[tuple[str, bool], int]:
+    """
+    :return: The words (and whether of a type check) that rules with different tests share: a rule written twice, its
+        words copied beside a second test. A type check and a range check may share words (one rule in two steps).
+    """
+    from art_malleability._utils.params import Rule
+
+    def flatten(rules):
+        if isinstance(rules, tuple):
+            for rule in rules:
+                yield from flatten(rule)
+        elif hasattr(rules, "optional_of"):
+            yield from flatten(rules.optional_of)
+        elif isinstance(rules, Rule):
+            yield rules
+
+    tests: dict[tuple[str, bool], set] = {}
+    for rule in (r for rules in everything for r in flatten(rules)):
+        tests.setdefault((rule.must, rule.type_error), set()).add(rule.test)
+    return {words: len(found) for words, found in tests.items() if len(found) > 1}
+
+
+#: Rules still declared twice: none (``method``'s rule lives once, beside ``NTK_METHODS``: ``ntk.empirical.METHOD``).
+KNOWN_TWICE: dict = {}
+
+
+def test_no_rule_is_declared_twice():
+    from art_malleability._utils.params import POSITIVE_INT, SIZE, Rule
+    from art_malleability.cli.checks import _SHARED_RULES, OPTION_RULES
+
+    everything = [r for _, table, _ in _tables() for r in table.values()]
+    everything += [*_SHARED_RULES.values(), *(r for table in OPTION_RULES.values() for r in table.values())]
+    everything += [rules for _, rules in _named_rules().values()]
+    assert len(everything) > 100
+    assert _declared_twice(everything) == KNOWN_TWICE
+    # a second declaration of a rule's words is caught, however deep it sits
+    copied = Rule("be a positive integer", lambda v: v >= 1)
+    assert _declared_twice([POSITIVE_INT, SIZE, {"n": (copied,)}["n"]]) == {("be a positive integer", False): 2}
+
+
+# ------------------------------------------------------------------------------ 7. the rules of the studies and helpers
+
+
+def test_method_is_one_rule_beside_the_kernel_methods():
+    from art_malleability.ntk.empirical import METHOD, JacobianGram
+
+    assert GradientInfluence._parameter_rules["method"] is METHOD and NTK_RULES["method"] is METHOD
+    model = build_reference_model("2l-relu", (1, 4, 4), 3, width=8, seed=0)
+    for make in (lambda: JacobianGram(model, method="svd"), lambda: GradientInfluence(method="svd"),
+                 lambda: NTKInfluence(method="svd")):
+        with pytest.raises(InvalidParameterError) as refused:
+            make()
+        assert refused.value.param == "method"
+        assert str(refused.value) == f"method must be one of {NTK_METHODS}, got 'svd'"  # the words of before
+
+
+def test_the_attention_context_is_one_rule_for_the_model_and_the_studies():
+    from art_malleability.models import LinearizedAttention
+    from art_malleability.models.reference import CONTEXT
+    from art_malleability.ntk.convergence import CHECKER_RULES, NTKConvergenceChecker
+    from art_malleability.paper.reproduce import REPRODUCTION_RULES, ReproductionConfig
+
+    assert CHECKER_RULES["attention_context"] is CONTEXT
+    assert REPRODUCTION_RULES["attention_context"] is CONTEXT
+    for make, param in ((lambda: LinearizedAttention(context="trace"), "context"),
+                        (lambda: NTKConvergenceChecker(attention_context="trace"), "attention_context"),
+                        (lambda: ReproductionConfig(attention_context="trace"), "attention_context")):
+        with pytest.raises(InvalidParameterError) as refused:
+            make()
+        assert refused.value.param == param
+        assert str(refused.value) == f"{param} must be one of ('centred', 'gram'), got 'trace'"  # as before
+
+
+def test_an_attack_name_is_one_rule_for_make_attack_and_the_audit(clf):
+    from art_malleability.audit.attacks import ATTACK, make_attack
+    from art_malleability.audit.params import _check_attacks
+
+    with pytest.raises(InvalidParameterError) as refused:
+        make_attack("cw", clf)
+    # make_attack names its own parameter now (it was "attacks must name one of ... or be ART EvasionAttack
+    # instances"): the rule's words, the audit's
+    assert refused.value.param == "name"
+    assert str(refused.value) == "name must name one of ('fgsm', 'pgd', 'mim'), got 'cw'"
+    with pytest.raises(InvalidParameterError) as audit:
+        _check_attacks(["fgsm", "cw"], "attacks")
+    assert str(audit.value) == "attacks must name one of ('fgsm', 'pgd', 'mim'), got 'cw'"  # as before
+    assert audit.value.must == refused.value.must == ATTACK.must
+
+
+#: Each library refusal of the rules declared here: the call, the parameter and the message. The words of
+#: ``train_model``'s ``epochs``, ``batch_size``, ``lr`` and ``weight_decay``, ``loss_profile``'s ``seed``, the
+#: checker's ``widths``, ``seeds``, ``ridge``, ``gd_lr_scale`` and ``models`` are the shared rules' now (they were
+#: "must be an int >= 1", "must be > 0", "must be >= 0", "must be an int >= 0", "must hold at least two distinct
+#: positive integers", "must hold at least two distinct integers (for intervals)", "must lie in (0, 2) for stable
+#: linearised dynamics", "must name reference models ... or map names to factories"), those the command line used.
+LIBRARY_REFUSALS = [
+    ("train_model", {"epochs": 0}, "epochs", "epochs must be a positive integer, got 0"),
+    ("train_model", {"batch_size": 2.0}, "batch_size", "batch_size must be a positive integer, got 2.0"),
+    ("train_model", {"lr": 0.0}, "lr", "lr must be a positive finite number, got 0.0"),
+    ("train_model", {"weight_decay": -1.0}, "weight_decay",
+     "weight_decay must be a non-negative finite number, got -1.0"),
+    ("init_from_env", {"timeout_s": 0}, "timeout_s", "timeout_s must be a positive number of seconds, got 0"),
+    ("init_from_env", {"timeout_s": float("inf")}, "timeout_s",
+     "timeout_s must be a positive number of seconds, got inf"),
+    ("loss_profile", {"seed": -1}, "seed", "seed must be a non-negative integer (numpy's seeds are), got -1"),
+    ("loss_profile", {"seed": 1.5}, "seed", "seed must be a non-negative integer, got 1.5"),
+    ("checker", {"widths": [16]}, "widths",
+     "widths must hold at least two distinct widths (the width exponent is fitted over them), got [16]"),
+    ("checker", {"widths": [16, 64, 16]}, "widths",
+     "widths must hold distinct values (each one once), got [16, 64, 16]"),
+    ("checker", {"widths": [0, 16]}, "widths", "widths must hold positive integers, got [0, 16]"),
+    ("checker", {"seeds": [0, 0]}, "seeds",
+     "seeds must hold at least two distinct seeds (the intervals are over them), got [0, 0]"),
+    ("checker", {"ridge": 0.0}, "ridge", "ridge must be a positive finite number, got 0.0"),
+    ("checker", {"gd_lr_scale": 2.5}, "gd_lr_scale",
+     "gd_lr_scale must lie in (0, 2), where the linearised gradient descent is stable, got 2.5"),
+    ("checker", {"gd_steps": 0}, "gd_steps", "gd_steps must be a positive integer, got 0"),
+    ("checker", {"protocols": ["gd", "sgd"]}, "protocols", "protocols must be drawn from ('gd', 'adam'), got 'sgd'"),
+    ("checker", {"models": ["2l-relu", "mlp-attn-qkv"]}, "models",
+     "models must name models of ('2l-relu', 'mlp-attn') (MLP-Attn-QKV's trained attention has no infinite-width "
+     "kernel here), got 'mlp-attn-qkv'"),
+    ("checker", {"dtype": torch.float16}, "dtype", "dtype must be torch.float32 or torch.float64, got torch.float16"),
+    ("checker", {"confidence": 1.0}, "confidence", "confidence must lie in (0, 1), got 1.0"),
+    ("config", {"models": ("2l-relu", "foo")}, "models",
+     "models must name reference models ('2l-relu', 'mlp-attn', 'mlp-attn-qkv'), got 'foo'"),
+    ("config", {"models": ()}, "models",
+     "models must name at least one of the reference models ('2l-relu', 'mlp-attn', 'mlp-attn-qkv'), got none"),
+    ("config", {"models": ("mlp-attn", "mlp-attn")}, "models",
+     "models must hold distinct values (each one once), got ('mlp-attn', 'mlp-attn')"),
+    ("config", {"seeds": ()}, "seeds", "seeds must hold at least one seed, got ()"),
+    ("config", {"tables": ("table9",)}, "tables",
+     "tables must be drawn from ('table1', 'table2', 'table3', 'table4', 'ablation', 'landscape', 'spectral', "
+     "'open_choices'), got 'table9'"),
+    ("config", {"lds_models": 1}, "lds_models",
+     "lds_models must be 0 (no LDS) or at least 2 (the LDS correlates over the retrained models), got 1"),
+    ("config", {"widths": (16, 16)}, "widths", "widths must hold distinct values (each one once), got (16, 16)"),
+    ("config", {"lr": -1.0}, "lr", "lr must be a positive finite number, got -1.0"),
+    ("config", {"n_queries": 1}, "n_queries", "n_queries must be at least 2, got 1; every interval resamples the "
+                                              "queries and needs two or more"),
+]
+
+
+def _call(target: str, kwargs: dict) -> None:
+    import numpy as np
+
+    from art_malleability.distributed import init_from_env
+    from art_malleability.models import loss_profile, train_model
+    from art_malleability.ntk.convergence import NTKConvergenceChecker
+    from art_malleability.paper.reproduce import ReproductionConfig
+
+    model = build_reference_model("2l-relu", (1, 4, 4), 3, width=8, seed=0)
+    x, y = np.zeros((6, 1, 4, 4), np.float32), np.arange(6) % 3
+    calls = {
+        "train_model": lambda: train_model(model, x, y, verbose=False, **kwargs),
+        "init_from_env": lambda: init_from_env(**kwargs),
+        "loss_profile": lambda: loss_profile(model, x, y, verbose=False, **kwargs),
+        "checker": lambda: NTKConvergenceChecker(verbose=False, **kwargs),
+        "config": lambda: ReproductionConfig(**kwargs),
+    }
+    calls[target]()
+
+
+@pytest.mark.parametrize(("target", "kwargs", "param", "message"), LIBRARY_REFUSALS,
+                         ids=[f"{t}-{p}" for t, _, p, _ in LIBRARY_REFUSALS])
+def test_each_rule_of_the_studies_and_helpers_refuses_naming_the_parameter(target, kwargs, param, message):
+    with pytest.raises(InvalidParameterError) as refused:
+        _call(target, kwargs)
+    assert refused.value.param == param and str(refused.value) == message
+
+
+def test_the_studies_tables_cover_their_settings_and_the_cli_maps_existing_options():
+    import dataclasses
+    import inspect
+
+    from art_malleability.cli import build_parser
+    from art_malleability.cli.options import NTK_CHECK_OPTIONS, REPRODUCE_OPTIONS
+    from art_malleability.ntk.convergence import CHECKER_RULES, NTKConvergenceChecker
+    from art_malleability.paper.reproduce import REPRODUCTION_RULES, ReproductionConfig
+
+    checker = set(inspect.signature(NTKConvergenceChecker).parameters)
+    assert set(CHECKER_RULES) == checker - {"analytic", "verbose"}
+    config = {f.name for f in dataclasses.fields(ReproductionConfig)}
+    assert set(REPRODUCTION_RULES) == config - {"dataset", "data_root", "eps_grid", "verbose"}
+    assert set(NTK_CHECK_OPTIONS) <= set(CHECKER_RULES) and set(REPRODUCE_OPTIONS) <= set(REPRODUCTION_RULES)
+    commands = build_parser()._subparsers._group_actions[0].choices
+    for command, options in (("ntk-check", NTK_CHECK_OPTIONS), ("reproduce", REPRODUCE_OPTIONS)):
+        known = {s for action in commands[command]._actions for s in action.option_strings}
+        assert set(options.values()) <= known, command
+    NTKConvergenceChecker(verbose=False)  # the defaults pass
+    ReproductionConfig()
+
+
+#: A bad value of each ``ntk-check`` and ``reproduce`` option that sets a setting of the library, and the line that
+#: refuses it: the option named (not the setting), the value as typed.
+CLI_STUDY_REFUSALS = [
+    ("ntk-check", "--gd-lr-scale", ["2"], "--gd-lr-scale must lie in (0, 2), where the linearised gradient descent is "
+                                          "stable, got 2"),
+    ("ntk-check", "--widths", ["16", "64", "16"], "--widths must hold distinct values (each one once), got 16 64 16"),
+    ("ntk-check", "--widths", ["16"], "--widths must hold at least two distinct widths (the width exponent is fitted "
+                                      "over them), got 16"),
+    ("ntk-check", "--seeds", ["1", "2", "1"], "--seeds must hold distinct values (each one once), got 1 2 1"),
+    ("ntk-check", "--models", ["mlp-attn-qkv"],
+     "--models must name models of ('2l-relu', 'mlp-attn') (MLP-Attn-QKV's trained attention has no infinite-width "
+     "kernel here), got mlp-attn-qkv"),
+    ("ntk-check", "--ridge", ["0"], "--ridge must be a positive finite number, got 0"),
+    ("ntk-check", "--gd-steps", ["0"], "--gd-steps must be a positive integer, got 0"),
+    ("ntk-check", "--adam-epochs", ["0"], "--adam-epochs must be a positive integer, got 0"),
+    ("reproduce", "--models", ["2l-relu", "foo"],
+     "--models must name reference models ('2l-relu', 'mlp-attn', 'mlp-attn-qkv'), got 2l-relu foo"),
+    ("reproduce", "--lds-models", ["1"], "--lds-models must be 0 (no LDS) or at least 2 (the LDS correlates over the "
+                                         "retrained models), got 1"),
+    ("reproduce", "--widths", ["16", "0"], "--widths must hold positive integers, got 16 0"),
+    ("reproduce", "--seeds", ["1", "1"], "--seeds must hold distinct values (each one once), got 1 1"),
+    ("reproduce", "--width", ["0"], "--width must be a positive integer, got 0"),
+    ("reproduce", "--epochs", ["0"], "--epochs must be a positive integer, got 0"),
+    ("reproduce", "--lr", ["0"], "--lr must be a positive finite number, got 0"),
+    ("reproduce", "--weight-decay", ["-1"], "--weight-decay must be a non-negative finite number, got -1"),
+    ("reproduce", "--adv-epochs", ["0"], "--adv-epochs must be a positive integer, got 0"),
+    ("reproduce", "--ntk-n-train", ["0"], "--ntk-n-train must be a positive integer, got 0"),
+    ("reproduce", "--ntk-adam-epochs", ["0"], "--ntk-adam-epochs must be a positive integer, got 0"),
+]
+
+
+@pytest.mark.parametrize(("command", "option", "values", "message"), CLI_STUDY_REFUSALS,
+                         ids=[f"{c}{o}-{'_'.join(v)}" for c, o, v, _ in CLI_STUDY_REFUSALS])
+def test_each_study_option_is_refused_through_the_librarys_rule_naming_the_option(tmp_path, capsys, monkeypatch,
+                                                                                 command, option, values, message):
+    import art_malleability.cli.studies as studies
+    from art_malleability.cli.options import NTK_CHECK_OPTIONS, REPRODUCE_OPTIONS
+    from art_malleability.ntk.convergence import CHECKER_RULES
+    from art_malleability.paper.reproduce import REPRODUCTION_RULES
+
+    def never(*args, **kwargs):
+        raise AssertionError("the data was read before the options were checked")
+
+    monkeypatch.setattr(studies, "load_data", never)
+    args = ["--tables", "table2"] if command == "reproduce" else []  # Table 1's own clash aside
+    assert main([command, *args, "--output", str(tmp_path / "out"), option, *values]) == 2
+    err = capsys.readouterr().err
+    assert err == f"art-malleability {command}: error: {message}\n", err
+    options, table = (NTK_CHECK_OPTIONS, CHECKER_RULES) if command == "ntk-check" else (REPRODUCE_OPTIONS,
+                                                                                          REPRODUCTION_RULES)
+    param = next(p for p, o in options.items() if o == option)
+    with pytest.raises(InvalidParameterError) as library:  # the library's rule says the same, naming the setting
+        check_values({param: table[param]}, {param: _parsed(values, option in ("--models", "--widths", "--seeds"))})
+    assert library.value.param == param and library.value.must in message
+    assert not (tmp_path / "out").exists()
+
+
+def _parsed(values: list[str], several: bool):
+    """The option's values as argparse gives them (a number, or a list for the options that take ``several``)."""
+    numbers = []
+    for v in values:
+        try:
+            numbers.append(int(v))
+        except ValueError:
+            try:
+                numbers.append(float(v))
+            except ValueError:
+                numbers.append(v)
+    return numbers if several else numbers[0]

@@ -151,3 +151,16 @@ def test_quiet_runs_switch_off_arts_trainer_bars_and_restore_them():
     assert (adversarial_trainer.tqdm, adversarial_trainer.trange) == before
     with _trainer_progress(True):
         assert adversarial_trainer.trange is before[1]
+
+
+def test_the_config_refuses_through_its_rule_table_naming_the_setting():
+    from art_malleability._utils.params import InvalidParameterError
+    from art_malleability.paper.reproduce import REPRODUCTION_RULES
+
+    for name, bad in (("lds_models", 1), ("widths", (16, 0)), ("seeds", (1, 1)), ("epochs", 0), ("lr", 0.0),
+                      ("weight_decay", -1.0), ("adv_epochs", 0), ("ntk_n_train", 0), ("ntk_adam_epochs", 2.5),
+                      ("n_queries", 1), ("top_fraction", 0.0), ("n_train", 0), ("attention_context", "trace")):
+        with pytest.raises(InvalidParameterError) as refused:
+            ReproductionConfig(**{name: bad})
+        assert refused.value.param == name and name in REPRODUCTION_RULES
+    assert ReproductionConfig(lds_models=0, n_train=None).lds_models == 0

@@ -215,3 +215,19 @@ def test_resolve_device():
     assert resolve_device("cpu") == torch.device("cpu")
     expected = "cuda" if torch.cuda.is_available() else "cpu"
     assert resolve_device("auto").type == expected
+
+
+def test_training_settings_are_refused_by_the_shared_rules_naming_the_parameter(digits):
+    """``epochs``, ``batch_size``, ``lr`` and ``weight_decay`` go through the package's shared rules, in their words
+    (before: "must be an int >= 1", "must be > 0", "must be >= 0")."""
+    from art_malleability._utils.params import InvalidParameterError
+
+    x, y = digits.x_train[:20], digits.y_train[:20]
+    model = build_reference_model("2l-relu", digits.input_shape, 10, width=8)
+    for kwargs, message in (({"epochs": 0}, "epochs must be a positive integer, got 0"),
+                            ({"batch_size": True}, "batch_size must be a positive integer, got True"),
+                            ({"lr": float("nan")}, "lr must be a positive finite number, got nan"),
+                            ({"weight_decay": -0.1}, "weight_decay must be a non-negative finite number, got -0.1")):
+        with pytest.raises(InvalidParameterError) as refused:
+            train_model(model, x, y, verbose=False, **kwargs)
+        assert refused.value.param == next(iter(kwargs)) and str(refused.value) == message

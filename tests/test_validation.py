@@ -256,6 +256,50 @@ def test_bad_settings_fail_before_any_training(settings, match):
     assert_rng_equal(states, rng_states())
 
 
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"loo_queries": -1}, "loo_queries must be a non-negative integer, got -1"),
+        ({"loo_top": 0}, "loo_top must be a positive integer, got 0"),
+        ({"loo_seeds": 2.0}, "loo_seeds must be a positive integer, got 2.0"),
+        ({"seed": -1}, "seed must be a non-negative integer (numpy's seeds are), got -1"),  # numpy's seeds: refused now
+        ({"seed": 1.5}, "seed must be a non-negative integer, got 1.5"),
+        ({"n_bootstrap": 0}, "n_bootstrap must be a positive integer, got 0"),  # checked before training now
+        ({"confidence": 1.0}, "confidence must lie in (0, 1), got 1.0"),
+        ({"outcome": "accuracy"}, "outcome must be one of ('loss', 'margin'), got 'accuracy'"),
+        ({"loss": "l1"}, "loss must be one of ('cross_entropy', 'mse'), got 'l1'"),
+    ],
+)
+def test_each_setting_is_refused_by_its_declared_rule_before_any_training(settings, message):
+    from art_malleability._utils.params import InvalidParameterError, check_values
+    from art_malleability.validation.run import VALIDATE_RULES
+
+    x, y, xq, yq = data()
+    calls = Calls(train_fn)
+    with pytest.raises(InvalidParameterError) as refused:
+        validate(calls, x, y, xq, yq, verbose=False, **{**TINY, **settings})
+    (name,) = settings
+    assert calls.n == 0 and refused.value.param == name and str(refused.value) == message
+    with pytest.raises(InvalidParameterError) as rule:  # the table's rule says the same
+        check_values({name: VALIDATE_RULES[name]}, settings)
+    assert str(rule.value) == message
+
+
+def test_the_lds_and_validate_share_the_outcome_rule_and_the_cli_its_options_rules():
+    from art_malleability._utils.params import InvalidParameterError
+    from art_malleability.cli.checks import OPTION_RULES
+    from art_malleability.cli.options import VALIDATE_OPTIONS
+    from art_malleability.validation.run import VALIDATE_RULES
+
+    with pytest.raises(InvalidParameterError) as refused:
+        linear_datamodeling_score(np.zeros((2, 4)), np.ones((3, 4), bool), np.zeros((3, 2)), outcome="accuracy")
+    assert str(refused.value) == "outcome must be one of ('loss', 'margin'), got 'accuracy'"
+    assert set(VALIDATE_OPTIONS) <= set(VALIDATE_RULES)
+    for param, option in VALIDATE_OPTIONS.items():
+        rules = VALIDATE_RULES[param]
+        assert OPTION_RULES["validate"][option] == (rules if isinstance(rules, tuple) else (rules,)), option
+
+
 def test_a_subset_missing_a_class_names_the_class_and_the_way_out():
     x, y, xq, yq = data()
     y = y.copy()

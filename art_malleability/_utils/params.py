@@ -15,6 +15,7 @@ with :func:`resolve_device`, which applies the device's rule; an estimator's own
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -105,6 +106,42 @@ class Rule:
             raise kind(name, self.must, self.show(value), self.note)
         return value if self.convert is None else self.convert(value)
 
+    def shown(self, show: Callable[[Any], str]) -> Rule:
+        """:return: The same rule (its words and test) whose message shows the value with ``show``."""
+        return dataclasses.replace(self, show=show)
+
+
+def shown(rules: Check | tuple[Check, ...], show: Callable[[Any], str]) -> Check | tuple[Check, ...]:
+    """
+    :return: ``rules`` (a rule, a tuple of them or an :func:`optional` rule) whose messages show the value with
+        ``show`` (the command line shows it as typed); a rule written as a function keeps its own display.
+    """
+    if isinstance(rules, tuple):
+        return tuple(shown(rule, show) for rule in rules)
+    inner = getattr(rules, "optional_of", None)
+    if inner is not None:
+        return optional(shown(inner, show))
+    return rules.shown(show) if isinstance(rules, Rule) else rules
+
+
+def words(rules: Check | tuple[Check, ...]) -> str:
+    """
+    :return: What a value of ``rules`` must do, in the words of their messages: a :class:`Rule`'s ``must`` (or that of
+        a rule written as a function), those of a tuple joined (each once; a type check's left out where a rule after
+        it says more), ``None`` or those of an :func:`optional` rule, otherwise the first line of the rule's
+        docstring.
+    """
+    if isinstance(rules, tuple):
+        said = [r for i, r in enumerate(rules) if not (isinstance(r, Rule) and r.type_error and i < len(rules) - 1)]
+        return "; ".join(dict.fromkeys(words(rule) for rule in said))
+    inner = getattr(rules, "optional_of", None)
+    if inner is not None:
+        return f"be None, or {words(inner)}"
+    must = getattr(rules, "must", None)
+    if isinstance(must, str):
+        return must
+    return (rules.__doc__ or getattr(rules, "__name__", repr(rules))).strip().splitlines()[0]
+
 
 def check_value(rules: Check | tuple[Check, ...], value: Any, name: str) -> Any:
     """:return: ``value`` through each of ``rules`` in turn (a single rule or a tuple of them)."""
@@ -141,12 +178,33 @@ def optional(rules: Check | tuple[Check, ...]) -> Check:
     def check(value: Any, name: str) -> Any:
         return None if value is None else check_value(rules, value, name)
 
+    check.optional_of = rules  # type: ignore[attr-defined] - what :func:`words` reads
     return check
 
 
 def one_of(options: tuple, must: str | None = None) -> Rule:
     """:return: The rule of a value among ``options`` (compared with ``==``, as ``in`` does)."""
     return Rule(must or f"be one of {options}", lambda v: v in options)
+
+
+def each_one_of(options: tuple, must: str | None = None) -> Rule:
+    """
+    :return: The rule of a sequence whose every value is among ``options`` (its message shows the first that is not;
+        a string is no sequence of them).
+    """
+    return Rule(must or f"be drawn from {options}",
+                lambda vs: not isinstance(vs, str) and all(v in options for v in vs),
+                show=lambda vs: _first_not_in(vs, options))
+
+
+def _first_not_in(values: Any, options: tuple) -> str:
+    """:return: The ``repr`` of the first of ``values`` not among ``options`` (of ``values`` itself if none is)."""
+    if isinstance(values, str):
+        return repr(values)
+    try:
+        return repr(next(v for v in values if v not in options))
+    except (TypeError, StopIteration):
+        return repr(values)
 
 
 def number_type(must: str) -> Rule:
@@ -161,6 +219,14 @@ def number_type(must: str) -> Rule:
 POSITIVE_INT = Rule("be a positive integer", lambda v: is_int(v) and v >= 1, int)
 NON_NEGATIVE_INT = Rule("be a non-negative integer", lambda v: is_int(v) and v >= 0, int)
 POSITIVE = Rule("be a positive finite number", lambda v: is_number(v) and math.isfinite(v) and v > 0, float)
+NON_NEGATIVE = Rule("be a non-negative finite number", lambda v: is_number(v) and math.isfinite(v) and v >= 0, float)
+#: A duration: a positive finite number of seconds.
+POSITIVE_SECONDS = Rule("be a positive number of seconds", lambda v: is_number(v) and math.isfinite(v) and v > 0,
+                        float)
+#: A list of counts or widths: positive integers.
+POSITIVE_INTS = Rule("hold positive integers", lambda vs: all(is_int(v) and v >= 1 for v in vs))
+#: A list whose values are distinct (each one once): widths, seeds, model names.
+DISTINCT = Rule("hold distinct values (each one once)", lambda vs: len(set(vs)) == len(vs))
 BOOL = Rule("be True or False", lambda v: isinstance(v, bool), type_error=True)
 #: The floating-point dtypes a computation may run in.
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -189,8 +255,15 @@ SEED = (
 )
 #: Whether to shard over a ``torch.distributed`` process group.
 DISTRIBUTED = one_of(("auto", True, False), "be 'auto', True or False")
+#: A positive finite number, a float (a ``TypeError`` for a value that is no number).
+POSITIVE_NUMBER = (number_type("be a positive number"), POSITIVE)
 #: The memory (GiB) the large matrices may take; ``None``: a share of the device's total memory.
-MEMORY_LIMIT_GB = optional((number_type("be a positive number"), POSITIVE))
+MEMORY_LIMIT_GB = optional(POSITIVE_NUMBER)
+#: The size of a subset of the data (``n_train``, ``n_test``): a positive integer; ``None``: the default size.
+SIZE = optional((
+    Rule("be an int or None", is_int, type_error=True, show=lambda v: type(v).__name__),
+    POSITIVE_INT,
+))
 #: Queries of an audit: every interval resamples them, so two or more; ``None``: the default number.
 N_QUERIES = optional((
     POSITIVE_INT,
@@ -203,8 +276,16 @@ ALPHA = Rule("lie strictly between 0 and 1 (the share of each subset)",
              lambda v: is_number(v) and math.isfinite(float(v)) and 0.0 < float(v) < 1.0)
 #: A projection dimension: a positive integer that indexes as a 32-bit int.
 PROJECTION_DIM = Rule("be a positive integer below 2**31", lambda v: is_int(v) and 0 < int(v) < 2**31, int)
+
+
+def _projection_mode(value: Any, name: str) -> Any:
+    """The NTK influence's mode other than ``None``: ``"auto"`` or a projection dimension (:data:`PROJECTION_DIM`)."""
+    return value if value == "auto" else PROJECTION_DIM(value, name)
+
+
+_projection_mode.must = f"be 'auto', or {PROJECTION_DIM.must}"  # type: ignore[attr-defined]
 #: The NTK influence's mode: ``"auto"``, ``None`` (exact) or a projection dimension.
-NTK_MODE = optional(lambda v, name: v if v == "auto" else PROJECTION_DIM(v, name))
+NTK_MODE = optional(_projection_mode)
 
 
 def resolve_device(device: str | torch.device = "auto", name: str = "device") -> torch.device:
@@ -240,5 +321,6 @@ def _device(value: Any, name: str) -> Any:
     return value
 
 
+_device.must = "be 'auto', 'cpu', 'gpu', 'cuda', 'cuda:k' or a torch.device that this machine has"  # type: ignore
 #: A device: ``"auto"`` (CUDA when available), ``"cpu"``, ``"gpu"``, ``"cuda"``, ``"cuda:k"`` or a torch.device.
 DEVICE: Check = _device

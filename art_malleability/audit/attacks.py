@@ -29,9 +29,13 @@ from art.attacks import EvasionAttack
 from art.attacks.evasion import FastGradientMethod, MomentumIterativeMethod, ProjectedGradientDescent
 from art.estimators.classification import PyTorchClassifier
 
+from art_malleability._utils.params import one_of
+
 logger = logging.getLogger(__name__)
 
 ATTACK_NAMES = ("fgsm", "pgd", "mim")
+#: The rule of an attack's name (:func:`make_attack`'s ``name``, each name among the audit's ``attacks``).
+ATTACK = one_of(ATTACK_NAMES, f"name one of {ATTACK_NAMES}")
 STRATEGIES = ("top", "all")
 
 
@@ -51,9 +55,9 @@ def make_attack(
     :param max_iter: Steps of the iterative attacks.
     :param batch_size: ART's batch size.
     :return: A ready :class:`art.attacks.EvasionAttack`.
+    :raises InvalidParameterError: If ``name`` is not an attack's name (:data:`ATTACK`; a ``ValueError``).
     """
-    if name not in ATTACK_NAMES:
-        raise ValueError(f"attacks must name one of {ATTACK_NAMES} or be ART EvasionAttack instances, got {name!r}")
+    ATTACK(name, "name")
     if classifier.clip_values is None:
         raise ValueError(
             f"classifier.clip_values must be set for attack {name!r} (the valid input range, e.g. (0.0, 1.0)), "

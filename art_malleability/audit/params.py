@@ -22,8 +22,8 @@ from art_malleability._utils.params import (
     MEMORY_LIMIT_GB,
     N_QUERIES,
     NTK_MODE,
-    POSITIVE,
     POSITIVE_INT,
+    POSITIVE_NUMBER,
     RANK_BY,
     SEED,
     TOP_FRACTION,
@@ -32,12 +32,11 @@ from art_malleability._utils.params import (
     RuleTable,
     check_values,
     invalid,
-    number_type,
     one_of,
 )
 from art_malleability._utils.torch_utils import total_memory
-from art_malleability.audit.attacks import ATTACK_NAMES, STRATEGIES, attack_label, control_eps, make_attack
-from art_malleability.influence import INFLUENCE_NAMES, InfluenceEstimator, NTKInfluence, get_influence
+from art_malleability.audit.attacks import ATTACK, ATTACK_NAMES, STRATEGIES, attack_label, control_eps, make_attack
+from art_malleability.influence import INFLUENCE, InfluenceEstimator, NTKInfluence, get_influence
 from art_malleability.influence.ntk import MEMORY_SHARE
 from art_malleability.influence.ridge_choice import RIDGE
 from art_malleability.metrics.accumulators import metrics_plan
@@ -78,25 +77,29 @@ def _check_attacks(attacks: object, name: str) -> tuple[str | EvasionAttack, ...
         if not isinstance(a, (str, EvasionAttack)):
             raise invalid(name, f"hold names {ATTACK_NAMES} or ART EvasionAttack instances", type(a).__name__,
                           type_error=True)
-        if isinstance(a, str) and a not in ATTACK_NAMES:
-            raise invalid(name, f"name one of {ATTACK_NAMES}", a)
+        if isinstance(a, str):
+            ATTACK(a, name)
     return tuple(attacks)
 
 
-#: A positive number of the audit (a float; a ``TypeError`` for a non-number).
-_POSITIVE_NUMBER = (number_type("be a positive number"), POSITIVE)
+_check_attacks.must = (  # type: ignore[attr-defined] - the rule's words (the page of parameter rules reads them)
+    f"be an attack name of {ATTACK_NAMES}, an ART EvasionAttack or a non-empty sequence of them"
+)
+
+
+#: The influence: the influence package's rule (:data:`~art_malleability.influence.INFLUENCE`), in its words, after a
+#: type check that makes a value neither a name nor an estimator a ``TypeError`` too.
+_INFLUENCE = (
+    Rule(INFLUENCE.must, lambda v: isinstance(v, (str, InfluenceEstimator)), type_error=True),
+    INFLUENCE,
+)
 
 #: Every parameter's rule, in the manner of scikit-learn's ``_parameter_constraints``: the constructor, ``set_params``
 #: and the command line's ``audit`` check through it. The attacks become a tuple, the numbers floats or ints.
 PARAMETER_RULES: RuleTable = {
     "attacks": _check_attacks,
-    "eps": _POSITIVE_NUMBER,
-    "influence": (
-        Rule(f"be one of {INFLUENCE_NAMES} or an InfluenceEstimator",
-             lambda v: isinstance(v, (str, InfluenceEstimator)), type_error=True),
-        Rule(f"be one of {INFLUENCE_NAMES} or an InfluenceEstimator",
-             lambda v: isinstance(v, InfluenceEstimator) or v in INFLUENCE_NAMES),
-    ),
+    "eps": POSITIVE_NUMBER,
+    "influence": _INFLUENCE,
     "top_fraction": TOP_FRACTION,
     "strategy": one_of(STRATEGIES),
     "ridge": RIDGE,
@@ -113,7 +116,7 @@ PARAMETER_RULES: RuleTable = {
     "distributed": DISTRIBUTED,
     "controls": BOOL,
     "memory_limit_gb": MEMORY_LIMIT_GB,
-    "time_budget_s": _POSITIVE_NUMBER,
+    "time_budget_s": POSITIVE_NUMBER,
 }
 
 

@@ -10,30 +10,47 @@ import argparse
 import importlib
 import inspect
 import logging
-import math
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from art_malleability._utils.params import (
-    ALPHA,
     DEVICE,
-    N_MODELS,
     N_QUERIES,
+    POSITIVE_INT,
+    POSITIVE_SECONDS,
     SEED,
     Check,
     InvalidParameterError,
     Rule,
+    RuleTable,
     check_value,
     check_values,
+    shown,
+    words,
 )
 from art_malleability._utils.torch_utils import eval_mode, model_device_dtype
-from art_malleability.cli.options import AUDIT_OPTIONS, DATA_OPTIONS, DEFAULT_MODELS, dest, estimator_params, typed
-from art_malleability.models.reference import REFERENCE_MODELS
+from art_malleability.audit.params import PARAMETER_RULES
+from art_malleability.cli.options import (
+    AUDIT_OPTIONS,
+    DATA_OPTIONS,
+    DEFAULT_MODELS,
+    NTK_CHECK_OPTIONS,
+    REPRODUCE_OPTIONS,
+    VALIDATE_OPTIONS,
+    dest,
+    estimator_params,
+    typed,
+)
+from art_malleability.data.datasets import DATA_RULES
+from art_malleability.models.training import TRAINING_RULES
+from art_malleability.ntk.convergence import CHECKER_RULES
+from art_malleability.paper.reproduce import REPRODUCTION_RULES
+from art_malleability.validation.run import VALIDATE_RULES
 
 if TYPE_CHECKING:
     from art_malleability.data.datasets import Dataset
@@ -99,6 +116,11 @@ def _rule(must: str, test: Callable[[Any], bool], note: str = "") -> Rule:
     return Rule(must, test, note=note, show=as_typed)
 
 
+def _steps(rules: Check | tuple[Check, ...]) -> tuple[Check, ...]:
+    """:return: ``rules`` as the tuple of rules applied in order (a single rule: a tuple of one)."""
+    return rules if isinstance(rules, tuple) else (rules,)
+
+
 def _each(rules: Check | tuple[Check, ...]) -> Check:
     """The rule of a list option whose every value follows ``rules`` (the message shows the first that does not)."""
 
@@ -107,68 +129,54 @@ def _each(rules: Check | tuple[Check, ...]) -> Check:
             check_value(rules, value, name)
         return values
 
+    check.each_of, check.must = rules, f"hold values each of which must {words(rules)}"  # type: ignore[attr-defined]
     return check
 
 
-_POSITIVE_INT = _rule("be a positive integer", lambda v: v >= 1)
-_NON_NEGATIVE_INT = _rule("be a non-negative integer", lambda v: v >= 0)
-_POSITIVE = _rule("be a positive finite number", lambda v: math.isfinite(v) and v > 0)
-_NON_NEGATIVE = _rule("be a non-negative finite number", lambda v: math.isfinite(v) and v >= 0)
-_POSITIVE_INTS = _rule("hold positive integers", lambda vs: all(v >= 1 for v in vs))
-_DISTINCT = _rule("hold distinct values (each one once)", lambda vs: len(set(vs)) == len(vs))
-_TWO_WIDTHS = _rule("hold at least two distinct widths (the width exponent is fitted over them)",
-                    lambda vs: len(set(vs)) >= 2)
-_TWO_SEEDS = _rule("hold at least two distinct seeds (the intervals are over them)", lambda vs: len(set(vs)) >= 2)
+def _through(table: RuleTable, options: Mapping[str, str]) -> dict[str, tuple[Check, ...]]:
+    """
+    :return: Each option of ``options`` (``{parameter: option}``) with its parameter's rules in ``table``, the value
+        shown as typed.
+    """
+    return {option: _steps(shown(table[param], as_typed)) for param, option in options.items()}
+
+
+#: The package's rule of a count, showing the value as typed.
+_POSITIVE_INT = shown(POSITIVE_INT, as_typed)
 #: An l-inf budget of the data, which every ``--dataset`` scales to [0, 1].
 _EPS = _rule("lie in (0, 1): an l-inf budget on inputs scaled to [0, 1] (every --dataset is)",
              lambda v: v is None or 0 < v < 1, note=f"; give it in those units (8/255 = {8 / 255:.4f}, not 8)")
 
-
-def _names(choices: tuple[str, ...], why: str = "") -> Rule:
-    """The rule of an option that names models: each one of ``choices``."""
-    return _rule(f"name models of {choices}{why}", lambda vs: all(v in choices for v in vs))
-
-
-#: Models whose infinite-width NTK ``ntk-check`` knows (MLP-Attn-QKV's trained attention has none).
-NTK_MODELS = ("2l-relu", "mlp-attn")
 #: The options of every subcommand that has them: the library's rules of the same settings.
 _SHARED_RULES: dict[str, Check | tuple[Check, ...]] = {
     "--seed": SEED, "--seeds": _each(SEED), "--n-queries": N_QUERIES, "--eps": _EPS, "--eps-grid": _each(_EPS),
     "--device": DEVICE,
-    "--dist-timeout": _rule("be a positive number of seconds", lambda v: math.isfinite(v) and v > 0),
+    "--dist-timeout": shown(POSITIVE_SECONDS, as_typed),
 }
-_DATA_RULES: dict[str, tuple[Check, ...]] = {"--n-train": (_POSITIVE_INT,), "--n-test": (_POSITIVE_INT,)}
+#: The data's sizes: :func:`~art_malleability.data.load_dataset`'s rules of ``n_train`` and ``n_test``.
+_DATA_RULES: dict[str, tuple[Check, ...]] = {"--n-train": (DATA_RULES["n_train"],), "--n-test": (DATA_RULES["n_test"],)}
+#: The training's options: the model's width and :func:`~art_malleability.models.training.train_model`'s rules.
 _TRAINING_RULES: dict[str, tuple[Check, ...]] = {
-    "--width": (_POSITIVE_INT,), "--epochs": (_POSITIVE_INT,), "--batch-size": (_POSITIVE_INT,),
-    "--lr": (_POSITIVE,), "--weight-decay": (_NON_NEGATIVE,),
+    "--width": (_POSITIVE_INT,),
+    **_through(TRAINING_RULES, {"epochs": "--epochs", "batch_size": "--batch-size", "lr": "--lr",
+                                "weight_decay": "--weight-decay"}),
 }
+#: The audit's budgets, checked first like the training's options: the estimator's rules, the value shown as typed.
+_BUDGET_RULES = _through(PARAMETER_RULES, {p: AUDIT_OPTIONS[p] for p in ("time_budget_s", "memory_limit_gb")})
 #: Every subcommand's own options and their rules (the audit's parameters are the estimator's, checked through its
-#: rules: :func:`_check_estimator_params`; the options several subcommands share: ``_SHARED_RULES``).
+#: rules: :func:`_check_estimator_params`; the options several subcommands share: ``_SHARED_RULES``). The options of
+#: ``validate``, ``ntk-check`` and ``reproduce`` that set a library setting are checked through its rules, found by
+#: the option tables (:data:`~art_malleability.cli.options.VALIDATE_OPTIONS`, ``NTK_CHECK_OPTIONS``,
+#: ``REPRODUCE_OPTIONS``).
 OPTION_RULES: dict[str, dict[str, tuple[Check, ...]]] = {
-    "audit": {**_DATA_RULES, **_TRAINING_RULES},
+    "audit": {**_DATA_RULES, **_TRAINING_RULES, **_BUDGET_RULES},
     "validate": {
-        **_DATA_RULES, **_TRAINING_RULES, "--loo-queries": (_NON_NEGATIVE_INT,), "--loo-top": (_POSITIVE_INT,),
-        "--loo-seeds": (_POSITIVE_INT,), "--n-bootstrap": (_POSITIVE_INT,), "--alpha": (ALPHA,),
-        "--n-models": (N_MODELS,),
+        **_DATA_RULES, **_TRAINING_RULES,
+        **{option: _steps(VALIDATE_RULES[param]) for param, option in VALIDATE_OPTIONS.items()},  # validate()'s rules
     },
-    "ntk-check": {
-        **_DATA_RULES,
-        "--models": (_names(NTK_MODELS, " (MLP-Attn-QKV's trained attention has no infinite-width kernel here)"),
-                     _DISTINCT),
-        "--widths": (_POSITIVE_INTS, _TWO_WIDTHS), "--seeds": (_TWO_SEEDS,), "--ridge": (_POSITIVE,),
-        "--gd-steps": (_POSITIVE_INT,), "--adam-epochs": (_POSITIVE_INT,),
-        "--gd-lr-scale": (_rule("lie in (0, 2), where the linearised gradient descent is stable",
-                                lambda v: 0 < v < 2),),
-    },
-    "spectrum": {"--n-train": (_POSITIVE_INT,)},
-    "reproduce": {
-        **_DATA_RULES, **{k: v for k, v in _TRAINING_RULES.items() if k != "--batch-size"},  # the paper's 128
-        "--models": (_names(REFERENCE_MODELS), _DISTINCT),
-        "--widths": (_POSITIVE_INTS, _DISTINCT), "--seeds": (_DISTINCT,), "--adv-epochs": (_POSITIVE_INT,),
-        "--lds-models": (_rule("be 0 (no LDS) or at least 2 (the LDS correlates over the retrained models)",
-                               lambda v: v == 0 or v >= 2),),
-        "--ntk-n-train": (_POSITIVE_INT,), "--ntk-adam-epochs": (_POSITIVE_INT,),
-    },
+    "ntk-check": {**_DATA_RULES, **_through(CHECKER_RULES, NTK_CHECK_OPTIONS)},
+    "spectrum": {"--n-train": _DATA_RULES["--n-train"]},
+    "reproduce": {**_DATA_RULES, **_through(REPRODUCTION_RULES, REPRODUCE_OPTIONS)},
 }
 
 
@@ -228,7 +236,7 @@ def _check_clashes(args: argparse.Namespace) -> None:
 
 def _check_settings(args: argparse.Namespace) -> None:
     """The audit's parameters through the estimator's rules, then the options that depend on each other."""
-    from art_malleability.metrics import top_k_count
+    from art_malleability.metrics import smallest_training_set, top_k_count
 
     if getattr(args, "command", None) == "audit":
         _check_estimator_params(args)
@@ -236,7 +244,7 @@ def _check_settings(args: argparse.Namespace) -> None:
     if fraction is not None and args.n_train is not None and top_k_count(args.n_train, fraction) < 1:
         raise ValueError(
             f"--n-train must leave a non-empty influential set with --top-fraction {fraction}, got {args.n_train}; "
-            f"pass --n-train of at least {math.ceil(1 / fraction - 1e-9)}"
+            f"pass --n-train of at least {smallest_training_set(fraction)}"
         )
     if getattr(args, "command", None) == "reproduce" and args.classes is not None:
         raise ValueError(f"--classes must not be given to reproduce, got {args.classes}; Table 3 picks the paper's "
@@ -249,8 +257,6 @@ def _check_estimator_params(args: argparse.Namespace) -> None:
     so that a value the estimator refuses fails here, before any training; the error names the option that sets the
     parameter (:data:`~art_malleability.cli.options.AUDIT_OPTIONS`) and the parameter.
     """
-    from art_malleability.audit.params import PARAMETER_RULES
-
     try:
         check_values(PARAMETER_RULES, estimator_params(args))
     except InvalidParameterError as err:

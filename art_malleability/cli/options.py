@@ -184,6 +184,35 @@ AUDIT_OPTIONS = {
 }
 
 
+#: The :func:`~art_malleability.validation.validate` settings that ``validate``'s own options set, by the option that
+#: sets each: those options are checked through the library's rules of the settings
+#: (:data:`~art_malleability.validation.run.VALIDATE_RULES`); ``--seed`` is every subcommand's, checked by the same
+#: rule.
+VALIDATE_OPTIONS = {
+    "n_models": "--n-models", "alpha": "--alpha", "loo_queries": "--loo-queries", "loo_top": "--loo-top",
+    "loo_seeds": "--loo-seeds", "n_bootstrap": "--n-bootstrap",
+}
+
+
+#: The :class:`~art_malleability.ntk.convergence.NTKConvergenceChecker` settings that ``ntk-check``'s options set, by
+#: the option that sets each: those options are checked through the checker's rules
+#: (:data:`~art_malleability.ntk.convergence.CHECKER_RULES`), the value shown as typed.
+NTK_CHECK_OPTIONS = {
+    "models": "--models", "widths": "--widths", "seeds": "--seeds", "ridge": "--ridge", "gd_steps": "--gd-steps",
+    "gd_lr_scale": "--gd-lr-scale", "adam_epochs": "--adam-epochs",
+}
+
+
+#: The :class:`~art_malleability.paper.reproduce.ReproductionConfig` settings that ``reproduce``'s own options set, by
+#: the option that sets each: those options are checked through the config's rules
+#: (:data:`~art_malleability.paper.reproduce.REPRODUCTION_RULES`), the value shown as typed.
+REPRODUCE_OPTIONS = {
+    "models": "--models", "width": "--width", "widths": "--widths", "seeds": "--seeds", "epochs": "--epochs",
+    "lr": "--lr", "weight_decay": "--weight-decay", "adv_epochs": "--adv-epochs", "lds_models": "--lds-models",
+    "ntk_n_train": "--ntk-n-train", "ntk_adam_epochs": "--ntk-adam-epochs",
+}
+
+
 #: The :func:`~art_malleability.data.load_dataset` parameters that the data options (:func:`add_data_options`) set,
 #: by the option that sets each: how an error of the data that names a parameter (``InvalidParameterError.param``)
 #: names its option. ``"n_train and n_test"`` labels the error that refuses the two sizes together.

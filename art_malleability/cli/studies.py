@@ -17,6 +17,8 @@ from art_malleability.cli.options import (
     add_run_options,
     say,
 )
+from art_malleability.models.reference import CONTEXTS
+from art_malleability.ntk.convergence import PROTOCOLS
 
 
 def add_ntk_check(sub: argparse._SubParsersAction, run: Runner) -> None:
@@ -31,11 +33,11 @@ def add_ntk_check(sub: argparse._SubParsersAction, run: Runner) -> None:
     add_data_options(check, n_train=500, n_test=100)
     group = check.add_argument_group("check")
     group.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS), help="reference models")
-    group.add_argument("--attention-context", choices=("centred", "gram"), default="centred",
+    group.add_argument("--attention-context", choices=CONTEXTS, default="centred",
                        help="MLP-Attn's attention context (gram: the paper's literal X^T X)")
     group.add_argument("--widths", type=int, nargs="+", default=[16, 64, 256, 1024, 4096], help="widths m")
     group.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="initialisation seeds")
-    group.add_argument("--protocols", nargs="*", choices=("gd", "adam"), default=["gd", "adam"],
+    group.add_argument("--protocols", nargs="*", choices=PROTOCOLS, default=list(PROTOCOLS),
                        help="training protocols of the dynamic level (none: skip training)")
     group.add_argument("--gd-steps", type=int, default=200, help="full-batch gradient-descent steps")
     group.add_argument("--gd-lr-scale", type=float, default=1.0, help="GD step times 1/lambda_max of the limit")
@@ -118,7 +120,7 @@ def add_reproduce(sub: argparse._SubParsersAction, run: Runner) -> None:
     )
     group.add_argument("--models", nargs="+", default=list(defaults.models), help="models of Tables 1-2")
     group.add_argument("--width", type=int, default=defaults.width, help="width of the flip-rate tables")
-    group.add_argument("--attention-context", choices=("centred", "gram"), default=defaults.attention_context,
+    group.add_argument("--attention-context", choices=CONTEXTS, default=defaults.attention_context,
                        help="context of the attention models (gram: the paper's literal X^T X)")
     group.add_argument("--widths", type=int, nargs="+", default=list(defaults.widths), help="Table 1 sweep")
     group.add_argument("--seeds", type=int, nargs="+", default=list(defaults.seeds), help="seeds")

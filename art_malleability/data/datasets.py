@@ -33,14 +33,13 @@ from sklearn.model_selection import train_test_split
 
 from art_malleability._utils.params import (
     SEED,
+    SIZE,
     InvalidParameterError,
     InvalidParameterTypeError,
-    Rule,
-    check_value,
+    RuleTable,
+    check_values,
     invalid,
     invalid_path,
-    is_int,
-    optional,
 )
 from art_malleability.data._loaders import (
     Source,
@@ -58,6 +57,10 @@ DATASET_NAMES: tuple[str, ...] = ("digits", "mnist", "fashion-mnist", "cifar10")
 #: The ``.param`` of the error that refuses ``n_train`` and ``n_test`` together (they do not fit a one-split source).
 BOTH_SIZES = "n_train and n_test"
 
+#: The rules of :func:`load_dataset`'s sizes and seed (the command line's ``--n-train``, ``--n-test`` and ``--seed``
+#: check through the same rules).
+DATA_RULES: RuleTable = {"n_train": SIZE, "n_test": SIZE, "seed": SEED}
+
 _DIGITS_DEFAULT_SIZES = (1000, 300)
 _SINGLE_SPLIT_TEST_FRACTION = 0.2
 _ALIASES = {
@@ -69,11 +72,6 @@ _ALIASES = {
     "cifar10": "cifar10",
     "cifar-10": "cifar10",
 }
-#: The rule of a subset size (``n_train``, ``n_test``): a positive integer, or ``None`` for the default.
-_SIZE = optional((
-    Rule("be an int or None", is_int, type_error=True, show=lambda v: type(v).__name__),
-    Rule("be >= 1 (or None)", lambda v: v >= 1, int, show=str),
-))
 
 
 @dataclass
@@ -274,9 +272,8 @@ def load_dataset(
         ``TypeError`` for a value of the wrong type and a ``FileNotFoundError`` for a missing file or folder
         (:func:`resolve_source`).
     """
-    n_train = _SIZE(n_train, "n_train")
-    n_test = _SIZE(n_test, "n_test")
-    check_value(SEED, seed, "seed")
+    sizes = check_values(DATA_RULES, {"n_train": n_train, "n_test": n_test, "seed": seed})
+    n_train, n_test = sizes["n_train"], sizes["n_test"]
     key, location = resolve_source(name_or_path, root, download)
     source = _read_source(key, location, download)
     name = key if key is not None else location.stem

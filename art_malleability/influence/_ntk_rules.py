@@ -19,12 +19,11 @@ from art_malleability._utils.params import (
     RuleTable,
     is_int,
     is_number,
-    one_of,
     optional,
 )
 from art_malleability.influence.base import InfluenceEstimator
 from art_malleability.influence.ridge_choice import RIDGE
-from art_malleability.ntk.empirical import NTK_METHODS
+from art_malleability.ntk.empirical import METHOD
 
 #: Seconds of estimated work: a non-negative finite number (``0``: never the exact mode under ``"auto"``).
 NON_NEGATIVE_SECONDS = Rule("be a non-negative number of seconds",
@@ -34,7 +33,7 @@ NON_NEGATIVE_SECONDS = Rule("be a non-negative number of seconds",
 NTK_RULES: RuleTable = {
     **InfluenceEstimator._parameter_rules,
     "ridge": RIDGE,
-    "method": one_of(NTK_METHODS),
+    "method": METHOD,
     "projection_dim": NTK_MODE,
     "projection_seed": Rule("be an integer", is_int),
     "max_exact_n": optional(NON_NEGATIVE_INT),

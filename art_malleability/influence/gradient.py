@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from art_malleability._utils.params import RuleTable, one_of
+from art_malleability._utils.params import RuleTable
 from art_malleability.influence._tracin import (  # noqa: F401 - the checkpoint helpers' public path
     TracInInfluence,
     check_checkpoints,
@@ -32,7 +32,7 @@ from art_malleability.influence._tracin import (  # noqa: F401 - the checkpoint 
     validate_checkpoints,
 )
 from art_malleability.influence.base import per_example_loss
-from art_malleability.ntk.empirical import NTK_METHODS, JacobianGram
+from art_malleability.ntk.empirical import METHOD, JacobianGram
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class GradientInfluence(TracInInfluence):
     """
 
     name = "gradient"
-    _parameter_rules: RuleTable = {**TracInInfluence._parameter_rules, "method": one_of(NTK_METHODS)}
+    _parameter_rules: RuleTable = {**TracInInfluence._parameter_rules, "method": METHOD}
 
     def __init__(
         self,

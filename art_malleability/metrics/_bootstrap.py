@@ -12,6 +12,8 @@ import numpy as np
 from scipy.stats import norm
 from scipy.stats import t as student_t
 
+from art_malleability._utils.params import CONFIDENCE, POSITIVE_INT
+
 
 def resample_rows(n_query: int, n_bootstrap: int = 1000, seed: int = 0) -> np.ndarray:
     """
@@ -20,13 +22,14 @@ def resample_rows(n_query: int, n_bootstrap: int = 1000, seed: int = 0) -> np.nd
     differences between statistics (an attack's flip rate minus its control's) are paired.
 
     :param n_query: Number of queries.
-    :param n_bootstrap: Number of resamples (>= 1).
+    :param n_bootstrap: Number of resamples: a positive integer (a Python or numpy int; ``3.0`` is refused, as the
+        audit's ``n_bootstrap`` is).
     :param seed: Seed of the generator.
     :return: Integer array.
+    :raises InvalidParameterError: For any other ``n_bootstrap`` (the rule ``POSITIVE_INT``, a ``ValueError``).
     """
-    if isinstance(n_bootstrap, bool) or int(n_bootstrap) != n_bootstrap or n_bootstrap < 1:
-        raise ValueError(f"n_bootstrap must be a positive integer, got {n_bootstrap!r}")
-    return np.random.default_rng(seed).integers(0, n_query, (int(n_bootstrap), n_query))
+    n_bootstrap = POSITIVE_INT(n_bootstrap, "n_bootstrap")
+    return np.random.default_rng(seed).integers(0, n_query, (n_bootstrap, n_query))
 
 
 def percentile_interval(draws: np.ndarray, confidence: float = 0.95) -> tuple[float, float]:
@@ -164,11 +167,9 @@ def check_confidence(confidence: float) -> float:
     """
     :param confidence: Coverage of an interval.
     :return: ``confidence`` unchanged.
-    :raises ValueError: Unless it lies in (0, 1).
+    :raises InvalidParameterError: Unless it is a number in (0, 1) (the rule ``CONFIDENCE``, a ``ValueError``).
     """
-    if not 0.0 < confidence < 1.0:
-        raise ValueError(f"confidence must lie in (0, 1), got {confidence!r}")
-    return confidence
+    return CONFIDENCE(confidence, "confidence")
 
 
 def z_value(confidence: float) -> float:

@@ -30,11 +30,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from art_malleability._utils.params import RANK_BY
 from art_malleability.metrics._bootstrap import resample_rows
 from art_malleability.metrics._flip_posterior import GRID_SIZE, PROFILE_SHARES, PairedSums
 from art_malleability.metrics._results import ResamplingIdentity
 from art_malleability.metrics._retention import RetentionBasis
-from art_malleability.metrics._scores import RANK_BY, top_indices, top_k_count
+from art_malleability.metrics._scores import top_indices, top_k_count
 from art_malleability.metrics._spearman import SampledPairs
 
 #: Elements of the temporaries of one step over resampled aggregates (``(b, n_train)`` at a time).
@@ -271,13 +272,13 @@ class CleanScores:
         temporary file (``None``: always in memory).
     :param folder: Where that temporary file's folder is created (``None``: the system's temporary folder).
     :param given: The whole clean matrix, when the caller holds it (then nothing is copied).
+    :raises InvalidParameterError: For another ``rank_by`` (the rule ``RANK_BY``, a ``ValueError``).
     """
 
     def __init__(self, resampling: QueryResampling, n_train: int, top_fraction: float = 0.1, rank_by: str = "abs",
                  memory_bytes: float | None = None, folder: str | Path | None = None,
                  given: np.ndarray | None = None) -> None:
-        if rank_by not in RANK_BY:
-            raise ValueError(f"rank_by must be one of {RANK_BY}, got {rank_by!r}")
+        RANK_BY(rank_by, "rank_by")
         self.resampling, self.n_train, self.rank_by = resampling, int(n_train), rank_by
         self.k = top_k_count(n_train, top_fraction)
         device, n_query = resampling.device, resampling.n_query

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from art_malleability._utils.checks import check_input_shape
+from art_malleability._utils.params import one_of
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +24,9 @@ _NORM_EPS = 1e-12
 _CONTEXT_CHUNK = 4096
 #: The contexts of :class:`LinearizedAttention`: the training set's centred covariance, or its Gram matrix.
 CONTEXTS = ("centred", "gram")
+#: The rule of an attention context (the attention's ``context``, and the ``attention_context`` of the studies that
+#: build attention models): one of :data:`CONTEXTS`.
+CONTEXT = one_of(CONTEXTS)
 
 
 def _flatten_normalise(x: torch.Tensor) -> torch.Tensor:
@@ -70,8 +74,7 @@ class LinearizedAttention(nn.Module):
                         :math:`C`, applied to centred rows).
         """
         super().__init__()
-        if context not in CONTEXTS:
-            raise ValueError(f"context must be one of {CONTEXTS}, got {context!r}")
+        CONTEXT(context, "context")
         self.centred = context == "centred"
         if dim is not None:
             dim = math.prod(check_input_shape(dim, "dim"))

@@ -30,6 +30,7 @@ from torch.func import functional_call
 
 from art_malleability._utils.checks import check_loss, check_positive_int, labels_to_indices
 from art_malleability._utils.io import json_ready, progress_bar
+from art_malleability._utils.params import SEED, check_value
 from art_malleability._utils.torch_utils import (
     check_dtype,
     model_device_dtype,
@@ -301,9 +302,8 @@ def _filter_normalised_direction(params: list[torch.Tensor], generator: torch.Ge
 
 
 def _check_seed(seed: object) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
-    return int(seed)
+    """:return: ``seed`` as an int, once the package's rule of a seed (``SEED``) holds."""
+    return int(check_value(SEED, seed, "seed"))
 
 
 def _check_data(

@@ -41,9 +41,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from art_malleability._utils.checks import check_input_shape
-from art_malleability.models._attention import _NORM_EPS, CONTEXTS, LinearizedAttention, _flatten_normalise
+from art_malleability.models._attention import (
+    _NORM_EPS,
+    CONTEXT,
+    CONTEXTS,
+    LinearizedAttention,
+    _flatten_normalise,
+)
 
 __all__ = [
+    "CONTEXT",
     "CONTEXTS",
     "Transductive",
     "is_transductive",

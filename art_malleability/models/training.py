@@ -33,10 +33,15 @@ from torch import nn
 
 from art_malleability._utils.checks import check_input_shape, check_loss, labels_to_indices
 from art_malleability._utils.io import progress_bar
+from art_malleability._utils.params import NON_NEGATIVE, POSITIVE, POSITIVE_INT, RuleTable, check_values
 from art_malleability._utils.torch_utils import resolve_device
 from art_malleability.models.reference import is_transductive
 
 logger = logging.getLogger(__name__)
+
+#: The rules of :func:`train_model`'s training settings (the package's shared rules).
+TRAINING_RULES: RuleTable = {"epochs": POSITIVE_INT, "batch_size": POSITIVE_INT, "lr": POSITIVE,
+                             "weight_decay": NON_NEGATIVE}
 
 
 def train_model(
@@ -77,6 +82,8 @@ def train_model(
                    device.
     :param verbose: Show a progress bar over epochs.
     :return: The trained model, in eval mode, on the training device.
+    :raises InvalidParameterError: Naming the first of ``epochs``, ``batch_size``, ``lr`` and ``weight_decay`` that
+        its rule (:data:`TRAINING_RULES`) refuses (a ``ValueError``).
     """
     loss_name, y_idx = _check_training(model, x, y, loss, epochs, batch_size, lr, weight_decay)
     torch_device = resolve_device(device)
@@ -126,13 +133,7 @@ def _check_training(
     y_idx = labels_to_indices(y, "y")
     if y_idx.shape[0] != x.shape[0]:
         raise ValueError(f"y must have the same number of examples as x ({x.shape[0]}), got {y_idx.shape[0]}")
-    for arg_name, value, minimum in (("epochs", epochs, 1), ("batch_size", batch_size, 1)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-            raise ValueError(f"{arg_name} must be an int >= {minimum}, got {value!r}")
-    if not lr > 0:
-        raise ValueError(f"lr must be > 0, got {lr!r}")
-    if not weight_decay >= 0:
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
+    check_values(TRAINING_RULES, {"epochs": epochs, "batch_size": batch_size, "lr": lr, "weight_decay": weight_decay})
     return loss_name, y_idx
 
 

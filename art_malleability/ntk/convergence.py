@@ -55,10 +55,25 @@ from torch import nn
 
 from art_malleability._utils.checks import labels_to_indices
 from art_malleability._utils.io import json_ready, progress_bar
+from art_malleability._utils.params import (
+    CONFIDENCE,
+    DEVICE,
+    DISTINCT,
+    NON_NEGATIVE,
+    POSITIVE,
+    POSITIVE_INT,
+    POSITIVE_INTS,
+    Rule,
+    RuleTable,
+    check_values,
+    each_one_of,
+    is_number,
+    one_of,
+)
 from art_malleability._utils.torch_utils import no_tf32, resolve_device
 from art_malleability.linalg.ridge import kernel_ridge_predict
-from art_malleability.metrics import check_confidence, percentile_interval
-from art_malleability.models.reference import CONTEXTS, REFERENCE_MODELS, build_reference_model, is_transductive
+from art_malleability.metrics import percentile_interval
+from art_malleability.models.reference import CONTEXT, build_reference_model, is_transductive
 from art_malleability.ntk.analytic import analytic_ntk
 from art_malleability.ntk.convergence_report import LEVELS as LEVELS  # public path
 from art_malleability.ntk.convergence_report import PRIMARY as PRIMARY  # public path
@@ -87,6 +102,45 @@ DESCRIPTIVE_METRICS = ("lambda_min_ratio", "cond_empirical", "test_accuracy")
 CONVERGENCE_EXPONENT = -0.1
 
 ModelFactory = Callable[[int, int], nn.Module]
+
+#: Models whose infinite-width NTK the checker knows (MLP-Attn-QKV's trained attention has none).
+NTK_MODELS = ("2l-relu", "mlp-attn")
+_ntk_names = each_one_of(NTK_MODELS)
+#: The models: reference models the checker builds by name, each of :data:`NTK_MODELS` (or a mapping of names to
+#: factories).
+NTK_MODEL_NAMES = Rule(
+    f"name models of {NTK_MODELS} (MLP-Attn-QKV's trained attention has no infinite-width kernel here)",
+    lambda vs: isinstance(vs, Mapping) or _ntk_names.test(vs), show=_ntk_names.show,
+)
+#: The widths: the width exponent is fitted over them.
+TWO_WIDTHS = Rule("hold at least two distinct widths (the width exponent is fitted over them)",
+                  lambda vs: len(set(vs)) >= 2)
+#: The seeds: the intervals are over them.
+TWO_SEEDS = Rule("hold at least two distinct seeds (the intervals are over them)", lambda vs: len(set(vs)) >= 2)
+#: The gradient-descent step as a multiple of ``1 / λ_max``: the linearised dynamics are stable below 2.
+GD_LR_SCALE = Rule("lie in (0, 2), where the linearised gradient descent is stable",
+                   lambda v: is_number(v) and 0 < v < 2, float)
+
+#: Every setting of :class:`NTKConvergenceChecker` and its rule, in the manner of scikit-learn's
+#: ``_parameter_constraints``: the constructor and the command line's ``ntk-check`` check through it.
+CHECKER_RULES: RuleTable = {
+    "models": (NTK_MODEL_NAMES, DISTINCT),
+    "attention_context": CONTEXT,
+    "widths": (POSITIVE_INTS, TWO_WIDTHS, DISTINCT),
+    "seeds": (TWO_SEEDS, DISTINCT),
+    "protocols": each_one_of(PROTOCOLS),
+    "ridge": POSITIVE,
+    "gd_steps": POSITIVE_INT,
+    "gd_lr_scale": GD_LR_SCALE,
+    "adam_epochs": POSITIVE_INT,
+    "adam_lr": POSITIVE,
+    "adam_weight_decay": NON_NEGATIVE,
+    "adam_batch_size": POSITIVE_INT,
+    "n_bootstrap": POSITIVE_INT,
+    "confidence": CONFIDENCE,
+    "device": DEVICE,
+    "dtype": one_of((torch.float32, torch.float64), "be torch.float32 or torch.float64"),
+}
 
 
 class NTKConvergenceChecker:
@@ -140,8 +194,8 @@ class NTKConvergenceChecker:
     ) -> None:
         self.models = models
         self.attention_context = attention_context
-        self.widths = [int(w) for w in widths]
-        self.seeds = [int(s) for s in seeds]
+        self.widths = list(widths)
+        self.seeds = list(seeds)
         self.protocols = tuple(protocols)
         self.ridge = ridge
         self.gd_steps = gd_steps
@@ -159,32 +213,9 @@ class NTKConvergenceChecker:
         self._check_params()
 
     def _check_params(self) -> None:
-        if len(self.widths) < 2 or min(self.widths) < 1 or len(set(self.widths)) != len(self.widths):
-            raise ValueError(f"widths must hold at least two distinct positive integers, got {self.widths}")
-        if len(self.seeds) < 2 or len(set(self.seeds)) != len(self.seeds):
-            raise ValueError(f"seeds must hold at least two distinct integers (for intervals), got {self.seeds}")
-        for p in self.protocols:
-            if p not in PROTOCOLS:
-                raise ValueError(f"protocols must be drawn from {PROTOCOLS}, got {p!r}")
-        if not float(self.ridge) > 0:
-            raise ValueError(f"ridge must be > 0, got {self.ridge!r}")
-        if not 0 < float(self.gd_lr_scale) < 2:
-            raise ValueError(f"gd_lr_scale must lie in (0, 2) for stable linearised dynamics, got {self.gd_lr_scale!r}")
-        for name in ("gd_steps", "adam_epochs", "adam_batch_size", "n_bootstrap"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        check_confidence(self.confidence)
-        if self.dtype not in (torch.float32, torch.float64):
-            raise ValueError(f"dtype must be torch.float32 or torch.float64, got {self.dtype!r}")
-        if self.attention_context not in CONTEXTS:
-            raise ValueError(f"attention_context must be one of {CONTEXTS}, got {self.attention_context!r}")
-        if not isinstance(self.models, Mapping):
-            for name in self.models:
-                if name not in REFERENCE_MODELS:
-                    raise ValueError(f"models must name reference models {REFERENCE_MODELS} or map names to "
-                                     f"factories, got {name!r}")
-        resolve_device(self.device)
+        """Every setting through its rule (:data:`CHECKER_RULES`); the widths and seeds become lists of ints."""
+        checked = check_values(CHECKER_RULES, {name: getattr(self, name) for name in CHECKER_RULES})
+        self.widths, self.seeds = [int(w) for w in checked["widths"]], [int(s) for s in checked["seeds"]]
 
     def get_params(self) -> dict[str, Any]:
         """:return: The checker's settings, JSON-ready."""

@@ -111,6 +111,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from art_malleability._utils.params import one_of
 from art_malleability._utils.torch_utils import eval_mode, no_tf32, to_tensor, trainable_parameters
 from art_malleability.ntk._autograd import (
     InputChanged,
@@ -148,6 +149,7 @@ from art_malleability.ntk.projection import ProjectedNTK
 
 __all__ = [
     "DEFAULT_CHUNK_MB",
+    "METHOD",
     "NTK_METHODS",
     "JacobianGram",
     "OutputFn",
@@ -161,15 +163,15 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 NTK_METHODS = ("auto", "structured", "batched", "jacobian")
+#: The rule of a kernel engine's ``method`` (the gradient and NTK influences' too): one of :data:`NTK_METHODS`.
+METHOD = one_of(NTK_METHODS)
 
 # What ``"auto"`` prefers on each device type (see the module docstring); device types not listed run "structured".
 AUTO_METHODS = {"cpu": "structured", "cuda": "batched"}
 
 
 def _check_method(method: str) -> str:
-    if method not in NTK_METHODS:
-        raise ValueError(f"method must be one of {NTK_METHODS}, got {method!r}")
-    return method
+    return METHOD(method, "method")
 
 
 def resolve_method(method: str, device: torch.device) -> str:

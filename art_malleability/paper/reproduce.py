@@ -49,10 +49,26 @@ import torch
 from art_malleability._utils.checks import one_hot
 from art_malleability._utils.io import figure_png, json_ready
 from art_malleability._utils.output_folder import OutputFolder, staged_output
+from art_malleability._utils.params import (
+    DEVICE,
+    DISTINCT,
+    N_QUERIES,
+    NON_NEGATIVE,
+    POSITIVE,
+    POSITIVE_INT,
+    POSITIVE_INTS,
+    SIZE,
+    TOP_FRACTION,
+    Rule,
+    RuleTable,
+    check_values,
+    each_one_of,
+    is_int,
+)
 from art_malleability._utils.report_base import SavedReport, markdown_table
 from art_malleability._utils.state import preserved_rng
 from art_malleability.data.datasets import Dataset, load_dataset, subsample
-from art_malleability.models.reference import CONTEXTS, REFERENCE_MODELS, is_transductive
+from art_malleability.models.reference import CONTEXT, REFERENCE_MODELS, is_transductive
 from art_malleability.models.training import make_classifier
 from art_malleability.paper.common import (
     ATTACKS,
@@ -86,6 +102,47 @@ TABLES = ("table1", "table2", "table3", "table4", "ablation", "landscape", "spec
 STUDIES = ("open_choices",)
 
 TABLE1_FOLDER = "table1_ntk"
+
+#: The models of Tables 1-2: at least one (the message shows none) ...
+ONE_MODEL = Rule(f"name at least one of the reference models {REFERENCE_MODELS}", lambda vs: len(vs) >= 1,
+                 show=lambda vs: "none")
+#: ... each a reference model (the message shows the first that is not).
+REFERENCE_NAMES = each_one_of(REFERENCE_MODELS, f"name reference models {REFERENCE_MODELS}")
+#: The seeds: at least one.
+ONE_SEED = Rule("hold at least one seed", lambda vs: len(vs) >= 1)
+#: The retrained models of the LDS: none, or enough to correlate over.
+LDS_MODELS = Rule("be 0 (no LDS) or at least 2 (the LDS correlates over the retrained models)",
+                  lambda v: is_int(v) and (v == 0 or v >= 2), int)
+
+#: Every setting of :class:`ReproductionConfig` with a rule, in the manner of scikit-learn's
+#: ``_parameter_constraints``: the config and the command line's ``reproduce`` check through it.
+REPRODUCTION_RULES: RuleTable = {
+    "n_train": SIZE,
+    "n_test": SIZE,
+    "models": (ONE_MODEL, REFERENCE_NAMES, DISTINCT),
+    "width": POSITIVE_INT,
+    "attention_context": CONTEXT,
+    "seeds": (ONE_SEED, DISTINCT),
+    "epochs": POSITIVE_INT,
+    "lr": POSITIVE,
+    "weight_decay": NON_NEGATIVE,
+    "batch_size": POSITIVE_INT,
+    "adv_epochs": POSITIVE_INT,
+    "adv_max_iter": POSITIVE_INT,
+    "eps": POSITIVE,
+    "attack_max_iter": POSITIVE_INT,
+    "n_queries": N_QUERIES,
+    "n_bootstrap": POSITIVE_INT,
+    "lds_models": LDS_MODELS,
+    "top_fraction": TOP_FRACTION,
+    "widths": (POSITIVE_INTS, DISTINCT),
+    "ntk_n_train": POSITIVE_INT,
+    "ntk_n_test": POSITIVE_INT,
+    "ntk_adam_epochs": POSITIVE_INT,
+    "ntk_gd_steps": POSITIVE_INT,
+    "tables": each_one_of(TABLES + STUDIES),
+    "device": DEVICE,
+}
 
 
 @dataclass
@@ -161,18 +218,7 @@ class ReproductionConfig:
     verbose: bool = True
 
     def __post_init__(self) -> None:
-        for t in self.tables:
-            if t not in TABLES + STUDIES:
-                raise ValueError(f"tables must be drawn from {TABLES + STUDIES}, got {t!r}")
-        if len(self.seeds) < 1:
-            raise ValueError(f"seeds must hold at least one seed, got {self.seeds!r}")
-        if not self.models:
-            raise ValueError(f"models must name at least one of the reference models {REFERENCE_MODELS}, got none")
-        for m in self.models:
-            if m not in REFERENCE_MODELS:
-                raise ValueError(f"models must name reference models {REFERENCE_MODELS}, got {m!r}")
-        if self.attention_context not in CONTEXTS:
-            raise ValueError(f"attention_context must be one of {CONTEXTS}, got {self.attention_context!r}")
+        check_values(REPRODUCTION_RULES, {name: getattr(self, name) for name in REPRODUCTION_RULES})
         for w in (16, 1024, 4096):
             if "table1" in self.tables and w not in self.widths:
                 logger.info("Table 1 reports widths 16/1024/4096; width %d is not in the sweep", w)

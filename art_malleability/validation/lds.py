@@ -13,10 +13,13 @@ import numpy as np
 from scipy.stats import binomtest, rankdata
 from torch import nn
 
+from art_malleability._utils.params import one_of
 from art_malleability.metrics import percentile_interval
 
 #: Measured outcome of the retrained models: the query's loss or its margin.
 OUTCOMES = ("loss", "margin")
+#: The rule of ``outcome`` (:func:`linear_datamodeling_score` and :func:`~art_malleability.validation.validate`).
+OUTCOME = one_of(OUTCOMES)
 
 #: ``train_fn(x_subset, y_subset, seed) -> trained model``; see :func:`validate`.
 TrainFn = Callable[[np.ndarray, np.ndarray, int], nn.Module]
@@ -90,8 +93,7 @@ def linear_datamodeling_score(
     scores = np.asarray(scores, dtype=np.float64)
     masks = np.asarray(masks)
     outcomes = np.asarray(outcomes, dtype=np.float64)
-    if outcome not in OUTCOMES:
-        raise ValueError(f"outcome must be one of {OUTCOMES}, got {outcome!r}")
+    OUTCOME(outcome, "outcome")
     if scores.ndim != 2:
         raise ValueError(f"scores must have shape (n_query, n_train), got {scores.shape}")
     if masks.ndim != 2 or masks.dtype != bool or masks.shape[1] != scores.shape[1]:

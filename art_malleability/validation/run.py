@@ -11,19 +11,45 @@ import numpy as np
 import torch
 from torch import nn
 
-from art_malleability._utils.checks import check_loss, near_chance_warnings
+from art_malleability._utils.checks import near_chance_warnings
 from art_malleability._utils.io import progress_bar
-from art_malleability._utils.params import ALPHA, N_MODELS, is_int
+from art_malleability._utils.params import (
+    ALPHA,
+    CONFIDENCE,
+    LOSS,
+    N_MODELS,
+    NON_NEGATIVE_INT,
+    POSITIVE_INT,
+    SEED,
+    RuleTable,
+    check_values,
+    is_int,
+)
 from art_malleability._utils.provenance import library_versions, weights_digest
 from art_malleability._utils.state import preserved_rng
 from art_malleability._utils.torch_utils import eval_mode, model_device_dtype
 from art_malleability.influence import InfluenceEstimator, get_influence, per_example_loss
 from art_malleability.influence.base import check_data
 from art_malleability.influence.ridge_choice import DEFAULT_RIDGE
-from art_malleability.validation.lds import OUTCOMES, TrainFn, linear_datamodeling_score, sign_agreement, subset_sums
+from art_malleability.validation.lds import OUTCOME, TrainFn, linear_datamodeling_score, sign_agreement, subset_sums
 from art_malleability.validation.report import EstimatorFidelity, ValidationReport
 
 logger = logging.getLogger(__name__)
+
+#: The rules of :func:`validate`'s settings, checked before any training; the command line's ``validate`` checks its
+#: options through the same rules (:data:`~art_malleability.cli.options.VALIDATE_OPTIONS`).
+VALIDATE_RULES: RuleTable = {
+    "n_models": N_MODELS,
+    "alpha": ALPHA,
+    "outcome": OUTCOME,
+    "loo_queries": NON_NEGATIVE_INT,
+    "loo_top": POSITIVE_INT,
+    "loo_seeds": POSITIVE_INT,
+    "seed": SEED,
+    "loss": LOSS,
+    "n_bootstrap": POSITIVE_INT,
+    "confidence": CONFIDENCE,
+}
 
 
 def validate(
@@ -92,11 +118,16 @@ def validate(
     :param dataset: Name of the data set in the report.
     :param verbose: Show progress bars.
     :return: The :class:`ValidationReport`.
-    :raises ValueError: On bad settings, a subset missing a class, or an untrained model.
+    :raises InvalidParameterError: Naming the first setting its rule (:data:`VALIDATE_RULES`) refuses, before any
+        training (a ``ValueError``).
+    :raises ValueError: On a subset missing a class, or an untrained model.
     :raises TypeError: When ``train_fn`` returns something that is not an ``nn.Module``.
     :raises RuntimeError: When ``train_fn`` fails (the cause is chained).
     """
-    _check_settings(train_fn, n_models, alpha, outcome, loo_queries, loo_top, loo_seeds, seed, loss)
+    _check_settings(train_fn, {
+        "n_models": n_models, "alpha": alpha, "outcome": outcome, "loo_queries": loo_queries, "loo_top": loo_top,
+        "loo_seeds": loo_seeds, "seed": seed, "loss": loss, "n_bootstrap": n_bootstrap, "confidence": confidence,
+    })
     x, y, x_query, y_query = _check_arrays(x, y, x_query, y_query)
     named = [_named_estimator(e, projection_dim, seed, device) for e in estimators]
     if not named:
@@ -107,24 +138,20 @@ def validate(
         )
 
 
-def _check_settings(
-    train_fn: object, n_models: object, alpha: object, outcome: str, loo_queries: object, loo_top: object,
-    loo_seeds: object, seed: object, loss: str,
-) -> None:
+def _check_settings(train_fn: object, settings: dict[str, Any]) -> None:
+    """
+    Check ``train_fn`` and the ``settings`` against :data:`VALIDATE_RULES`.
+
+    :param train_fn: The training function.
+    :param settings: :func:`validate`'s settings by name.
+    :raises TypeError: When ``train_fn`` is not callable.
+    :raises InvalidParameterError: Naming the first setting refused (a ``ValueError``).
+    """
     if not callable(train_fn):
         raise TypeError(
             f"train_fn must be callable as train_fn(x_subset, y_subset, seed), got {type(train_fn).__name__}"
         )
-    N_MODELS(n_models, "n_models")
-    ALPHA(alpha, "alpha")
-    if outcome not in OUTCOMES:
-        raise ValueError(f"outcome must be one of {OUTCOMES}, got {outcome!r}")
-    for name, value, minimum in (("loo_queries", loo_queries, 0), ("loo_top", loo_top, 1), ("loo_seeds", loo_seeds, 1)):
-        if not is_int(value) or value < minimum:
-            raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    if not is_int(seed):
-        raise ValueError(f"seed must be an integer, got {seed!r}")
-    check_loss(loss)
+    check_values(VALIDATE_RULES, settings)
 
 
 def _check_arrays(
