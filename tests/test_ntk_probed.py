@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from art_malleability.ntk import _autograd, _memory, empirical
+from art_malleability.ntk import _autograd, _memory, _passes
 from art_malleability.ntk._probed import ProbedLayer, conv_contract, explicit_gradients, prefers_structured
 from art_malleability.ntk.empirical import JacobianGram, empirical_ntk
 
@@ -105,7 +105,7 @@ def test_convolutions_match_jacobian(classes: int) -> None:
 @pytest.mark.parametrize("classes", [1, 3])
 def test_both_convolution_forms_match_jacobian(structured: bool, classes: int, monkeypatch: pytest.MonkeyPatch) -> None:
     # whatever the rule decides, each form is exact for every convolution it may be given
-    monkeypatch.setattr(empirical, "prefers_structured", lambda *args: structured)
+    monkeypatch.setattr(_passes, "prefers_structured", lambda *args: structured)
     torch.manual_seed(1)
     engine = _assert_matches_jacobian(ConvZoo(classes).double().eval(), (2, 8, 8))
     assert [p.structured for p in engine._probed] == [structured, structured, False, structured]  # c: bias only

@@ -1,6 +1,22 @@
 """
-Rank-one class factorisation of a layer's output gradients, ``δ_c(x)_j = g_j(x) u_{jc}``, checked
-for every example (see the module docstring of :mod:`art_malleability.ntk.empirical`).
+Rank-one class factorisation of a layer's output gradients, ``δ_c(x)_j = g_j(x) u_{jc}``, checked for every example.
+
+For ``trace=True``, ``C > 1`` and ``"structured"``, the output gradients of
+a layer are checked column by column for the structure ``δ_c(x)_j = g_j(x) u_{jc}``, a
+per-example scalar times a fixed per-column class direction ``u_j`` (unit norm). This holds
+exactly whenever the layer output reaches the logits through an elementwise map followed by a
+linear readout, e.g. the last hidden layer of an MLP, the first layer of the NTK-parametrised
+reference models, or an output layer. Then ``Σ_c Δ1_c Δ2_cᵀ = G1 G2ᵀ`` (``G`` the ``n × m``
+matrix of ``g``): ``C`` times less storage and ``C`` times fewer flops in the contraction. The
+direction ``u_j`` is the normalised largest gradient of column ``j`` in the first sub-batch
+where that column is non-zero; it is shared by all examples of one kernel computation
+(examples seen earlier had a zero gradient there, so the choice is consistent). Every example
+is verified: with ``g = δ·u`` the residual ``‖δ‖² − g²`` (the squared norm of
+the part of ``δ`` orthogonal to ``u``) must be at most ``τ ‖δ‖²`` with ``τ = 8 (C + 2) ε``
+(``ε`` the dtype's machine epsilon). The neglected term ``e1·e2`` is then bounded by
+``τ ‖δ1‖ ‖δ2‖`` per column, the size of the rounding error of the direct contraction, so the
+result stays exact to float precision. A layer that fails the check anywhere is switched to
+the full ``(C × m)`` representation for good (for this engine) and the kernel is recomputed.
 """
 
 from __future__ import annotations

@@ -59,22 +59,11 @@ the widths and a memory budget ``chunk_mb``:
 - **Sub-batches.** Forward and backward passes run on sub-batches of at most ``batch_size``
   examples and at most ``chunk_mb`` MiB of raw output gradients (``rows × C × Σ widths``); the
   autograd graph of the pass (a few ``rows × width`` tensors) comes on top.
-- **Class factorisation (rank one).** For ``trace=True``, ``C > 1`` and ``"structured"``, the output gradients of
-  a layer are checked column by column for the structure ``δ_c(x)_j = g_j(x) u_{jc}``, a
-  per-example scalar times a fixed per-column class direction ``u_j`` (unit norm). This holds
-  exactly whenever the layer output reaches the logits through an elementwise map followed by a
-  linear readout, e.g. the last hidden layer of an MLP, the first layer of the NTK-parametrised
-  reference models, or an output layer. Then ``Σ_c Δ1_c Δ2_cᵀ = G1 G2ᵀ`` (``G`` the ``n × m``
-  matrix of ``g``): ``C`` times less storage and ``C`` times fewer flops in the contraction. The
-  direction ``u_j`` is the normalised largest gradient of column ``j`` in the first sub-batch
-  where that column is non-zero; it is shared by all examples of one kernel computation
-  (examples seen earlier had a zero gradient there, so the choice is consistent). Every example
-  is verified: with ``g = δ·u`` the residual ``‖δ‖² − g²`` (the squared norm of
-  the part of ``δ`` orthogonal to ``u``) must be at most ``τ ‖δ‖²`` with ``τ = 8 (C + 2) ε``
-  (``ε`` the dtype's machine epsilon). The neglected term ``e1·e2`` is then bounded by
-  ``τ ‖δ1‖ ‖δ2‖`` per column, the size of the rounding error of the direct contraction, so the
-  result stays exact to float precision. A layer that fails the check anywhere is switched to
-  the full ``(C × m)`` representation for good (for this engine) and the kernel is recomputed.
+- **Class factorisation (rank one).** For ``trace=True``, ``C > 1`` and ``"structured"``, a layer whose output
+  gradients factor over the classes, ``δ_c(x)_j = g_j(x) u_{jc}`` (e.g. the last hidden layer of an MLP), is stored
+  and contracted as ``G1 G2ᵀ``: ``C`` times less storage and fewer flops. Every example is checked to float
+  precision; a layer that fails the check anywhere takes the full ``(C × m)`` form for good and the kernel is
+  recomputed.
 - **Blocks.** The kernel is assembled from blocks of at most ``batch_size`` examples whose
   stored factors fit in ``chunk_mb`` MiB; the factors of ``x2`` are computed once and kept when
   they fit in ``2 × chunk_mb`` MiB with one block of ``x1``. Otherwise the blocks of ``x1`` are
@@ -112,40 +101,29 @@ import torch
 from torch import nn
 
 from art_malleability._utils.params import one_of
-from art_malleability._utils.torch_utils import eval_mode, no_tf32, to_tensor, trainable_parameters
+from art_malleability._utils.torch_utils import eval_mode, no_tf32, to_tensor
 from art_malleability.ntk._autograd import (
-    InputChanged,
     OutputFn,
     check_model,
-    class_gradients,
-    forward_capturing,
     per_example_jacobian,
     plain_layers,
-    probe_calls,
-    probed_jacobians,
 )
 from art_malleability.ntk._checks import check_batch_size, check_chunk_mb
 from art_malleability.ntk._memory import (
     DEFAULT_CHUNK_MB,
     Features,
-    OutputElements,
     budget_elements,
     device_chunk_mb,
     in_sub_batches,
     place_block,
     rows_per_pass,
 )
+from art_malleability.ntk._passes import FeaturePasses
 from art_malleability.ntk._probed import (
     ProbedLayer,
-    explicit_gradients,
-    prefers_structured,
-    probed_call,
-    probed_candidates,
-    structured_factors,
 )
 from art_malleability.ntk._rank_one import ClassDirections, RankChange
-from art_malleability.ntk._structured import LinearPlan, contract, linear_candidates, two_dimensional_call
-from art_malleability.ntk.projection import ProjectedNTK
+from art_malleability.ntk._structured import LinearPlan, contract
 
 __all__ = [
     "DEFAULT_CHUNK_MB",
@@ -184,7 +162,7 @@ def resolve_method(method: str, device: torch.device) -> str:
     return AUTO_METHODS.get(torch.device(device).type, "structured") if method == "auto" else method
 
 
-class JacobianGram:
+class JacobianGram(FeaturePasses):
     """
     Gram matrices of per-example Jacobians of ``g(x, y) = output_fn(model(x), y)`` with respect
     to the trainable parameters of ``model`` (the engine behind :func:`empirical_ntk` and the
@@ -255,58 +233,6 @@ class JacobianGram:
         if g.dim() > 2:
             return g.flatten(1)
         return g
-
-    def _plan(self, x_probe: torch.Tensor, y_probe: torch.Tensor | None) -> None:
-        """
-        Decide which layers take a factorised path (probe forward pass): ``nn.Linear`` layers called once on 2-D
-        inputs, and for the batched method convolutions and batch norms (:mod:`~art_malleability.ntk._probed`),
-        each convolution in the form :func:`~art_malleability.ntk._probed.prefers_structured` picks.
-        """
-        if self._layers is not None:
-            return
-        candidates = [] if self._path == "jacobian" else linear_candidates(self.model)
-        probed = probed_candidates(self.model) if self._path == "batched" else []
-        rows = x_probe.shape[0]
-
-        def check(k: int, module: nn.Module, inputs: tuple, output: torch.Tensor) -> bool:
-            if k < len(candidates):
-                return two_dimensional_call(k, module, inputs, output)
-            return probed_call(probed[k - len(candidates)], inputs, output, rows)
-
-        watched = [c.module for c in candidates] + [p.module for p in probed]
-        with OutputElements() as sizes:
-            out, calls = probe_calls(self.model, watched, x_probe, check)
-        self._forward_size = (-(-sizes.total // rows), -(-sizes.largest // rows))
-        with torch.no_grad():
-            self._n_outputs = int(self._apply_output_fn(out, y_probe).shape[1])
-        layers = [c for k, c in enumerate(candidates) if calls[k] == [True]]
-        self._probed = [p for k, p in enumerate(probed, start=len(candidates)) if calls[k] == [True]]
-        for p in self._probed:
-            p.structured = (
-                p.kind == "conv"
-                and p.weight
-                and prefers_structured(p.positions, p.patch, p.channels, self._n_outputs)
-            )
-        covered = set()
-        for module, weight, bias in [(c.module, c.weight, c.bias) for c in layers] + [
-            (p.module, p.weight, p.bias) for p in self._probed
-        ]:
-            if weight:
-                covered.add(id(module.weight))
-            if bias:
-                covered.add(id(module.bias))
-        self._fallback = [(n, p) for n, p in trainable_parameters(self.model) if id(p) not in covered]
-        self._layers = layers
-        self._rank_one = [True] * len(layers)
-        logger.debug(
-            "eNTK plan (%s): %d structured linear layer(s) %s, probed layer(s) %s, %d fallback parameter(s) %s",
-            self._path,
-            len(layers),
-            [c.name for c in layers],
-            [(p.name, "structured" if p.structured else "explicit") for p in self._probed],
-            len(self._fallback),
-            [n for n, _ in self._fallback],
-        )
 
     def factor_elements(self, x_probe: np.ndarray | torch.Tensor, compressed: bool = True) -> int:
         """
@@ -410,118 +336,6 @@ class JacobianGram:
         :return: The factors.
         """
         return in_sub_batches(self._sub_batch_features, x, y, self._sub_batch_rows())
-
-    def _sub_batch_features(self, x: torch.Tensor, y: torch.Tensor | None) -> Features:
-        """Factors of one sub-batch: one forward pass and ``C`` backward passes (one batched for ``"batched"``)."""
-        n = x.shape[0]
-        if self._path == "batched":
-            return self._batched_features(x, y)
-        acts: list[torch.Tensor | None] = []
-        grads: list[torch.Tensor] = []
-        if self._layers:
-            g, captured = forward_capturing(
-                [c.module for c in self._layers],
-                lambda: self._apply_output_fn(self.model(x), y),
-                clone_inputs=True,
-                hint="; use method='jacobian'",
-            )
-            outs = [c[1] for c in captured]
-            n_out = g.shape[1]
-            # raw output gradients, filled class by class: (n, C, out) per layer
-            grads = [
-                self._classes.raw_buffer(k, (n, n_out, o.shape[1]), o, temporary=self._compressed(k))
-                for k, o in enumerate(outs)
-            ]
-            for c, dc in class_gradients(g, outs):
-                for k, d in enumerate(dc):
-                    if d is None:
-                        grads[k][:, c].zero_()
-                    else:
-                        grads[k][:, c] = d
-                del dc
-            acts = [c[0] if plan.weight else None for c, plan in zip(captured, self._layers, strict=True)]
-            del g, outs, captured
-            for k in range(len(grads)):
-                if self._compressed(k):
-                    grads[k] = self._rank_one_factor(k, grads[k])
-
-        jac = None
-        if self._fallback:
-            jac = self._fallback_jacobian(x, y)
-        return Features(n=n, acts=acts, grads=grads, jac=jac)
-
-    def _batched_features(self, x: torch.Tensor, y: torch.Tensor | None) -> Features:
-        """
-        Factors of one sub-batch from one class-batched ``torch.func`` pass (:func:`probed_jacobians`): the linear
-        layers' inputs and output gradients as they come, each probed convolution's and batch norm's explicit
-        gradients (joined with the fallback's Jacobian in one matrix) or structured factors.
-        """
-        lin = len(self._layers)
-        try:
-            acts, grads, jac = self._probed_pass(x, y)
-        except InputChanged:
-            logger.debug("eNTK: the model changes a layer's input in place; keeping copies of the inputs")
-            self._clone_inputs = True
-            acts, grads, jac = self._probed_pass(x, y)
-        parts: list[torch.Tensor] = []
-        convs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for k, p in enumerate(self._probed, start=lin):
-            inp, grad = acts[k], grads[k]
-            acts[k] = grads[k] = None  # released as soon as used: they are the pass's largest tensors
-            if p.structured:
-                convs.append(structured_factors(p, inp, grad))
-            else:
-                parts.extend(explicit_gradients(p, inp, grad))
-            del inp, grad
-        if jac is not None:
-            parts.append(jac)
-        del jac
-        joined = None if not parts else parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
-        return Features(n=x.shape[0], acts=acts[:lin], grads=grads[:lin], jac=joined, convs=convs)
-
-    def _probed_pass(
-        self, x: torch.Tensor, y: torch.Tensor | None
-    ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None], torch.Tensor | None]:
-        """The class-batched pass of :meth:`_batched_features` over the linear and the probed layers."""
-        lin = len(self._layers)
-        return probed_jacobians(
-            self.model,
-            [c.module for c in self._layers] + [p.module for p in self._probed],
-            [c.weight for c in self._layers] + [p.keeps_input() for p in self._probed],
-            [(c.module.out_features,) for c in self._layers] + [p.out_shape for p in self._probed],
-            self._fallback,
-            x,
-            y,
-            self._apply_output_fn,
-            self._zeros,
-            contiguous=[True] * lin + [False] * len(self._probed),
-            clone_inputs=self._clone_inputs,
-        )
-
-    def _rank_one_factor(self, k: int, d: torch.Tensor) -> torch.Tensor:
-        """
-        Rank-one factor of the raw output gradients ``d`` of layer ``k``
-        (:meth:`ClassDirections.factor <art_malleability.ntk._rank_one.ClassDirections.factor>`).
-
-        :raises RankChange: If the check fails (the layer is then marked as not rank one).
-        """
-        g = self._classes.factor(k, d)
-        if g is None:
-            self._rank_one[k] = False
-            raise RankChange(self._layers[k].name)
-        return g
-
-    def _fallback_jacobian(self, x: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
-        if self.output_fn is None and self._trace and self._path == "structured":
-            # traced NTK: exact Jacobians of convolutions and of modules' own parameters from their
-            # factors (an unprojected ProjectedNTK), whole-model torch.func only for the rest
-            if self._exact_rest is None:
-                params = [p for _, p in self._fallback]
-                self._exact_rest = ProjectedNTK(
-                    self.model, 2**31 - 1, batch_size=self.batch_size, chunk_mb=self.chunk_mb, parameters=params
-                ).plan(x)
-            return self._exact_rest._features(x).unsqueeze(1)
-        return per_example_jacobian(self.model, self._fallback, x, y, self._apply_output_fn)
 
     # ------------------------------------------------------------------ contraction
     def contract(self, f1: Features, f2: Features, trace: bool = True) -> torch.Tensor:
