@@ -54,12 +54,17 @@ class ExactNTK:
         check_labels(y, "y_train")
         self.x_train, self.y_train = np.array(x, copy=True), y
         self._x_base = self.x_train
-        block, on_disk = s.choice.plan
-        if block is not None:  # tiles (over the group: each process its own), from the kept factors where they fit
-            engine = s.engine(model, len(x))
+        engine = s.engine(model, len(x))
+        with s.clock("features"):
+            # the training set's Jacobian factors, kept for the kernel (its tiles included), the queries and the
+            # refits where they fit half of what the solve's form leaves (decided with the mode); otherwise every
+            # block or tile computes them again
             if s.choice.kept_bytes:
-                with s.clock("features"):
-                    self.kept = KeptFactors(engine, x, query_bytes=s.choice.factor_cache)
+                self.kept = KeptFactors(engine, x, query_bytes=s.choice.factor_cache)
+            else:
+                logger.info("NTK influence: the training set's Jacobian factors do not fit the memory; not kept")
+        block, on_disk = s.choice.plan
+        if block is not None:  # tiles (over the group: each process its own)
 
             def tile(rows: np.ndarray, cols: np.ndarray) -> torch.Tensor:
                 with s.clock("features"):
@@ -73,24 +78,10 @@ class ExactNTK:
                 self.solver = solver.fit(tile, s.targets(y))
             return
         with s.clock("features"):
-            kernel = self._fit_kernel(model, x)
+            kernel = (self.kept.gram() if self.kept is not None else engine.gram(x)).to(torch.float64)
         with s.clock("solve"):
             self.solver = DualRidge(s.ridge_for(kernel, y)).fit(kernel, s.targets(y))
         logger.debug("NTK influence (exact): kernel %s, ridge %g", tuple(kernel.shape), s.ridge_value)
-
-    def _fit_kernel(self, model: nn.Module, x: np.ndarray) -> torch.Tensor:
-        """
-        The training kernel; the training set's Jacobian factors are kept for the queries and the refits when they
-        fit the memory left beside the two ``n × n`` matrices (decided with the mode; otherwise every later call
-        computes them again). In tiles the same rule holds beside the tiles, and the tiles come from the kept factors.
-        """
-        s = self.session
-        engine = s.engine(model, len(x))
-        if s.choice.kept_bytes:
-            self.kept = KeptFactors(engine, x, query_bytes=s.choice.factor_cache)
-            return self.kept.gram().to(torch.float64)
-        logger.info("NTK influence: the training set's Jacobian factors do not fit the memory; not kept")
-        return engine.gram(x).to(torch.float64)
 
     def _kernel(self, x1: np.ndarray, x2: np.ndarray) -> torch.Tensor:
         return self.session.engine(self.model, len(self._x_base)).gram(x1, x2).to(torch.float64)

@@ -67,11 +67,10 @@ class ProjectedNTKFit:
         # every process plans, checks its memory and computes its features before any collective
         projector, phi, y = s.shard.run_everywhere(self._features_of, model, source, probe, self.like, start, stop,
                                                    check_labels)
-        self.projector, self.y_train, self._bounds = projector, y, (start, stop)
+        self.projector, self.y_train = projector, y
         if n <= projector.dim:  # dual on ΦΦᵀ: stable when the regression nearly interpolates, and no larger
             phi = s.comm(s.shard.all_gather_rows, phi)
             self.y_train = s.comm(s.shard.all_gather_rows, torch.as_tensor(y)).numpy()
-            self._bounds = (0, n)
             self._phi_base, self._phi = phi, phi
             with s.clock("solve"):
                 gram = phi @ phi.T
@@ -112,7 +111,6 @@ class ProjectedNTKFit:
                 f"{dim}, which needs about {need / _GIB:.1f} GiB; lower projection_dim"
                 + (" or shard over more processes" if n > dim else "")
             )
-        self.projector = projector
         phi = torch.empty((stop - start, dim), dtype=torch.float64, device=s.device)
         y = np.empty(stop - start, dtype=np.int64)
         with s.clock("features"), progress_bar(total=stop - start, desc="NTK features", unit="ex",
