@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from art_malleability._utils.torch_utils import available_memory
+
 # Default memory budget (MiB) of one chunk of Jacobian factors, see :mod:`art_malleability.ntk.empirical`.
 DEFAULT_CHUNK_MB = 256.0
 
@@ -35,7 +37,7 @@ def device_chunk_mb(device: torch.device, chunk_mb: float) -> float:
     """
     if torch.device(device).type != "cuda":
         return chunk_mb
-    free, _ = torch.cuda.mem_get_info(device)
+    free = available_memory(torch.device(device))
     cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     return max(chunk_mb, DEVICE_CHUNK_SHARE * (free + max(cached, 0)) / 2**20)
 

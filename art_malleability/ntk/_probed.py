@@ -185,10 +185,13 @@ def _unfolded(layer: ProbedLayer, inp: torch.Tensor) -> torch.Tensor:
 
 def _normalised(layer: ProbedLayer, inp: torch.Tensor) -> torch.Tensor:
     """A batch norm's ``x̂`` from its running statistics, ``(n, channels, positions)``: one fused operation."""
-    if layer.normaliser is None or layer.normaliser[0].dtype != inp.dtype:
+    if layer.normaliser is None:
         layer.refresh()
     scale, shift = layer.normaliser
-    return torch.addcmul(shift.to(inp.dtype), inp.reshape(inp.shape[0], layer.channels, -1), scale.to(inp.dtype))
+    if scale.dtype != inp.dtype:  # once per computation: kept in the inputs' dtype
+        scale, shift = scale.to(inp.dtype), shift.to(inp.dtype)
+        layer.normaliser = (scale, shift)
+    return torch.addcmul(shift, inp.reshape(inp.shape[0], layer.channels, -1), scale)
 
 
 def explicit_gradients(layer: ProbedLayer, inp: torch.Tensor | None, grad: torch.Tensor) -> list[torch.Tensor]:
