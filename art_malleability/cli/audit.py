@@ -17,7 +17,6 @@ from art_malleability.cli.checks import (
     validation_for,
 )
 from art_malleability.cli.options import (
-    AUDIT_OPTIONS,
     Runner,
     Typed,
     add_command,
@@ -164,7 +163,7 @@ def _check_queries(args: argparse.Namespace, data: Dataset) -> None:
     from art_malleability._utils.params import InvalidParameterError
     from art_malleability._utils.torch_utils import resolve_device
     from art_malleability.audit.params import check_query_budget, default_queries
-    from art_malleability.cli.checks import UsageError
+    from art_malleability.cli.checks import option_error
     from art_malleability.metrics import top_k_count
 
     n_query = min(len(data.x_test), default_queries(args.n_queries))
@@ -172,7 +171,10 @@ def _check_queries(args: argparse.Namespace, data: Dataset) -> None:
         check_query_budget(n_query, len(data.x_train), top_k_count(len(data.x_train), args.top_fraction),
                            args.n_bootstrap, False, args.memory_limit_gb, resolve_device(args.device))
     except InvalidParameterError as err:
-        raise UsageError(err.message(f"{AUDIT_OPTIONS[err.param]} ({err.param})")) from err
+        usage = option_error(err)
+        if usage is None:
+            raise
+        raise usage from err
 
 
 def _audit_model(args: argparse.Namespace, name: str, data: Dataset, shard: Shard) -> MalleabilityReport:

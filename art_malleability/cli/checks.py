@@ -260,10 +260,20 @@ def _check_estimator_params(args: argparse.Namespace) -> None:
     try:
         check_values(PARAMETER_RULES, estimator_params(args))
     except InvalidParameterError as err:
-        option = AUDIT_OPTIONS.get(err.param)
-        if option is None:
+        usage = option_error(err)
+        if usage is None:
             raise
-        raise UsageError(err.message(f"{option} ({err.param})")) from err
+        raise usage from err
+
+
+def option_error(err: InvalidParameterError) -> UsageError | None:
+    """
+    :param err: An audit parameter's refusal.
+    :return: A usage error naming the option that sets the parameter and the parameter
+        (:data:`~art_malleability.cli.options.AUDIT_OPTIONS`), or ``None`` for a parameter no option sets.
+    """
+    option = AUDIT_OPTIONS.get(err.param)
+    return None if option is None else UsageError(err.message(f"{option} ({err.param})"))
 
 
 def message_of(err: BaseException) -> str:
