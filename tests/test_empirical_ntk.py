@@ -330,9 +330,12 @@ def test_non_finite_values_propagate() -> None:
 
 def test_chunk_budget_bounds_passes() -> None:
     model = TwoLayerReLU(6, width=512, nb_classes=10, seed=3).double()
-    raw = 10 * 512 + 6  # raw output gradients and layer input per example
-    chunk_mb = 3 * raw * 8 / 2**20  # room for three examples per forward/backward pass
     x = torch.randn(40, 6, generator=_gen(20), dtype=torch.float64)
+    probe = JacobianGram(model)
+    probe.factor_elements(x[:2])
+    total, largest = probe._forward_size  # the forward's intermediates and its largest tensor, per example
+    raw = 10 * 512 + 6 + total + 2 * 10 * largest  # raw output gradients, layer input, and the pass's intermediates
+    chunk_mb = 3 * raw * 8 / 2**20  # room for three examples per forward/backward pass
     sizes, handle = _record_batch_sizes(model)
     try:
         engine = JacobianGram(model, chunk_mb=chunk_mb)

@@ -179,12 +179,15 @@ def test_batch_norm_without_running_statistics_is_left_to_torch_func() -> None:
     assert [n for n, _ in engine._fallback] == ["1.weight", "1.bias"]
 
 
-def _peak_script(chunk_mb: float) -> str:
+def _peak_script(chunk_mb: float, method: str = "batched", cpu_pass_mb: float | None = None) -> str:
     return textwrap.dedent(
         f"""
         import torch
         from art_malleability.models import SmallCNN
+        from art_malleability.ntk import _memory
         from art_malleability.ntk.empirical import JacobianGram
+
+        _memory.CPU_PASS_MB = {cpu_pass_mb or _memory.CPU_PASS_MB}
 
         def rss(field):
             with open("/proc/self/status") as f:
@@ -193,7 +196,7 @@ def _peak_script(chunk_mb: float) -> str:
         torch.set_num_threads(1)
         model = SmallCNN((1, 28, 28), 10).double().eval()
         x = torch.rand(96, 1, 28, 28, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-        engine = JacobianGram(model, method="batched", batch_size=1024, chunk_mb={chunk_mb})
+        engine = JacobianGram(model, method="{method}", batch_size=1024, chunk_mb={chunk_mb})
         engine.gram(x[:4])  # warm up the allocator and torch's lazy state
         rows = []
         inner = engine._sub_batch_features
@@ -211,20 +214,33 @@ def _peak_script(chunk_mb: float) -> str:
 def test_a_small_budget_forces_smaller_sub_batches_and_bounds_the_peak() -> None:
     # the batched pass holds C-fold output gradients of every convolution and batch norm: the sizing counts them,
     # so the peak stays within the engine's chunks (one raw sub-batch, two of kept factors, one block) and the result
-    peaks = {}
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    for chunk_mb in (16.0, 2048.0):
-        out = subprocess.run(
-            [sys.executable, "-c", _peak_script(chunk_mb)], capture_output=True, text=True, env=env, check=True
-        )
-        rows, peak = (int(v) for v in out.stdout.split())
-        peaks[chunk_mb] = (rows, peak)
-    small_rows, small_peak = peaks[16.0]
-    large_rows, large_peak = peaks[2048.0]
+    small_rows, small_peak = _rows_and_peak(16.0)
+    large_rows, large_peak = _rows_and_peak(2048.0, cpu_pass_mb=2048.0)  # the CPU's pass cap lifted
     assert large_rows == 96 and small_rows < 8  # about 6.5 MB per example in one pass
     result = 96 * 96 * 8
     assert small_peak <= 4 * 16 * 2**20 + result, small_peak / 2**20
     assert large_peak > 4 * 16 * 2**20 + result  # the bound is not met by accident: unbounded, the pass needs more
+
+
+def _rows_and_peak(chunk_mb: float, method: str = "batched", cpu_pass_mb: float | None = None) -> tuple[int, int]:
+    """The largest sub-batch and the peak resident growth of one kernel of 96 SmallCNN examples, in a fresh process."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    script = _peak_script(chunk_mb, method, cpu_pass_mb)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
+    rows, peak = (int(v) for v in out.stdout.split())
+    return rows, peak
+
+
+@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux's resettable peak RSS")
+def test_a_cpu_pass_holds_at_most_its_cap_whatever_the_budget() -> None:
+    # a larger pass is no faster on the CPU: with a 2 GiB chunk the structured pass still sizes its sub-batches to
+    # CPU_PASS_MB, counting the forward's intermediates and the cotangents C times over (about 2.9 MB an example)
+    rows, peak = _rows_and_peak(2048.0, "structured")
+    assert rows == int(_memory.CPU_PASS_MB * 2**20 / 2.95e6)
+    assert peak <= 2 * _memory.CPU_PASS_MB * 2**20 + 96 * 96 * 8, peak / 2**20
+    assert _memory.pass_chunk_mb(torch.device("cpu"), 2048.0) == _memory.CPU_PASS_MB
+    assert _memory.pass_chunk_mb(torch.device("cpu"), 16.0) == 16.0
+    assert _memory.pass_chunk_mb(torch.device("cuda"), 2048.0) == 2048.0
 
 
 def test_device_budget_from_free_cuda_memory(monkeypatch: pytest.MonkeyPatch) -> None:

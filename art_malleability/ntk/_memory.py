@@ -17,6 +17,11 @@ from art_malleability._utils.torch_utils import available_memory
 # Default memory budget (MiB) of one chunk of Jacobian factors, see :mod:`art_malleability.ntk.empirical`.
 DEFAULT_CHUNK_MB = 256.0
 
+# Largest pass (MiB of intermediates) on the CPU: a larger one runs no faster there (the SmallCNN's factors of 1,024
+# examples, one thread: passes of 11 to 256 examples all took 7.4-11.7 s, within the spread of repeated runs), while
+# its intermediates add to the peak memory (1.78 GB at 22 examples a pass, 2.05 GB at 91, 2.70 GB at 256).
+CPU_PASS_MB = 64.0
+
 # Share of a CUDA device's available memory one chunk may take: the engine holds about four chunks at its peak (the
 # raw factors of a sub-batch, kept factors or a panel of twice a chunk, one more block), so an eighth leaves room for
 # the result and the caller's own tensors.
@@ -40,6 +45,20 @@ def device_chunk_mb(device: torch.device, chunk_mb: float) -> float:
     free = available_memory(torch.device(device))
     cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     return max(chunk_mb, DEVICE_CHUNK_SHARE * (free + max(cached, 0)) / 2**20)
+
+
+def pass_chunk_mb(device: torch.device, budget_mb: float) -> float:
+    """
+    The budget of one forward/backward pass's intermediates: the chunk budget ``budget_mb``, on the CPU at most
+    :data:`CPU_PASS_MB`. On a CUDA device larger passes keep the device busy, so they take the whole budget.
+
+    :param device: The compute device.
+    :param budget_mb: The computation's chunk budget in MiB (:func:`device_chunk_mb`).
+    :return: The pass budget in MiB.
+    """
+    if torch.device(device).type == "cuda":
+        return budget_mb
+    return min(budget_mb, CPU_PASS_MB)
 
 
 def budget_elements(chunk_mb: float, dtype: torch.dtype) -> int:

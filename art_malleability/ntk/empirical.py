@@ -115,6 +115,7 @@ from art_malleability.ntk._memory import (
     budget_elements,
     device_chunk_mb,
     in_sub_batches,
+    pass_chunk_mb,
     place_block,
     rows_per_pass,
 )
@@ -285,7 +286,7 @@ class JacobianGram(FeaturePasses):
         Numbers per example: of one forward/backward pass (``raw``) or of the (possibly compressed) factors kept for
         the contraction. For the batched method a pass holds, beside the factors, what its class-batched reverse pass
         makes ``C`` times over: the output gradients of every probed layer, the explicit gradients formed from them
-        (and their concatenation), the forward pass's intermediate tensors and the largest cotangent in flight.
+        (and their concatenation), and :meth:`_pass_intermediates`.
         """
         c = self._n_outputs
         size = 0
@@ -297,12 +298,17 @@ class JacobianGram(FeaturePasses):
         size += sum(p.stored(c) for p in self._probed if p.structured)
         size += c * (explicit + sum(p.numel() for _, p in self._fallback))
         if raw and self._path == "batched":
-            total, largest = self._forward_size
+            size += self._pass_intermediates()
             size += c * sum(math.prod(p.out_shape) for p in self._probed)  # the probes' output gradients
             size += sum(math.prod(p.in_shape) for p in self._probed if p.keeps_input())
             size += c * (explicit + sum(p.numel() for _, p in self._fallback))  # explicit parts before concatenation
-            size += total + 2 * c * largest
         return max(size, 1)
+
+    def _pass_intermediates(self) -> int:
+        """Numbers per example of a pass beside its factors: the forward pass's intermediate tensors and the largest
+        cotangent in flight, ``C`` times over (twice)."""
+        total, largest = self._forward_size
+        return total + 2 * self._n_outputs * largest
 
     def _block_rows(self) -> int:
         """Examples per kernel block: ``batch_size`` capped by the chunk budget."""
@@ -322,8 +328,11 @@ class JacobianGram(FeaturePasses):
         return max(bs, (self._kept_rows() - bs) // bs * bs)
 
     def _sub_batch_rows(self) -> int:
-        """Examples per forward/backward pass: ``batch_size`` capped by the chunk budget."""
-        return rows_per_pass(self.batch_size, self._budget_mb, self.dtype, self._example_size(raw=True))
+        """Examples per forward/backward pass: ``batch_size`` capped by the pass budget (:func:`pass_chunk_mb`)."""
+        size = self._example_size(raw=True)
+        if self._path != "batched":  # the batched size counts them already
+            size += self._pass_intermediates()
+        return rows_per_pass(self.batch_size, pass_chunk_mb(self.device, self._budget_mb), self.dtype, size)
 
     # ------------------------------------------------------------------ features
     def features(self, x: torch.Tensor, y: torch.Tensor | None = None) -> Features:
