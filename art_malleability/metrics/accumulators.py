@@ -416,7 +416,7 @@ def check_complete(passes: PerturbedScores) -> None:
 
 
 #: Bytes of one block of influence rows (float64) handed to the metrics at once.
-BLOCK_BYTES = 2**27
+BLOCK_BYTES = 2**25
 #: Largest clean matrix kept in memory until the influential set is known (above: in a temporary file).
 STORE_MEMORY_BYTES = 2**30
 
