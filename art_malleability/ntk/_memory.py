@@ -50,7 +50,8 @@ def device_chunk_mb(device: torch.device, chunk_mb: float) -> float:
 def pass_chunk_mb(device: torch.device, budget_mb: float) -> float:
     """
     The budget of one forward/backward pass's intermediates: the chunk budget ``budget_mb``, on the CPU at most
-    :data:`CPU_PASS_MB`. On a CUDA device larger passes keep the device busy, so they take the whole budget.
+    :data:`CPU_PASS_MB` (and on any device other than CUDA); on a CUDA device larger passes keep the device busy,
+    so they take the whole budget.
 
     :param device: The compute device.
     :param budget_mb: The computation's chunk budget in MiB (:func:`device_chunk_mb`).

@@ -57,8 +57,9 @@ layer's output gradient, so the work is chunked over *examples*, with chunk size
 the widths and a memory budget ``chunk_mb``:
 
 - **Sub-batches.** Forward and backward passes run on sub-batches of at most ``batch_size``
-  examples and at most ``chunk_mb`` MiB of raw output gradients (``rows × C × Σ widths``); the
-  autograd graph of the pass (a few ``rows × width`` tensors) comes on top.
+  examples whose raw output gradients (``rows × C × Σ widths``) and intermediates (the forward
+  pass's tensors and twice its largest ``C`` times over) fit ``chunk_mb`` MiB, on a device other
+  than CUDA at most ``CPU_PASS_MB`` (64 MiB: larger passes run no faster there).
 - **Class factorisation (rank one).** For ``trace=True``, ``C > 1`` and ``"structured"``, a layer whose output
   gradients factor over the classes, ``δ_c(x)_j = g_j(x) u_{jc}`` (e.g. the last hidden layer of an MLP), is stored
   and contracted as ``G1 G2ᵀ``: ``C`` times less storage and fewer flops. Every example is checked to float
