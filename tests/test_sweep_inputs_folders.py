@@ -15,7 +15,7 @@ from helpers import TINY_AUDIT as TINY
 from helpers import folder_snapshot as snapshot
 from torch import nn
 
-from art_malleability._utils.output_folder import LOCK_NAME, STAGING_PREFIX
+from art_malleability._utils.output_folder import LOCK_NAME, STAGING_PREFIX, OutputFolder
 from art_malleability.cli import main
 from art_malleability.influence import get_influence
 
@@ -151,6 +151,40 @@ def test_sigterm_is_handled_like_sigint_and_leaves_nothing_behind(tmp_path):
     assert leftovers(out) == [] and snapshot(out) == good
     assert main(["audit", *TINY, "--model", "2l-relu", "--seed", "2", "--output", str(out)]) == 0
     assert leftovers(out) == []
+
+
+def test_sigterm_landing_where_python_ignores_exceptions_still_ends_the_run(tmp_path):
+    # The signal's SystemExit raised inside a __del__ (or a weak reference's callback, as in an import) is ignored
+    # by Python; the run must still end, through its clean-up.
+    import textwrap
+
+    out = tmp_path / "saved"
+    script = textwrap.dedent(f"""
+        import signal, sys, time
+        from art_malleability._utils.output_folder import OutputFolder
+        class Doomed:
+            def __del__(self):
+                signal.raise_signal(signal.SIGTERM)
+        hook = sys.unraisablehook
+        with OutputFolder({str(out)!r}, writer="w") as folder:
+            folder.write("a.txt", "staged")
+            Doomed()
+            for _ in range(600):
+                time.sleep(0.1)
+        print("not ended", flush=True)
+    """)
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 143, child.stderr
+    assert "Exception ignored" in child.stderr and "not ended" not in child.stdout
+    assert not out.exists()
+
+
+def test_the_folder_restores_the_unraisable_hook(tmp_path):
+    before, handler = sys.unraisablehook, signal.getsignal(signal.SIGTERM)
+    with OutputFolder(tmp_path / "f", writer="w") as folder:
+        folder.write("a.txt", "x")
+        assert (sys.unraisablehook is not before) == (handler is signal.SIG_DFL)
+    assert sys.unraisablehook is before and signal.getsignal(signal.SIGTERM) is handler
 
 
 def test_sigterm_during_a_save_leaves_nothing_behind(tmp_path):

@@ -14,7 +14,8 @@ Every report the package writes goes through an :class:`OutputFolder`:
   previous report exactly as it was.
 - **Signals.** While a folder is open in the main thread, SIGTERM (where the process has no handler of its own)
   ends the process like SIGINT does, through the ``finally`` blocks: :class:`SystemExit` with status 143, after the
-  staging folder and the lock are removed.
+  staging folder and the lock are removed. Where the signal lands in code whose exceptions Python ignores (a weak
+  reference's callback, a ``__del__``), the ignored exit is reported as usual and the signal delivered again.
 - **Manifest.** ``.art-malleability-manifest.json`` lists every file a run wrote (path, SHA-256 digest, and the
   writer: a command or a report class) and the folders it created. A file is *ours* when a manifest in its folder
   or above lists it with the digest it still has. A commit replaces only files that are ours (another file of the
@@ -34,6 +35,7 @@ import secrets
 import shutil
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -150,6 +152,28 @@ def _terminated(signum: int, frame: object) -> None:
     """SIGTERM's handler while a folder is open: exit through the ``finally`` blocks, status 128 + 15."""
     logger.warning("terminated (signal %d): the run stops; its staged files are removed", signum)
     raise SystemExit(128 + signum)
+
+
+_previous_unraisablehook = sys.__unraisablehook__
+
+
+def _redeliver_ignored_exit(unraisable: object) -> None:
+    """
+    ``sys.unraisablehook`` while SIGTERM is handled: a :class:`SystemExit` from :func:`_terminated` raised where
+    Python ignores exceptions (a weak reference's callback, a ``__del__``) would leave the run going; the signal is
+    sent again to the main thread, to take effect at its next check.
+    """
+    _previous_unraisablehook(unraisable)
+    error = getattr(unraisable, "exc_value", None)
+    if (isinstance(error, SystemExit) and error.code == 128 + signal.SIGTERM
+            and signal.getsignal(signal.SIGTERM) is _terminated):
+        # from another thread, once this hook has returned: raised in the hook, the exit would be ignored again
+        threading.Thread(target=_send_to_main, args=(signal.SIGTERM, 0.1), daemon=True).start()
+
+
+def _send_to_main(signum: int, delay: float) -> None:
+    time.sleep(delay)
+    signal.pthread_kill(threading.main_thread().ident, signum)
 
 
 @contextlib.contextmanager
@@ -270,6 +294,10 @@ class OutputFolder:
         main = threading.current_thread() is threading.main_thread()
         if main and hasattr(signal, "SIGTERM") and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
             signal.signal(signal.SIGTERM, _terminated)
+            if hasattr(signal, "pthread_kill"):
+                global _previous_unraisablehook
+                _previous_unraisablehook = sys.unraisablehook
+                sys.unraisablehook = _redeliver_ignored_exit
             self._handles_sigterm = True
 
     def _restore_sigterm(self) -> None:
@@ -277,6 +305,8 @@ class OutputFolder:
             self._handles_sigterm = False
             if signal.getsignal(signal.SIGTERM) is _terminated:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            if sys.unraisablehook is _redeliver_ignored_exit:
+                sys.unraisablehook = _previous_unraisablehook
 
     def _remove_created_root(self) -> None:
         if self._created_root:
