@@ -160,12 +160,11 @@ def test_sigterm_landing_where_python_ignores_exceptions_still_ends_the_run(tmp_
 
     out = tmp_path / "saved"
     script = textwrap.dedent(f"""
-        import signal, sys, time
+        import signal, time
         from art_malleability._utils.output_folder import OutputFolder
         class Doomed:
             def __del__(self):
                 signal.raise_signal(signal.SIGTERM)
-        hook = sys.unraisablehook
         with OutputFolder({str(out)!r}, writer="w") as folder:
             folder.write("a.txt", "staged")
             Doomed()

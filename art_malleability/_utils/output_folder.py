@@ -27,6 +27,7 @@ Every report the package writes goes through an :class:`OutputFolder`:
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -38,7 +39,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path, PurePosixPath
 from types import TracebackType
 
@@ -154,16 +155,13 @@ def _terminated(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-_previous_unraisablehook = sys.__unraisablehook__
-
-
-def _redeliver_ignored_exit(unraisable: object) -> None:
+def _redeliver_ignored_exit(previous: Callable[[object], None], unraisable: object) -> None:
     """
-    ``sys.unraisablehook`` while SIGTERM is handled: a :class:`SystemExit` from :func:`_terminated` raised where
-    Python ignores exceptions (a weak reference's callback, a ``__del__``) would leave the run going; the signal is
-    sent again to the main thread, to take effect at its next check.
+    ``sys.unraisablehook`` while SIGTERM is handled (after ``previous``, the hook it replaced): a :class:`SystemExit`
+    from :func:`_terminated` raised where Python ignores exceptions (a weak reference's callback, a ``__del__``)
+    would leave the run going; the signal is sent again to the main thread, to take effect at its next check.
     """
-    _previous_unraisablehook(unraisable)
+    previous(unraisable)
     error = getattr(unraisable, "exc_value", None)
     if (isinstance(error, SystemExit) and error.code == 128 + signal.SIGTERM
             and signal.getsignal(signal.SIGTERM) is _terminated):
@@ -221,6 +219,7 @@ class OutputFolder:
         self.staging: Path | None = None
         self._lock_fd: int | None = None
         self._handles_sigterm = False
+        self._hooks: tuple[Callable[[object], None], Callable[[object], None]] | None = None  # replaced, installed
         self._created_root = False
         self._manifest: dict = {"files": {}, "folders": [], "incoming": {}}
 
@@ -295,9 +294,9 @@ class OutputFolder:
         if main and hasattr(signal, "SIGTERM") and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
             signal.signal(signal.SIGTERM, _terminated)
             if hasattr(signal, "pthread_kill"):
-                global _previous_unraisablehook
-                _previous_unraisablehook = sys.unraisablehook
-                sys.unraisablehook = _redeliver_ignored_exit
+                hook = functools.partial(_redeliver_ignored_exit, sys.unraisablehook)
+                self._hooks = (sys.unraisablehook, hook)
+                sys.unraisablehook = hook
             self._handles_sigterm = True
 
     def _restore_sigterm(self) -> None:
@@ -305,8 +304,9 @@ class OutputFolder:
             self._handles_sigterm = False
             if signal.getsignal(signal.SIGTERM) is _terminated:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            if sys.unraisablehook is _redeliver_ignored_exit:
-                sys.unraisablehook = _previous_unraisablehook
+            if self._hooks is not None and sys.unraisablehook is self._hooks[1]:
+                sys.unraisablehook = self._hooks[0]
+            self._hooks = None
 
     def _remove_created_root(self) -> None:
         if self._created_root:
