@@ -182,6 +182,9 @@ class AuditRun:
         transductive model is fitted again on ``whole``, the training set, with every process's rows replaced).
         """
         influence = self.influence
+        # what the previous pass's metrics and the attack freed is handed back before the refit's own temporaries
+        # (without this the two stacked: 8.1 GB resident at a 60,000-example audit's refit, 4.7 GB of it live)
+        release_freed_memory()
         if self.transductive:
             x_all, y_all = whole
             rows_all = self.shard.all_gather_rows(torch.as_tensor(rows)).numpy()
