@@ -11,11 +11,14 @@ alone, the signed retention with its interval, its control and the excess; and p
 (training aside), the metrics' share of it, and the peak resident memory of the audit's process.
 
 Only the 10,000-image MNIST test split is available here, so ``--n-train`` plus the largest count must stay within
-10,000 (the default: 2,000 training images and up to 8,000 queries).
+10,000 (the default: 2,000 training images and up to 8,000 queries). ``--device cuda`` runs the audits (influence,
+attacks and metrics) on a CUDA device, the models still trained on the CPU; the cases then also report the device's
+peak allocated memory, and the metrics' share of the time is the one a GPU audit spends outside the kernel.
 
     python benchmarks/bench_audit_queries.py                                  # both models, about 1 h on 2 cores
     python benchmarks/bench_audit_queries.py --models 2l-relu --query-counts 100 4000
     python benchmarks/bench_audit_queries.py --quick                           # checks the script in a few minutes
+    python benchmarks/bench_audit_queries.py --models cnn --query-counts 100 4000 --device cuda
 """
 
 from __future__ import annotations
@@ -31,26 +34,31 @@ ATTACKS = ("fgsm", "pgd", "mim")
 
 
 def case_audit(spec: dict[str, Any]) -> None:
+    import torch
+
     from art_malleability import MalleabilityEstimator
     from art_malleability.influence import NTKInfluence
     from art_malleability.models import make_classifier
 
     set_threads(spec["threads"])
+    device = spec.get("device", "cpu")
     data = load_mnist(spec["root"], spec["n"], spec["n_queries"], spec["seed"], spec["pool_limit"], spec["cache"])
     if data.x_query is None:
         raise ValueError(f"n_train + n_queries must stay within the {data.available} images, got "
                          f"{spec['n']} + {spec['n_queries']}")
-    classifier = make_classifier(load_model(spec), INPUT_SHAPE, NB_CLASSES, device="cpu")
-    ntk = NTKInfluence(ridge=1e-3, device="cpu", projection_dim=None, projection_seed=spec["seed"])
+    classifier = make_classifier(load_model(spec), INPUT_SHAPE, NB_CLASSES, device=device)
+    ntk = NTKInfluence(ridge=1e-3, device=device, projection_dim=None, projection_seed=spec["seed"])
     audit = MalleabilityEstimator(classifier, attacks=ATTACKS, eps=0.3, influence=ntk, strategy="top",
-                                  n_queries=spec["n_queries"], verbose=False, device="cpu", seed=spec["seed"])
+                                  n_queries=spec["n_queries"], verbose=False, device=device, seed=spec["seed"])
     base = rss_bytes()
     start = time.perf_counter()
     report = audit.evaluate(data.x, data.y, data.x_query, data.y_query)
     total = time.perf_counter() - start
+    device_peak = torch.cuda.max_memory_allocated(device) if torch.device(device).type == "cuda" else None
     metrics_s = sum(r.seconds.get("metrics", 0.0) for r in report.results)
     _write(spec, {
         "total_s": total, "metrics_s": metrics_s, "base_rss": base, "n_queries": report.n_queries,
+        "device": device, "peak_device_bytes": device_peak,
         "clean_accuracy": report.clean_accuracy, "seconds": dict(report.seconds),
         "attacks": [{
             "attack": r.attack, "flip_rate": r.flip_rate, "flip_rate_ci": r.flip_rate_ci,
@@ -79,14 +87,17 @@ class AuditQueriesBench(Bench):
             cost_rows, stat_rows, cases = [], [], {}
             for n_query in a.query_counts:
                 spec = {**self.common(model), "kind": "audit", "name": f"queries-{model}-q{n_query}", "n": a.n_train,
-                        "n_queries": n_query, "model_path": info["model_path"]}
-                print(f"  audit {model} with {n_query:,} queries ...", flush=True)
+                        "n_queries": n_query, "model_path": info["model_path"], "device": a.device}
+                print(f"  audit {model} with {n_query:,} queries on {a.device} ...", flush=True)
                 res = self.run(spec, a.audit_timeout, a.threads)[0]
                 cases[n_query] = res
                 if not res["ok"]:
                     cost_rows.append([n_query, f"FAILED: {res['error']}", None, None, None])
                     continue
-                print(f"    {res['total_s']:.1f} s, peak RSS {mib(res['peak_rss']):.0f} MiB", flush=True)
+                on_device = ("" if res.get("peak_device_bytes") is None
+                             else f", peak device memory {mib(res['peak_device_bytes']):.0f} MiB")
+                print(f"    {res['total_s']:.1f} s (metrics {res['metrics_s']:.1f} s), peak RSS "
+                      f"{mib(res['peak_rss']):.0f} MiB{on_device}", flush=True)
                 cost_rows.append([n_query, res["total_s"], res["metrics_s"], res["seconds"].get("influence_clean"),
                                   mib(res["peak_rss"])])
                 for r in res["attacks"]:
@@ -116,6 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--n-train", type=int, default=2000)
     p.add_argument("--query-counts", type=int, nargs="+", default=[100, 300, 1000, 4000, 8000])
     p.add_argument("--audit-timeout", type=float, default=3600.0, help="seconds per audit subprocess")
+    p.add_argument("--device", default="cpu", help="where the audits run: cpu, cuda or cuda:k (default cpu)")
     args = p.parse_args(argv)
     if args.quick:
         quick_common(args)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+import torch
 
 from art_malleability.data import Dataset, load_dataset
 from art_malleability.models import build_reference_model, make_classifier, train_model
@@ -47,12 +48,15 @@ def arrays_equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 
 
-def metric_passes(before, after, n_bootstrap=25, seed=0, block=None, top=None, given=False, **clean_options):
+def metric_passes(before, after, n_bootstrap=25, seed=0, block=None, top=None, given=False, device=None,
+                  **clean_options):
     """
     One clean and one perturbed metrics pass over two influence matrices, in blocks of ``block`` queries (default:
     all at once), as an audit feeds them.
 
     :param given: Hand the clean matrix over whole (nothing stored) instead of block by block into the store.
+    :param device: Give the blocks as float64 tensors on this device, where the resamples and the sums then live
+        (default: numpy arrays, on the CPU).
     :param clean_options: ``top_fraction``, ``rank_by``, ``memory_bytes``, ``folder`` of :class:`CleanScores`.
     :return: ``(clean, perturbed)``.
     """
@@ -60,7 +64,9 @@ def metric_passes(before, after, n_bootstrap=25, seed=0, block=None, top=None, g
     from art_malleability.metrics.accumulators import CleanScores, PerturbedScores
 
     step = block or len(before)
-    clean = CleanScores(QueryResampling(len(before), n_bootstrap, seed), before.shape[1],
+    if device is not None:
+        before, after = (torch.as_tensor(m, dtype=torch.float64, device=device) for m in (before, after))
+    clean = CleanScores(QueryResampling(len(before), n_bootstrap, seed, device), before.shape[1],
                         given=before if given else None, **clean_options)
     for s in range(0, len(before), step):
         clean.add(before[s : s + step])

@@ -18,8 +18,9 @@ from art_malleability.metrics._summary import pass_metrics
 from art_malleability.metrics.accumulators import CleanScores, PerturbedScores
 
 
-def _metrics(before, after, block, memory_bytes=None, folder=None, control=None, keep_draws=False, **kwargs):
-    _, perturbed = metric_passes(before, after, 60, 3, block, memory_bytes=memory_bytes, folder=folder)
+def _metrics(before, after, block, memory_bytes=None, folder=None, control=None, keep_draws=False, device=None,
+             **kwargs):
+    _, perturbed = metric_passes(before, after, 60, 3, block, memory_bytes=memory_bytes, folder=folder, device=device)
     return pass_metrics(perturbed, control=control, keep_draws=keep_draws, **kwargs)
 
 
@@ -51,6 +52,22 @@ def test_any_blocking_gives_the_same_metrics(pair):
     whole = M.malleability_metrics(before, after, n_bootstrap=60, seed=3, keep_draws=True)
     for block in (1, 5, 37):
         _same(whole, _metrics(before, after, block, keep_draws=True))
+
+
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.cuda,
+                                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]),
+])
+def test_scores_on_a_device_give_the_numbers_of_numpy_arrays(pair, device):
+    # the sums, resamples, sampled pairs and per-query sets live on the scores' device; the numbers are those of
+    # numpy blocks on the CPU, a control's excess included
+    before, after = pair
+    control = _metrics(before, 0.5 * before + 0.3 * after, 5, keep_draws=True)
+    want = _metrics(before, after, 5, control=control, keep_draws=True)
+    got = _metrics(before, after, 5, control=control, keep_draws=True, device=device)
+    _same(want, got)
+    assert got.excess_flip_rate is not None
 
 
 def test_a_clean_matrix_spilled_to_disk_gives_the_same_metrics_and_its_folder_goes(pair, tmp_path):
