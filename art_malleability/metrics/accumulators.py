@@ -415,16 +415,20 @@ def check_complete(passes: PerturbedScores) -> None:
         raise ValueError(f"the perturbed scores must hold {passes.clean.n_query} queries, got {passes.seen}")
 
 
-#: Bytes of one block of influence rows (float64) handed to the metrics at once (the block and its temporaries, about
-#: six blocks, are held together: 32 MiB kept the SmallCNN's 4,000-query audit's blocks at 2,097 queries).
-BLOCK_BYTES = 2**25
+#: Bytes of one block of influence rows (float64) handed to the metrics at once. The exact influence holds about seven
+#: blocks' worth while it scores one (the kernel rows, their transposed copy, the solve's parts, the scores and their
+#: temporaries): 16 MiB brought the SmallCNN's 4,000-query audit's peak from 3,843 to 3,777 MiB (docs/metrics.md).
+BLOCK_BYTES = 2**24
+#: Fewest queries in a block (where there are that many): below, each block's fixed costs take over (a 60,000-example
+#: audit in blocks of 35 queries spent 1.6 times as long scoring each attack as in blocks of 70).
+BLOCK_MIN_ROWS = 64
 #: Largest clean matrix kept in memory until the influential set is known (above: in a temporary file).
 STORE_MEMORY_BYTES = 2**30
 
 
-def block_rows(n_train: int, budget_bytes: float = BLOCK_BYTES) -> int:
-    """Queries per block whose float64 influence rows take at most ``budget_bytes`` (at least one)."""
-    return max(1, int(budget_bytes // (8 * max(n_train, 1))))
+def block_rows(n_train: int, budget_bytes: float = BLOCK_BYTES, min_rows: int = BLOCK_MIN_ROWS) -> int:
+    """Queries per block: as many as ``budget_bytes`` of float64 influence rows hold, and at least ``min_rows``."""
+    return max(int(min_rows), 1, int(budget_bytes // (8 * max(n_train, 1))))
 
 
 def metrics_plan(n_query: int, n_train: int, k: int, n_bootstrap: int, excluded_pairs: bool = False) -> dict:
