@@ -315,9 +315,10 @@ class MalleabilityReport(SavedReport):
             "population aggregate changes sign (empirical-Bayes deconvolution of the paired aggregates); *control* "
             "perturbs the same examples by random signs at the same budget (mean of several sign draws), and "
             "*excess* is the attack's flip rate minus the control's. Intervals (docs/metrics.md gives each one's "
-            "estimand and measured coverage): retention, flip rate, excesses and overlap: normal with the bootstrap "
-            "standard error over queries; Spearman: delete-a-group jackknife over queries; noise-aware: bootstrap "
-            "refits of the deconvolution. A noise-aware rate whose interval is wider than "
+            "estimand and measured coverage): flip rate, excesses and overlap: normal with the bootstrap standard "
+            "error over queries; retention: normal with the bootstrap variance plus the empirical-Bayes error; "
+            "Spearman: delete-a-group jackknife over queries; noise-aware: profile likelihood of the deconvolution. "
+            "A noise-aware rate whose interval is wider than "
             f"{100 * UNDECIDED_WIDTH:.0f} percentage points reads *undecided*: such an interval cannot tell a rate of "
             "a few percent from one of 20 to 40 %.",
             "",
