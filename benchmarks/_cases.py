@@ -35,6 +35,8 @@ DEFAULT_MNIST_ROOT = REPO_ROOT.parent / "shared" / "data" / "mnist"
 INPUT_SHAPE = (1, 28, 28)
 NB_CLASSES = 10
 MODELS = ("2l-relu", "cnn")
+#: Models a benchmark may offer beside ``MODELS`` (``common_parser(models=...)``): the attention reference model.
+ATTENTION_MODEL = "mlp-attn"
 
 
 # ================================================================================================ other processes' load
@@ -148,14 +150,14 @@ def load_mnist(
 
 
 def build_model(name: str, width: int, seed: int) -> Any:
-    """A fresh 2L-ReLU (``build_reference_model``) or SmallCNN."""
+    """A fresh 2L-ReLU or MLP-Attn (``build_reference_model``, centred context) or SmallCNN."""
     from art_malleability.models import SmallCNN, build_reference_model
 
-    if name == "2l-relu":
-        return build_reference_model("2l-relu", INPUT_SHAPE, NB_CLASSES, width=width, seed=seed)
+    if name in ("2l-relu", ATTENTION_MODEL):
+        return build_reference_model(name, INPUT_SHAPE, NB_CLASSES, width=width, seed=seed)
     if name == "cnn":
         return SmallCNN(INPUT_SHAPE, NB_CLASSES, seed=seed)
-    raise ValueError(f"unknown model {name!r}; expected one of {MODELS}")
+    raise ValueError(f"unknown model {name!r}; expected one of {(*MODELS, ATTENTION_MODEL)}")
 
 
 def load_model(spec: dict[str, Any]) -> Any:
@@ -302,8 +304,7 @@ class Bench:
         key = f"{model}-u{n if self.available is None else min(n, self.available)}"
         if key in self.prepared:
             return self.prepared[key]
-        epochs = a.relu_epochs if model == "2l-relu" else a.cnn_epochs
-        lr = a.relu_lr if model == "2l-relu" else a.cnn_lr
+        epochs, lr = training_settings(a, model)
         spec = {**self.common(model), "kind": "prep", "name": f"prep-{model}-n{n}", "n": n,
                 "n_queries": n_queries, "epochs": epochs, "lr": lr,
                 "model_path": str(self.workdir / f"model-{model}-n{n}.pt")}
@@ -319,13 +320,25 @@ class Bench:
         return info
 
 
+def training_settings(args: argparse.Namespace, model: str) -> tuple[int, float]:
+    """:return: ``(epochs, lr)`` of ``model`` from the command line's options."""
+    if model == "2l-relu":
+        return args.relu_epochs, args.relu_lr
+    if model == ATTENTION_MODEL:
+        return args.attn_epochs, args.attn_lr
+    return args.cnn_epochs, args.cnn_lr
+
+
 def clean(info: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in info.items() if k not in ("scores",)}
 
 
 # ================================================================================================ command line
-def common_parser(description: str, parts: Sequence[str]) -> argparse.ArgumentParser:
-    """The options every MNIST influence benchmark shares; ``parts`` are its parts (``all`` runs them in order)."""
+def common_parser(description: str, parts: Sequence[str], models: Sequence[str] = MODELS) -> argparse.ArgumentParser:
+    """
+    The options every MNIST influence benchmark shares; ``parts`` are its parts (``all`` runs them in order) and
+    ``models`` the models it offers (``MODELS`` by default, which ``--models`` also defaults to).
+    """
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     if len(parts) > 1:
         p.add_argument("parts", nargs="+", choices=(*parts, "all"), help="parts to run, in this order")
@@ -341,10 +354,13 @@ def common_parser(description: str, parts: Sequence[str]) -> argparse.ArgumentPa
     p.add_argument("--wait-idle", type=float, default=0.0,
                    help="before each case wait up to this many seconds for other processes to leave the CPUs idle")
     p.add_argument("--n-queries", type=int, default=100)
-    p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
-    p.add_argument("--width", type=int, default=512, help="2L-ReLU width")
+    p.add_argument("--models", nargs="+", choices=list(models), default=list(MODELS))
+    p.add_argument("--width", type=int, default=512, help="width of the reference models")
     p.add_argument("--relu-epochs", type=int, default=100)
     p.add_argument("--relu-lr", type=float, default=3e-2)
+    if ATTENTION_MODEL in models:
+        p.add_argument("--attn-epochs", type=int, default=100, help="MLP-Attn's epochs")
+        p.add_argument("--attn-lr", type=float, default=3e-2, help="MLP-Attn's learning rate")
     p.add_argument("--cnn-epochs", type=int, default=20)
     p.add_argument("--cnn-lr", type=float, default=1e-3)
     p.add_argument("--pool-limit", type=int, default=None,
@@ -355,6 +371,8 @@ def common_parser(description: str, parts: Sequence[str]) -> argparse.ArgumentPa
 def quick_common(args: argparse.Namespace) -> None:
     """The ``--quick`` sizes of the shared options."""
     args.n_queries, args.relu_epochs, args.cnn_epochs, args.pool_limit = 5, 5, 1, 500
+    if hasattr(args, "attn_epochs"):
+        args.attn_epochs = 5
     args.timeout = min(args.timeout, 600.0)
 
 

@@ -10,13 +10,16 @@ noise-aware flip rate with its interval and the interval's width, the raw flip r
 alone, the signed retention with its interval, its control and the excess; and per count the audit's wall time
 (training aside), the metrics' share of it, and the peak resident memory of the audit's process.
 
-Only the 10,000-image MNIST test split is available here, so ``--n-train`` plus the largest count must stay within
-10,000 (the default: 2,000 training images and up to 8,000 queries). ``--device cuda`` runs the audits (influence,
+With the MNIST test split alone (the default folder) ``--n-train`` plus the largest count must stay within 10,000
+images (the default: 2,000 training images and up to 8,000 queries); a ``--mnist-root`` with all four IDX files gives
+70,000 (both splits pooled in one seeded order). ``--models`` also takes ``mlp-attn`` (the reference MLP-Attn, centred
+context, trained with ``--attn-epochs`` and ``--attn-lr``). ``--device cuda`` runs the audits (influence,
 attacks and metrics) on a CUDA device, the models still trained on the CPU; the cases then also report the device's
 peak allocated memory, and the metrics' share of the time is the one a GPU audit spends outside the kernel.
 
     python benchmarks/bench_audit_queries.py                                  # both models, about 1 h on 2 cores
     python benchmarks/bench_audit_queries.py --models 2l-relu --query-counts 100 4000
+    python benchmarks/bench_audit_queries.py --models 2l-relu mlp-attn --query-counts 100 1000 4000 8000
     python benchmarks/bench_audit_queries.py --quick                           # checks the script in a few minutes
     python benchmarks/bench_audit_queries.py --models cnn --query-counts 100 4000 --device cuda
 """
@@ -26,7 +29,18 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from _cases import INPUT_SHAPE, NB_CLASSES, Bench, common_parser, load_mnist, load_model, quick_common, run_parts
+from _cases import (
+    ATTENTION_MODEL,
+    INPUT_SHAPE,
+    MODELS,
+    NB_CLASSES,
+    Bench,
+    common_parser,
+    load_mnist,
+    load_model,
+    quick_common,
+    run_parts,
+)
 from _cases import write_result as _write
 from _common import mib, number_ci, percent_ci, rss_bytes, set_threads, table
 
@@ -123,7 +137,7 @@ class AuditQueriesBench(Bench):
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = common_parser(__doc__, ["queries"])
+    p = common_parser(__doc__, ["queries"], models=(*MODELS, ATTENTION_MODEL))
     p.add_argument("--n-train", type=int, default=2000)
     p.add_argument("--query-counts", type=int, nargs="+", default=[100, 300, 1000, 4000, 8000])
     p.add_argument("--audit-timeout", type=float, default=3600.0, help="seconds per audit subprocess")

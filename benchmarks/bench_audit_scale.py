@@ -4,12 +4,15 @@ Benchmark: the whole malleability audit at scale on MNIST, on the CPU.
 The whole audit (``MalleabilityEstimator``: FGSM, PGD and MIM at ε = 0.3, ``--n-queries`` queries,
 strategy "top", ``projection_dim="auto"``, NTK influence) at ``--sizes`` (default 1k, 4k, 16k, 60k training
 examples, MNIST-shaped) for the 2L-ReLU (width 512) and the SmallCNN. Real MNIST images are used up to the
-number available (only the 10,000-image test split here): a training set larger than that repeats the
-images cyclically, so it holds exact duplicates, whose leave-one-out influence is degenerate (removing one
-copy barely changes a kernel regression that keeps the other): fine for timing, meaningless as an audit.
+number available: 10,000 with the test split alone (the default folder), 70,000 with a ``--mnist-root`` holding
+all four IDX files (as torchvision downloads them; both splits are pooled in one seeded order). A training set
+larger than that repeats the images cyclically, so it holds exact duplicates, whose leave-one-out influence is
+degenerate (removing one copy barely changes a kernel regression that keeps the other): fine for timing,
+meaningless as an audit. With all 70,000 images, ``--sizes 60000 --n-queries 10000`` is a real audit: 60,000
+distinct training images and 10,000 held-out queries.
 Queries are held-out images when ``n + n_queries`` images exist; otherwise they are drawn from the training
 pool by the audit itself (``x_test=None``: each query's score on itself is excluded). Models are trained on
-the distinct images only (at most 10,000: a repeated set is the same data for more epochs), with the same
+the distinct images only (a repeated set is the same data for more epochs), with the same
 settings as in ``compare``; training time is reported but is not part of the audit time. Reported per size:
 the NTK mode and ``k`` the audit picked, the wall time in total and per phase (clean accuracy, clean
 influence, and per attack: attack / influence / metrics), the NTK influence's ``seconds_`` per stage
@@ -48,7 +51,7 @@ from _cases import (
     run_parts,
     write_result,
 )
-from _common import mib, percent_ci, rss_bytes, set_threads, table, verdict
+from _common import mib, number_ci, percent_ci, rss_bytes, set_threads, table, verdict
 
 ATTACKS = ("fgsm", "pgd", "mim")
 TARGET_AUDIT_S = {"2l-relu": 600.0, "cnn": 1800.0}
@@ -107,7 +110,11 @@ def case_audit(spec: dict[str, Any]) -> None:
                      "control": None if r.control is None else r.control["flip_rate"],
                      "excess": r.excess_flip_rate, "excess_ci": r.excess_flip_rate_ci,
                      "undecided_share": r.undecided_share, "attack_success": r.attack_success,
-                     "n_perturbed": r.n_perturbed} for r in report.results],
+                     "n_perturbed": r.n_perturbed, "retention": r.signed_retention,
+                     "retention_ci": r.signed_retention_ci,
+                     "control_retention": None if r.control is None else r.control.get("signed_retention"),
+                     "excess_retention": r.excess_retention, "excess_retention_ci": r.excess_retention_ci}
+                    for r in report.results],
         "ntk_stages": stages, "clean_accuracy": report.clean_accuracy,
     })
 
@@ -171,11 +178,13 @@ class AuditScaleBench(Bench):
             stat_rows = [[n, r["attack"], percent_ci(r["flip_rate"], r["flip_rate_ci"]),
                           percent_ci(r["flip_rate_null"]),
                           percent_ci(r["noise_aware"], r["noise_aware_ci"]), percent_ci(r["control"]),
-                          percent_ci(r["excess"], r["excess_ci"]), percent_ci(r["undecided_share"])]
+                          percent_ci(r["excess"], r["excess_ci"]), percent_ci(r["undecided_share"]),
+                          number_ci(r.get("retention"), r.get("retention_ci")), number_ci(r.get("control_retention")),
+                          number_ci(r.get("excess_retention"), r.get("excess_retention_ci"), "+.3f")]
                          for n, res in cases.items() if res.get("ok") for r in res["attacks"]]
             print(f"\n#### {model}: what the audits found (percent; intervals 95 %)\n")
             print(table(["n_train", "attack", "flip rate", "by noise", "noise-aware", "control", "excess (pts)",
-                         "undecided"], stat_rows))
+                         "undecided", "retention", "its control", "excess retention"], stat_rows))
             print(f"\n#### {model}: phases per stage (s); NTK columns are the influence's seconds_ of the stage\n")
             print(table(["n_train", "stage", "attack", "influence", "metrics", "NTK features", "NTK solve",
                          "NTK communication", "NTK scores"], phase_rows), flush=True)
