@@ -329,6 +329,23 @@ def training_settings(args: argparse.Namespace, model: str) -> tuple[int, float]
     return args.cnn_epochs, args.cnn_lr
 
 
+def attack_findings(result: Any) -> dict[str, Any]:
+    """
+    What the audit benchmarks record of one attack's result (an ``AttackResult``): its flip rates, the noise-aware
+    rate, the undecided share, the signed retention with its control and excess, and its phases' seconds.
+    """
+    control = result.control
+    return {
+        "attack": result.attack, "seconds": dict(result.seconds), "flip_rate": result.flip_rate,
+        "flip_rate_ci": result.flip_rate_ci, "flip_rate_null": result.flip_rate_null,
+        "noise_aware": result.flip_rate_above_floor, "noise_aware_ci": result.flip_rate_above_floor_ci,
+        "undecided_share": result.undecided_share, "retention": result.signed_retention,
+        "retention_ci": result.signed_retention_ci,
+        "control_retention": None if control is None else control.get("signed_retention"),
+        "excess_retention": result.excess_retention, "excess_retention_ci": result.excess_retention_ci,
+    }
+
+
 def clean(info: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in info.items() if k not in ("scores",)}
 

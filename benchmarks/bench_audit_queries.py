@@ -35,6 +35,7 @@ from _cases import (
     MODELS,
     NB_CLASSES,
     Bench,
+    attack_findings,
     common_parser,
     load_mnist,
     load_model,
@@ -75,15 +76,8 @@ def case_audit(spec: dict[str, Any]) -> None:
         "device": device, "peak_device_bytes": device_peak,
         "clean_accuracy": report.clean_accuracy, "seconds": dict(report.seconds),
         "attacks": [{
-            "attack": r.attack, "flip_rate": r.flip_rate, "flip_rate_ci": r.flip_rate_ci,
-            "flip_rate_null": r.flip_rate_null, "noise_aware": r.flip_rate_above_floor,
-            "noise_aware_ci": r.flip_rate_above_floor_ci, "undecided_share": r.undecided_share,
-            "retention": r.signed_retention, "retention_ci": r.signed_retention_ci,
-            "control_retention": None if r.control is None else r.control.get("signed_retention"),
-            "excess_retention": r.excess_retention, "excess_retention_ci": r.excess_retention_ci,
-            "control_flip_rate": None if r.control is None else r.control["flip_rate"],
+            **attack_findings(r), "control_flip_rate": None if r.control is None else r.control["flip_rate"],
             "excess_flip_rate": r.excess_flip_rate, "excess_flip_rate_ci": r.excess_flip_rate_ci,
-            "seconds": dict(r.seconds),
         } for r in report.results],
     })
 

@@ -43,6 +43,7 @@ from _cases import (
     INPUT_SHAPE,
     NB_CLASSES,
     Bench,
+    attack_findings,
     clean,
     common_parser,
     load_mnist,
@@ -104,16 +105,9 @@ def case_audit(spec: dict[str, Any]) -> None:
                                                      else f" tiles {ntk.solver_.block}"
                                                      + (" on disk" if ntk.solver_.folder else "")),
         "seconds": dict(report.seconds),
-        "attacks": [{"attack": r.attack, "seconds": dict(r.seconds), "flip_rate": r.flip_rate,
-                     "flip_rate_ci": r.flip_rate_ci, "flip_rate_null": r.flip_rate_null,
-                     "noise_aware": r.flip_rate_above_floor, "noise_aware_ci": r.flip_rate_above_floor_ci,
-                     "control": None if r.control is None else r.control["flip_rate"],
+        "attacks": [{**attack_findings(r), "control": None if r.control is None else r.control["flip_rate"],
                      "excess": r.excess_flip_rate, "excess_ci": r.excess_flip_rate_ci,
-                     "undecided_share": r.undecided_share, "attack_success": r.attack_success,
-                     "n_perturbed": r.n_perturbed, "retention": r.signed_retention,
-                     "retention_ci": r.signed_retention_ci,
-                     "control_retention": None if r.control is None else r.control.get("signed_retention"),
-                     "excess_retention": r.excess_retention, "excess_retention_ci": r.excess_retention_ci}
+                     "attack_success": r.attack_success, "n_perturbed": r.n_perturbed}
                     for r in report.results],
         "ntk_stages": stages, "clean_accuracy": report.clean_accuracy,
     })
@@ -179,8 +173,8 @@ class AuditScaleBench(Bench):
                           percent_ci(r["flip_rate_null"]),
                           percent_ci(r["noise_aware"], r["noise_aware_ci"]), percent_ci(r["control"]),
                           percent_ci(r["excess"], r["excess_ci"]), percent_ci(r["undecided_share"]),
-                          number_ci(r.get("retention"), r.get("retention_ci")), number_ci(r.get("control_retention")),
-                          number_ci(r.get("excess_retention"), r.get("excess_retention_ci"), "+.3f")]
+                          number_ci(r["retention"], r["retention_ci"]), number_ci(r["control_retention"]),
+                          number_ci(r["excess_retention"], r["excess_retention_ci"], "+.3f")]
                          for n, res in cases.items() if res.get("ok") for r in res["attacks"]]
             print(f"\n#### {model}: what the audits found (percent; intervals 95 %)\n")
             print(table(["n_train", "attack", "flip rate", "by noise", "noise-aware", "control", "excess (pts)",
