@@ -55,7 +55,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from art_malleability.models import ResNet20, SmallCNN, TwoLayerReLU
-from art_malleability.ntk.empirical import JacobianGram, resolve_method
+from art_malleability.ntk.empirical import JacobianGram
 
 aten = torch.ops.aten
 
@@ -256,9 +256,8 @@ def main() -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     gemm = fp64_gemm_rate(512 if args.quick else 2048)
-    device = torch.device("cpu")
     print(f"{torch.get_num_threads()} thread(s), torch {torch.__version__}: fp64 GEMM {gemm / 1e9:.1f} GFLOP/s "
-          f"(measured in this run); \"auto\" runs {resolve_method('auto', device)!r} on this device\n")
+          "(measured in this run); \"auto\" chooses by counted work (benchmarks/bench_zoo.py)\n")
     rows, tops = [], []
     for name in args.models:
         _, _, n_default, bs_default = MODELS[name]

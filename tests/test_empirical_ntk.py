@@ -144,12 +144,14 @@ def test_structured_matches_jacobian(name: str, trace: bool) -> None:
     for a, b in [(x1, None), (x1, x2)]:
         k_s = empirical_ntk(model, a, b, method="structured", batch_size=4, trace=trace)
         k_j = empirical_ntk(model, a, b, method="jacobian", batch_size=5, trace=trace)
-        k_a = empirical_ntk(model, a, b, batch_size=4, trace=trace)
+        auto = JacobianGram(model, batch_size=4)
+        k_a = auto.gram(a, b, trace=trace)
         n2 = a.shape[0] if b is None else b.shape[0]
         assert k_s.shape[:2] == (11, n2)
         assert k_s.dtype == torch.float64
         assert _rel(k_s, k_j) < 1e-10
-        assert torch.equal(k_a, k_s)
+        # "auto" runs one of the methods, chosen by counted work, and gives its numbers exactly
+        assert torch.equal(k_a, empirical_ntk(model, a, b, method=auto.path, batch_size=4, trace=trace))
 
 
 def test_matches_brute_force_loop() -> None:
@@ -166,17 +168,20 @@ def test_matches_brute_force_loop() -> None:
 
 
 def test_plan_uses_structured_path_where_possible() -> None:
+    # a linear layer on 3-D inputs (two positions: explicit by the rule) and one called twice (their positions side by
+    # side) are Kronecker blocks too; only the free-standing scale is left to the vmapped pass
     model, shape = _models()["mixed"]
     engine = JacobianGram(model.double())
     x = torch.randn(3, *shape, dtype=torch.float64, generator=_gen(6))
     engine.gram(x)
-    assert [layer.name for layer in engine._layers] == ["head"]
-    assert sorted(n for n, _ in engine._fallback) == ["scale", "token.bias", "token.weight", "twice.bias",
-                                                        "twice.weight"]
+    plan = engine._layer_plan
+    assert [(b.name, b.positions, b.structured) for b in plan.blocks] == [("token", 2, False), ("twice", 2, True),
+                                                                         ("head", 1, True)]
+    assert [n for n, _ in plan.fallback] == ["scale"]
     mlp, _ = _models()["mlp3"]
     engine = JacobianGram(mlp.double())
     engine.gram(torch.randn(3, 5, dtype=torch.float64, generator=_gen(7)))
-    assert len(engine._layers) == 3 and engine._fallback == []
+    assert len(engine._structured) == 3 and engine._layer_plan.fallback == []
 
 
 def test_frozen_parameters_do_not_count() -> None:
@@ -264,11 +269,14 @@ def test_rank_one_factorisation_is_detected() -> None:
         model, shape = _models()[name]
         model = model.double()
         x = torch.randn(9, *shape, generator=_gen(16), dtype=torch.float64)
-        engine = JacobianGram(model)
+        engine = JacobianGram(model, method="structured")
         k = engine.gram(x)
         assert engine._rank_one == flags, name
         assert _rel(k, empirical_ntk(model, x, method="jacobian")) < 1e-12
-        full = JacobianGram(model)  # trace=False never uses the factorisation
+        probed = JacobianGram(model)  # "auto" finds the blocks that are not rank one on its probe, before the kernel
+        probed.prepare(x)
+        assert probed._rank_one_blocks == flags
+        full = JacobianGram(model, method="structured")  # trace=False never uses the factorisation
         full.gram(x, trace=False)
         assert full._rank_one == [True] * len(flags)
 
@@ -276,7 +284,7 @@ def test_rank_one_factorisation_is_detected() -> None:
 def test_rank_one_factorisation_in_float32() -> None:
     model, shape = _models()["mlp_tanh"]
     x = torch.randn(9, *shape, generator=_gen(22))
-    engine = JacobianGram(model.float())
+    engine = JacobianGram(model.float(), method="structured")
     k32 = engine.gram(x)
     assert engine._rank_one == [True, True] and k32.dtype == torch.float32
     k64 = empirical_ntk(copy.deepcopy(model).double(), x, method="jacobian")
@@ -290,7 +298,7 @@ def test_rank_change_after_first_chunk_recomputes(caplog: pytest.LogCaptureFixtu
     model = model.double()
     x1 = torch.randn(10, *shape, generator=_gen(17), dtype=torch.float64)
     x2 = torch.randn(4, *shape, generator=_gen(18), dtype=torch.float64)
-    engine = JacobianGram(model, chunk_mb=TINY_MB / 4)
+    engine = JacobianGram(model, method="structured", chunk_mb=TINY_MB / 4)
     with caplog.at_level("DEBUG", logger="art_malleability.ntk.empirical"):
         k = engine.gram(x1, x2)
     assert engine._sub_batch_rows() == 1
@@ -331,14 +339,16 @@ def test_non_finite_values_propagate() -> None:
 def test_chunk_budget_bounds_passes() -> None:
     model = TwoLayerReLU(6, width=512, nb_classes=10, seed=3).double()
     x = torch.randn(40, 6, generator=_gen(20), dtype=torch.float64)
-    probe = JacobianGram(model)
+    probe = JacobianGram(model, method="structured")
     probe.factor_elements(x[:2])
     total, largest = probe._forward_size  # the forward's intermediates and its largest tensor, per example
-    raw = 10 * 512 + 6 + total + 2 * 10 * largest  # raw output gradients, layer input, and the pass's intermediates
+    # raw output gradients, the layer's input, its stored factors, and the pass's intermediates
+    raw = 10 * 512 + 6 + (6 + 10 * 512) + total + 2 * 10 * largest
+    assert probe._pass_size() + probe._pass_intermediates() == raw
     chunk_mb = 3 * raw * 8 / 2**20  # room for three examples per forward/backward pass
     sizes, handle = _record_batch_sizes(model)
     try:
-        engine = JacobianGram(model, chunk_mb=chunk_mb)
+        engine = JacobianGram(model, method="structured", chunk_mb=chunk_mb)
         k = engine.gram(x)
     finally:
         handle.remove()
@@ -358,8 +368,8 @@ def test_factors_that_do_not_fit_are_computed_once_per_panel(name: str) -> None:
     model = model.double().eval()
     x = torch.randn(40, *shape, generator=_gen(21), dtype=torch.float64)
     xq = torch.randn(12, *shape, generator=_gen(22), dtype=torch.float64)
-    size = JacobianGram(model).factor_elements(x, compressed=False)
-    engine = JacobianGram(model, batch_size=5, chunk_mb=7.5 * size * 8 / 2**20)
+    size = JacobianGram(model, method="structured").factor_elements(x, compressed=False)
+    engine = JacobianGram(model, method="structured", batch_size=5, chunk_mb=(7.5 * size + 1) * 8 / 2**20)
     x_probe = x[:2].numpy()
     engine.factor_elements(x_probe)
     assert engine.panel_rows() == 10 and factor_passes(40, engine.panel_rows()) == 100  # the estimate's count
@@ -504,7 +514,7 @@ def test_kept_factors_match_fresh_kernels_through_changes_and_rank_changes() -> 
     model = model.double()
     x = torch.randn(6, *shape, generator=_gen(31), dtype=torch.float64)
     xq = torch.randn(3, *shape, generator=_gen(32), dtype=torch.float64)
-    engine = JacobianGram(model, chunk_mb=TINY_MB / 4)
+    engine = JacobianGram(model, method="structured", chunk_mb=TINY_MB / 4)
     kept = KeptFactors(engine, x[:1])
     assert _rel(kept.rows(xq), empirical_ntk(model, xq, x[:1], method="jacobian")) < 1e-10
     kept = KeptFactors(engine, x)

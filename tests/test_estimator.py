@@ -380,6 +380,26 @@ def test_any_pytorch_classifier_with_mixed_flags_is_left_as_it_was():
     np.testing.assert_array_equal(x, data.x_train)
 
 
+def test_a_float64_classifier_is_audited_as_it_is():
+    """A float64 model (ART's attacks cast their inputs to float32): audited, nothing of it changed, its kernel in its
+    own dtype, and the kernel method and its reason recorded."""
+    data = digits()
+    torch.manual_seed(1)
+    net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 32), torch.nn.Tanh(), torch.nn.Linear(32, 10))
+    net = net.double()
+    clf = PyTorchClassifier(net, torch.nn.CrossEntropyLoss(), (1, 8, 8), 10, clip_values=(0.0, 1.0))
+    before = _snapshot(clf)
+    x = data.x_train[:120].astype(np.float64)
+    report = MalleabilityEstimator(clf, **FAST).evaluate(x, data.y_train[:120], data.x_test.astype(np.float64),
+                                                         data.y_test)
+    assert [r.attack for r in report.results] == ["fgsm", "pgd", "mim"]
+    assert all(r.attack_success > 0 for r in report.results)  # the attacks reached the float64 model
+    _assert_same(before, _snapshot(clf))
+    assert next(net.parameters()).dtype == torch.float64
+    method = report.execution["kernel_method"]
+    assert method["method"] in ("structured", "batched", "jacobian") and method["reason"]
+
+
 def test_projected_mode_equals_a_by_hand_pipeline_and_is_recorded(relu_clf):
     """Projected influence with the update of the attacked rows equals fits from scratch on the perturbed set."""
     data = digits()

@@ -32,6 +32,22 @@ def test_cifar10_resnet_example_on_any_npz(tmp_path):
     assert "peak memory" in done.stdout and "NTK influence phases" in done.stdout
 
 
+def test_torchvision_example_runs_the_default_audit(tmp_path):
+    # a torchvision architecture as a user would take it, audited with the defaults: the plan printed before the
+    # audit, the kernel method chosen by counted work recorded in the report
+    rng = np.random.default_rng(1)
+    np.savez(tmp_path / "cifar.npz", x=rng.integers(0, 256, (200, 32, 32, 3), dtype=np.uint8), y=np.arange(200) % 10)
+    done = _run("audit_torchvision.py", "--data", str(tmp_path / "cifar.npz"), "--arch", "mobilenet_v3_small",
+                "--quick", "--output", "out", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["model"] == "mobilenet_v3_small" and report["n_train"] == 96
+    method = report["execution"]["kernel_method"]
+    assert method["method"] in ("structured", "batched", "jacobian") and set(method["seconds"]) == {
+        "structured", "batched", "jacobian"}
+    assert "audit plan:" in done.stdout and "against an estimate of" in done.stdout
+
+
 def test_mnist_cnn_example_streams_a_dataset(tmp_path, shared_data):
     done = _run("audit_mnist_cnn.py", "--data-root", str(shared_data / "mnist"), "--quick", "--output", "out",
                 cwd=tmp_path)

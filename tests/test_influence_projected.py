@@ -84,7 +84,7 @@ def test_full_projection_reproduces_the_kernel(model_fn, shape):
     assert projector.full_dim == 3 * sum(p.numel() for p in model.parameters() if p.requires_grad)
     kinds = {g["kind"] for g in projector.describe()}
     if model_fn is _cnn:
-        assert kinds == {"conv", "linear", "module", "fallback"}  # batch norm: module; the free scale: fallback
+        assert kinds == {"conv", "linear", "batchnorm", "fallback"}  # the free scale: fallback
     phi = projector.features(x)
     kernel = empirical_ntk(model, x, method="jacobian")
     assert _rel((phi @ phi.T).numpy(), kernel.numpy()) < 1e-12
@@ -278,8 +278,8 @@ def test_exact_engine_takes_convolutions_and_batch_norm_from_their_factors():
     x = torch.tensor(_images(8)[0], dtype=torch.float64)
     engine = JacobianGram(model)
     kernel = engine.gram(x)
-    assert {g["kind"] for g in engine._exact_rest.describe()} == {"conv", "module", "fallback"}
-    assert engine._exact_rest.is_exact
+    plan = engine._layer_plan
+    assert {s.kind for s in plan.sites} == {"conv", "batchnorm", "linear"} and plan.fallback
     assert _rel(kernel.numpy(), empirical_ntk(model, x, method="jacobian").numpy()) < 1e-12
     # the full output block still comes from torch.func for those parameters
     full = empirical_ntk(model, x, trace=False)

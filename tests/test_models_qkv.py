@@ -228,12 +228,12 @@ def test_gradients_reach_all_maps(x_train, x_query):
 def test_structured_entk_matches_jacobian(qkv_dim, x_train, x_query):
     model = _model(x_train, qkv_dim=qkv_dim, nb_classes=5).double()
     x1, x2 = x_train[:12], x_query
-    engine = JacobianGram(model, method="auto")
+    engine = JacobianGram(model, method="structured")
     k_auto = engine.gram(x1)
     # The three maps are plain nn.Linear layers called once per forward pass on per-example rows, so all four
     # trained layers take the structured path; only the hidden layer factorises over the classes.
-    assert [layer.name for layer in engine._layers] == ["hidden", "query", "key", "value"]
-    assert engine._fallback == []
+    assert [b.name for b in engine._structured] == ["hidden", "query", "key", "value"]
+    assert engine._layer_plan.fallback == []
     assert engine._rank_one == [True, False, False, False]
     k_jac = empirical_ntk(model, x1, method="jacobian")
     assert (k_auto - k_jac).abs().max().item() < 1e-10

@@ -8,8 +8,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from art_malleability.models import MLPAttn, ResNet20, SmallCNN, TwoLayerReLU
-from art_malleability.ntk import _autograd
-from art_malleability.ntk.empirical import NTK_METHODS, JacobianGram, empirical_ntk, resolve_method
+from art_malleability.ntk.empirical import NTK_METHODS, JacobianGram, empirical_ntk
+from art_malleability.ntk.layers import passes
 
 CLASSES = [1, 3, 10]
 MODELS = ["2l-relu", "cnn-bn", "mlp-attn", "resnet20"]
@@ -161,7 +161,7 @@ def test_one_func_call_per_sub_batch_no_autograd_no_host_sync(name: str, monkeyp
     x = torch.randn(10, *shape, generator=_gen(11), dtype=torch.float64)
     calls = {"jacrev": 0, "grad": 0}
     inside = [False]
-    jacrev, grad = _autograd.jacrev, torch.autograd.grad
+    jacrev, grad = passes.jacrev, torch.autograd.grad
 
     def counting_jacrev(*args, **kwargs):  # noqa: ANN002, ANN003
         transform = jacrev(*args, **kwargs)
@@ -180,7 +180,7 @@ def test_one_func_call_per_sub_batch_no_autograd_no_host_sync(name: str, monkeyp
         calls["grad"] += not inside[0]  # torch.func's own reverse pass runs through it
         return grad(*args, **kwargs)
 
-    monkeypatch.setattr(_autograd, "jacrev", counting_jacrev)
+    monkeypatch.setattr(passes, "jacrev", counting_jacrev)
     monkeypatch.setattr(torch.autograd, "grad", counting_grad)
     engine = JacobianGram(model, method="batched", batch_size=4)
     with _Counter() as counter:
@@ -189,13 +189,45 @@ def test_one_func_call_per_sub_batch_no_autograd_no_host_sync(name: str, monkeyp
     assert counter.syncs == 0
 
 
-def test_method_names_and_auto_choice() -> None:
-    assert "batched" in NTK_METHODS
-    assert resolve_method("auto", torch.device("cpu")) == "structured"  # the CPU prefers the rank-one path
-    assert resolve_method("auto", torch.device("cuda")) == "batched"
-    assert resolve_method("batched", torch.device("cpu")) == "batched"
+def test_method_names() -> None:
+    assert NTK_METHODS == ("auto", "structured", "batched", "jacobian")
     with pytest.raises(ValueError, match="method"):
-        resolve_method("fast", torch.device("cpu"))
+        JacobianGram(nn.Linear(2, 2), method="fast")
+
+
+@pytest.mark.parametrize(("name", "chosen"), [("2l-relu", "structured"), ("resnet20", "batched")])
+def test_auto_takes_the_method_with_the_least_counted_work(name: str, chosen: str) -> None:
+    # a wide 2L-ReLU's hidden layer is rank one over the classes (ten times fewer contraction operations), ResNet-20
+    # has no such block: the counts decide, the same way every time, and the choice and its reason are recorded
+    if name == "2l-relu":
+        model, shape = TwoLayerReLU((1, 8, 8), 2048, 10, seed=3).double().eval(), (1, 8, 8)
+    else:
+        model, shape = _model(name, 10)
+    x = torch.randn(512 if name == "2l-relu" else 48, *shape, generator=_gen(12), dtype=torch.float64)
+    engine = JacobianGram(model, batch_size=32)
+    k = engine.gram(x)
+    choice = engine.choice
+    assert engine.path == choice.method == chosen
+    assert set(choice.seconds) == {"structured", "batched", "jacobian"}
+    assert min(choice.seconds, key=choice.seconds.get) == chosen and chosen in choice.reason
+    assert all(c.example_flops > 0 and c.calls > 0 for c in choice.costs.values())
+    again = JacobianGram(model, batch_size=32)
+    assert torch.equal(again.gram(x), k) and again.choice.seconds == choice.seconds  # counted, not timed
+    assert _rel(k[:24, :24], empirical_ntk(model, x[:24], method="jacobian")) < 1e-10
+
+
+def test_a_block_that_is_not_rank_one_on_the_probe_never_tries(caplog: pytest.LogCaptureFixture) -> None:
+    # a layer followed by a data-dependent mixing is not rank one over the classes: the probe of "auto" finds it, so
+    # the kernel is computed once, without the recomputation that a failed check on the kernel's own sub-batches costs
+    torch.manual_seed(14)
+    model = nn.Sequential(nn.Linear(5, 64), nn.Tanh(), nn.Linear(64, 4096), nn.ReLU(), nn.Linear(4096, 10)).double()
+    x = torch.randn(512, 5, generator=_gen(13), dtype=torch.float64)
+    engine = JacobianGram(model, batch_size=32)
+    with caplog.at_level("DEBUG", logger="art_malleability.ntk.empirical"):
+        k = engine.gram(x)
+    assert engine.path == "structured" and engine._rank_one == [False, True, True]
+    assert "not rank one" not in caplog.text
+    assert _rel(k, empirical_ntk(model, x, method="batched")) < 1e-10  # itself checked against torch.func above
 
 
 def test_a_layer_skipped_after_planning_is_an_error() -> None:

@@ -25,6 +25,7 @@ from art_malleability.influence.ntk_memory import FACTOR_EFFICIENCY, SOLVE_EFFIC
 from art_malleability.metrics import SPEARMAN_PAIRS, top_k_count
 from art_malleability.metrics.accumulators import metrics_plan
 from art_malleability.models.reference import is_transductive
+from art_malleability.ntk._cost import loss_step_cost
 
 logger = logging.getLogger(__name__)
 
@@ -98,22 +99,28 @@ def estimate_audit(est: Any, n_train: int, n_query: int, refits: int, x_probe: n
         model = copy.deepcopy(model)
         model.set_context(x_probe)
     influence, plan = est._influence, None
+    passes = refits + 1
+    influence_seconds = None
     if isinstance(influence, NTKInfluence):
         with planned_work(influence, refits, n_query):
             plan = influence.plan(model, x_probe, n_train)
-    forward = _forward_operations(model, x_probe)
+        influence_seconds = float(plan["seconds"][plan["mode"]])
+    elif hasattr(influence, "score_seconds"):  # TracIn: the training set's gradients again with every query block
+        y_probe = _predicted(model, x_probe)
+        block = metrics_plan(n_query, n_train, k, est.n_bootstrap)["block_rows"]
+        full, last = divmod(n_query, block)
+        one = influence.score_seconds(model, x_probe, y_probe, n_train, block) if full else 0.0
+        rest = influence.score_seconds(model, x_probe, y_probe, n_train, last) if last else 0.0
+        influence_seconds = passes * (full * one + rest)
     steps = sum(1 if a == "fgsm" else int(est.attack_max_iter) for a in est.attacks)
-    attacks = changed * steps * 3.0 * forward / (rate * FACTOR_EFFICIENCY)
-    passes = refits + 1
+    attacks = changed * steps * _step_seconds(model, x_probe, est)
     one_thread, _ = nominal_gemm_rate(resolve_device(est.device), threads=1)
     pairs = min(SPEARMAN_PAIRS, n_query * n_train)
     metrics = ((refits * 2.0 * est.n_bootstrap * n_query * n_train / SOLVE_EFFICIENCY
                 + passes * n_query * n_train * np.log2(max(k, 2)) / FACTOR_EFFICIENCY) / rate
                + refits * (k * MEMBER_OPERATIONS + pairs * PAIR_OPERATIONS) / one_thread)
-    seconds: dict[str, float | None] = {
-        "influence": None if plan is None else float(plan["seconds"][plan["mode"]]), "attacks": float(attacks),
-        "metrics": float(metrics),
-    }
+    seconds: dict[str, float | None] = {"influence": influence_seconds, "attacks": float(attacks),
+                                         "metrics": float(metrics)}
     seconds["total"] = sum(v for v in seconds.values() if v is not None)
     # the training inputs, the queries, and the perturbed rows twice (read once as they are, and perturbed)
     inputs = int(np.prod(x_probe.shape[1:])) * 4 * (n_train + n_query + 2 * changed)
@@ -123,13 +130,21 @@ def estimate_audit(est: Any, n_train: int, n_query: int, refits: int, x_probe: n
                          None if plan is None else plan["reason"], seconds, int(peak), facts)
 
 
-def _forward_operations(model: torch.nn.Module, x_probe: np.ndarray) -> float:
-    """Floating-point operations of one example's forward pass, counted (``torch.utils.flop_counter``)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
+def _predicted(model: torch.nn.Module, x_probe: np.ndarray) -> np.ndarray:
+    """The model's own predictions for the probe (labels of the right range for counting a loss)."""
     device, dtype = model_device_dtype(model)
-    x = torch.as_tensor(np.asarray(x_probe[:8]), device=device, dtype=dtype)
-    with eval_mode(model), torch.no_grad(), FlopCounterMode(display=False) as counter:
-        model(x)
-    return float(counter.get_total_flops()) / max(len(x), 1)
+    with eval_mode(model), torch.no_grad():
+        return model(torch.as_tensor(np.asarray(x_probe[:2]), device=device, dtype=dtype)).argmax(1).cpu().numpy()
 
+
+def _step_seconds(model: torch.nn.Module, x_probe: np.ndarray, est: Any) -> float:
+    """
+    Seconds of one example's attack step: a forward and backward pass of its loss in the model's own dtype, counted
+    (:func:`~art_malleability.ntk._cost.loss_step_cost`) at the device's nominal rate, in ART's batches.
+    """
+    device, dtype = model_device_dtype(model)
+    x = torch.as_tensor(np.asarray(x_probe[:2]), device=device, dtype=dtype)
+    y = torch.as_tensor(_predicted(model, x_probe), device=device)
+    with eval_mode(model):
+        cost = loss_step_cost(model, x, y, torch.nn.functional.cross_entropy)
+    return cost.example_seconds(int(est.batch_size), device)

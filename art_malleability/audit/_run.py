@@ -22,7 +22,7 @@ from art.utils import compute_success_array
 from art_malleability._utils.checks import near_chance_warnings, one_hot
 from art_malleability._utils.io import progress_bar
 from art_malleability._utils.provenance import library_versions
-from art_malleability._utils.torch_utils import release_freed_memory, resolve_device
+from art_malleability._utils.torch_utils import as_model_inputs, release_freed_memory, resolve_device
 from art_malleability.audit._classifier import AuditInputs, PerturbedRows
 from art_malleability.audit.attacks import (
     CONTROL_LABEL,
@@ -107,6 +107,7 @@ def clean_accuracy(classifier: Any, data: ExampleSource, shard: Shard, batch_siz
     start, stop = shard.bounds(data.n)
     correct = 0
     for _, xb, yb in data.batches(batch_size * 8, start, stop):
+        xb = as_model_inputs(classifier.model, xb)  # a float64 model predicts on float64 inputs
         correct += int(np.sum(classifier.predict(xb, batch_size=batch_size).argmax(axis=1) == yb))
     correct = int(shard.all_reduce(torch.tensor([correct], dtype=torch.int64))[0])
     return correct / data.n
@@ -413,7 +414,9 @@ class AuditRun:
             xb, yb = x[s : s + chunk], labels[s : s + chunk]
             adv = perturb_training_set(attack, xb, yb, np.arange(len(xb)), seed=est.seed + s)
             x_adv[s : s + len(xb)] = adv
-            changed += int(np.sum(compute_success_array(est.classifier, xb, yb, adv, batch_size=est.batch_size)))
+            model = est.classifier.model  # predictions in the model's dtype (a float64 model's included)
+            changed += int(np.sum(compute_success_array(est.classifier, as_model_inputs(model, xb), yb,
+                                                        as_model_inputs(model, adv), batch_size=est.batch_size)))
             linf = max(linf, float(np.max(np.abs(adv - xb))) if len(xb) else 0.0)
             bar.update(len(xb))
         bar.close()
@@ -481,6 +484,8 @@ class AuditRun:
             details["mode_reason"] = influence.mode_reason_
         if getattr(influence, "ridge_", None) is not None:
             details["ridge"] = float(influence.ridge_)
+        if getattr(influence, "kernel_method_", None) is not None:
+            details["kernel_method"] = influence.kernel_method_
         if getattr(influence, "projector_", None) is not None:
             details["projection_dim"] = influence.projection_dim_
             details["projection_seed"] = influence.projection_seed

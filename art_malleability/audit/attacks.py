@@ -25,11 +25,13 @@ from __future__ import annotations
 import logging
 
 import numpy as np
+import torch
 from art.attacks import EvasionAttack
 from art.attacks.evasion import FastGradientMethod, MomentumIterativeMethod, ProjectedGradientDescent
 from art.estimators.classification import PyTorchClassifier
 
 from art_malleability._utils.params import one_of
+from art_malleability._utils.torch_utils import model_device_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +66,7 @@ def make_attack(
             "got None"
         )
     eps = float(eps)  # ART rejects numpy scalars
+    classifier = attack_classifier(classifier)
     if name == "fgsm":
         return FastGradientMethod(classifier, norm=np.inf, eps=eps, batch_size=batch_size)
     eps_step = 2.5 * eps / max_iter
@@ -81,6 +84,40 @@ def make_attack(
     return MomentumIterativeMethod(
         classifier, norm=np.inf, eps=eps, eps_step=eps_step, decay=1.0, max_iter=max_iter,
         batch_size=batch_size, verbose=False,
+    )
+
+
+class _FloatInputs(torch.nn.Module):
+    """A model of another floating-point dtype between float32 inputs and float32 logits (what ART's attacks pass and
+    expect): its weights and its forward pass as they are, in its own dtype."""
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.model, self.dtype = model, dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x.to(self.dtype)).to(x.dtype)
+
+
+def attack_classifier(classifier: PyTorchClassifier) -> PyTorchClassifier:
+    """
+    The classifier the named attacks run on. ART's attacks cast their inputs to float32 (``ART_NUMPY_DTYPE``), which a
+    float64 model refuses; for a model of any dtype but float32 this is a classifier around the same model (not a
+    copy; nothing of it changes) that casts the inputs to the model's dtype and the logits back, with the user's
+    classifier's loss, clip values and pre- and post-processing. A float32 model's classifier is returned as it is.
+
+    :param classifier: The user's classifier.
+    :return: The classifier to attack.
+    """
+    _, dtype = model_device_dtype(classifier.model)
+    if dtype == torch.float32:
+        return classifier
+    return PyTorchClassifier(
+        _FloatInputs(classifier.model, dtype), loss=classifier._loss, input_shape=classifier.input_shape,
+        nb_classes=classifier.nb_classes, channels_first=classifier.channels_first, clip_values=classifier.clip_values,
+        preprocessing_defences=classifier.preprocessing_defences,
+        postprocessing_defences=classifier.postprocessing_defences, preprocessing=classifier.preprocessing,
+        device_type="gpu" if classifier.device.type == "cuda" else "cpu",
     )
 
 

@@ -59,6 +59,9 @@ class ModelFacts:
     :param chunk_mb: The engine's chunk budget (MiB).
     :param panel: Examples whose factors the engine keeps at once.
     :param example_seconds: Seconds of one example's factors at the nominal rate, or ``None``.
+    :param pair_flops: Operations of the contraction per pair of examples (the engine's counted method), or ``None``
+        (``2 D``).
+    :param projected_seconds: Seconds of one example's projected features at the nominal rate, or ``None``.
     """
 
     factor: int
@@ -67,6 +70,8 @@ class ModelFacts:
     chunk_mb: float
     panel: int
     example_seconds: float | None = None
+    pair_flops: float | None = None
+    projected_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -200,9 +205,10 @@ def choose_mode(n: int, options: ModeOptions, machine: MachineFacts, model: Mode
     if estimating:  # counted operations at the nominal rate: the fit of a given mode needs none of it
         rate = machine.rate
         estimate = exact_seconds(n, model.factor, rate, world, model.example_seconds, model.panel, plan and plan[0],
-                                 kept=kept, query_bytes=model.example_bytes, factor_cache=factor_cache, **work)
+                                 kept=kept, query_bytes=model.example_bytes, factor_cache=factor_cache,
+                                 pair_flops=model.pair_flops, **work)
         projected = projected_seconds(n, model.factor, int(k) if given_k else DEFAULT_PROJECTION_DIM, rate, world,
-                                      **work)
+                                      example_seconds=model.projected_seconds, **work)
         choice.seconds = {"exact": estimate, "projected": projected}
     if given_k:
         choice.reason = f"projected: projection_dim={k} was given"

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from art_malleability._utils.params import RuleTable, invalid, is_number
+from art_malleability._utils.torch_utils import resolve_device, working_copy
 from art_malleability.influence.base import InfluenceEstimator
 
 logger = logging.getLogger(__name__)
@@ -124,6 +125,32 @@ class TracInInfluence(InfluenceEstimator):
         self._checkpoints, self._learning_rates = check_checkpoints(self.checkpoints, self.learning_rates)
         validate_checkpoints(model, self._checkpoints)
         self._final_state = snapshot_state(model)
+
+    def score_seconds(self, model: nn.Module, x_probe: np.ndarray, y_probe: np.ndarray, n_train: int,
+                      n_query: int) -> float:
+        """
+        Estimated seconds of one :meth:`scores` call of ``n_query`` queries against ``n_train`` training examples, from
+        counted work at the device's nominal rate (:mod:`~art_malleability.ntk._cost`; nothing timed), for an
+        audit's plan.
+
+        :param model: The model (a working copy is counted; its weights do not matter).
+        :param x_probe: A few training inputs.
+        :param y_probe: Their labels (class indices).
+        :param n_train: Training examples.
+        :param n_query: Queries of the call.
+        :return: Seconds.
+        """
+        device = resolve_device(self.device)
+        work = working_copy(model, device, self.dtype)
+        x = torch.as_tensor(np.asarray(x_probe[:2]), dtype=self.dtype, device=device)
+        y = torch.as_tensor(np.asarray(y_probe[:2]), dtype=torch.long, device=device)
+        checkpoints = 1 if self.checkpoints is None else len(self.checkpoints)
+        return checkpoints * self._score_seconds(work, x, y, int(n_train), int(n_query), device)
+
+    def _score_seconds(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, n_train: int, n_query: int,
+                       device: torch.device) -> float:
+        """One checkpoint's part of :meth:`score_seconds` (the subclass's way of computing the scores)."""
+        raise NotImplementedError
 
     @contextmanager
     def _final_weights_after(self) -> Iterator[None]:

@@ -27,6 +27,7 @@ from art_malleability._utils.params import Rule, RuleTable
 from art_malleability._utils.torch_utils import frozen_parameters_to_buffers
 from art_malleability.influence._tracin import TracInInfluence, snapshot_state
 from art_malleability.influence.base import KMostInfluential, per_example_loss
+from art_malleability.ntk._cost import MethodCost, loss_step_cost
 
 logger = logging.getLogger(__name__)
 
@@ -171,6 +172,23 @@ class CaptumInfluence(TracInInfluence):
             loss_fn=CaptumLoss(self.loss, reduction),
             sample_wise_grads_per_batch=self.sample_wise_,
         )
+
+    def _score_seconds(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, n_train: int, n_query: int,
+                       device: torch.device) -> float:
+        """
+        Captum's work for one query batch: a forward and backward pass of every training example and query (in
+        batches where its sample-wise gradients are exact, else one example at a time), each example's gradient of
+        all ``P`` parameters written, and the ``2 q n P`` operations of their dot products.
+        """
+        loss = CaptumLoss(self.loss, "sum")
+        step = loss_step_cost(model, x, y, loss)
+        wanted = self.sample_wise_grads_per_batch is not False
+        sample_wise = wanted and _sample_wise_problem(model, x[:1].cpu().numpy(), self.dtype, device) is None
+        examples = n_train + n_query
+        passes = examples / self.batch_size if sample_wise else examples
+        per = MethodCost("captum", step.example_flops, step.example_writes + step.example_numbers,
+                         2.0 * step.example_numbers, step.calls, 0.0, step.example_numbers, step.bits)
+        return per.seconds(examples, n_query * n_train, passes, device)
 
     def _captum(self, method: str, *args: object, **kwargs: object) -> object:
         """Call a method of Captum's ``TracInCP`` with gradients on; the model's final weights are restored after."""

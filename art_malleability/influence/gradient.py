@@ -80,6 +80,14 @@ class GradientInfluence(TracInInfluence):
     def _fit(self, model: nn.Module, x_train: np.ndarray, y_train: np.ndarray) -> None:
         self._fit_checkpoints(model)
 
+    def _score_seconds(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, n_train: int, n_query: int,
+                       device: torch.device) -> float:
+        """The kernel engine's counted work for the queries' and the training set's factors and their contraction."""
+        engine = JacobianGram(model, method=self.method, batch_size=self.batch_size, output_fn=self._loss_fn)
+        cost, rows = engine.method_cost(x, n_query, n_train, y)
+        examples = n_query + n_train
+        return cost.seconds(examples, n_query * n_train, examples / rows, device)
+
     def self_influence(self, x: np.ndarray | None = None, y: np.ndarray | None = None) -> np.ndarray:
         """
         TracIn self-influence ``Σ_k lr_k ‖g(θ_k)‖²`` (Captum's ``self_influence``), of the training set
@@ -110,4 +118,5 @@ class GradientInfluence(TracInInfluence):
                     model.load_state_dict(sd)
                 block = engine.gram(x1, x2, y1, y2).to(torch.float64)
                 total = lr * block if total is None else total + lr * block
+        self.kernel_method_ = engine.describe_method()
         return total.cpu().numpy()

@@ -257,6 +257,10 @@ class NTKInfluence(InfluenceEstimator):
     solver_ = property(lambda self: self._backend.solver, doc="The ridge solver of the fit.")
     projector_ = property(lambda self: getattr(self._backend, "projector", None), doc="The projection, if any.")
 
+    kernel_method_ = property(
+        lambda self: (self._session_._engine.describe_method()
+                      if self.mode_ == "exact" and self._session_._engine is not None else None),
+        doc="The exact kernel engine's method and why (``None`` when no exact kernel was computed).")
     projection_dim_ = property(lambda self: getattr(self.projector_, "dim", None),
                                doc="The realised projection dimension (``None`` in the exact mode).")
 

@@ -5,25 +5,25 @@ what its modes are estimated to cost on this machine.
 Every decision these feed (the mode of ``projection_dim="auto"``, the exact solve's form, the chunk sizes) depends
 only on the inputs, the options and fixed facts of the machine: its total memory (not what other processes leave
 free), the number of threads and the device's kind (a nominal GEMM rate, :func:`nominal_gemm_rate`, not one timed at
-that moment), and operation counts (:func:`factor_flops`, not a timed probe). The same command and seed thus run the
-same estimator whatever else the machine is doing; a run that cannot fit its chosen estimator in the memory available
-now stops with an error (:func:`check_available`) instead of switching estimators.
+that moment), and operation counts (the kernel engine's and the projection's, :mod:`art_malleability.ntk._cost`, not a
+timed probe). The same command and seed thus run the same estimator whatever else the machine is doing; a run that
+cannot fit its chosen estimator in the memory available now stops with an error (:func:`check_available`) instead of
+switching estimators.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import platform
 import time
 
-import numpy as np
 import torch
 
 from art_malleability._utils import cache as _cache
+from art_malleability._utils.machine import nominal_gemm_rate as nominal_gemm_rate
 from art_malleability._utils.torch_utils import available_memory, total_memory
 from art_malleability.distributed import ONE_PROCESS, Shard
-from art_malleability.ntk.empirical import DEFAULT_CHUNK_MB, JacobianGram
+from art_malleability.ntk.empirical import DEFAULT_CHUNK_MB
 
 #: Share of the available memory the large matrices may take when no ``memory_limit_gb`` is set.
 MEMORY_SHARE = 0.8
@@ -220,80 +220,15 @@ KERNEL_EFFICIENCY = 0.15
 #: factors themselves (measured: the whole kernel at 66-75 % of the rate with the factors' time in it; the
 #: contraction alone is assumed at 50 %, so that an estimate errs long).
 CONTRACTION_EFFICIENCY = 0.5
+#: Examples of the projection's pilot (its ``probe_size``: the first ones of the training set).
+PILOT_EXAMPLES = 64
 #: Share of the fp64 GEMM rate the blocked factorisation and inverse reach (benchmarks/bench_exact_solve.py).
 SOLVE_EFFICIENCY = 0.5
-#: Share of the fp64 GEMM rate at which the Jacobian factors' counted operations (:func:`factor_flops`) run: measured
-#: on one CPU core 14 % for the 2L-ReLU and 7.5 % for the SmallCNN (whose many small launches dominate); 5 % is
-#: assumed, so that an estimate errs long.
+#: Share of the fp64 GEMM rate at which a model's counted forward and backward operations run (the attacks' steps):
+#: measured on one CPU core 14 % for the 2L-ReLU and 7.5 % for the SmallCNN (whose many small launches dominate); 5 %
+#: is assumed, so that an estimate errs long.
 FACTOR_EFFICIENCY = 0.05
-#: Nominal clock (Hz) of :func:`nominal_gemm_rate`: below the base clock of current server CPUs and GPUs, so that an
-#: estimate errs long.
-NOMINAL_CLOCK_HZ = 2.0e9
-#: float64 multiply-adds per cycle and streaming multiprocessor of NVIDIA GPUs by compute capability (the data-centre
-#: parts; every other part has 2, a sixty-fourth of their rate or less).
-_CUDA_FP64_UNITS = {(6, 0): 32, (7, 0): 32, (8, 0): 32, (9, 0): 64, (10, 0): 64}
-
 _RATES: dict[str, float] = {}
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as handle:
-            for line in handle:
-                if line.startswith(("flags", "Features")):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def nominal_gemm_rate(device: torch.device, threads: int | None = None) -> tuple[float, str]:
-    """
-    A nominal float64 GEMM rate from fixed facts of the machine (never timed, so that a decision taken on it does not
-    depend on what else the machine is doing): on the CPU, ``threads`` (default: torch's) × the float64 operations per
-    cycle of its widest vector unit (AVX-512: 32, AVX2 with FMA or an ARM64 core: 16, else 8) ×
-    :data:`NOMINAL_CLOCK_HZ`; on a CUDA device, its multiprocessors × float64 units per multiprocessor (by compute
-    capability) × 2 × the nominal clock. Real rates are usually higher (a 2-thread AVX-512 CPU measured 97 GFLOP/s
-    against a nominal 128; an H200 67 TFLOP/s against 34), so estimates are of the right order and err long.
-
-    :param device: The compute device.
-    :param threads: CPU threads (``None``: ``torch.get_num_threads()``).
-    :return: ``(operations per second, the facts it came from)``.
-    """
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        units = _CUDA_FP64_UNITS.get((props.major, props.minor), 2)
-        rate = props.multi_processor_count * units * 2.0 * NOMINAL_CLOCK_HZ
-        return rate, (f"{props.name}: {props.multi_processor_count} multiprocessors x {units} fp64 units "
-                      f"(compute capability {props.major}.{props.minor}) at a nominal {NOMINAL_CLOCK_HZ / 1e9:g} GHz")
-    threads = torch.get_num_threads() if threads is None else int(threads)
-    flags = _cpu_flags()
-    if "avx512f" in flags:
-        per_cycle, unit = 32, "AVX-512"
-    elif {"avx2", "fma"} <= flags or platform.machine().lower() in ("arm64", "aarch64"):
-        per_cycle, unit = 16, "AVX2/FMA" if flags & {"avx2"} else "ARM64"
-    else:
-        per_cycle, unit = 8, "no wide vector unit known"
-    rate = threads * per_cycle * NOMINAL_CLOCK_HZ
-    return rate, f"{threads} CPU thread(s), {unit} ({per_cycle} fp64 operations per cycle) at a nominal " \
-                 f"{NOMINAL_CLOCK_HZ / 1e9:g} GHz"
-
-
-def factor_flops(engine: JacobianGram, probe: np.ndarray) -> float:
-    """
-    Floating-point operations of one example's Jacobian factors, counted (``torch.utils.flop_counter``, not timed)
-    on the kernel of the probe examples, less its contraction (``2 p² D``), per example.
-
-    :param engine: The kernel engine.
-    :param probe: A few training inputs.
-    :return: Operations per example.
-    """
-    from torch.utils.flop_counter import FlopCounterMode
-
-    with FlopCounterMode(display=False) as counter:
-        engine.gram(probe)
-    contraction = 2.0 * len(probe) ** 2 * engine.factor_elements(probe)
-    return max(float(counter.get_total_flops()) - contraction, 0.0) / max(len(probe), 1)
 
 
 def gemm_rate(device: torch.device, shard: Shard = ONE_PROCESS) -> float:
@@ -345,7 +280,7 @@ def factor_passes(n: int, panel: int, block: int | None = None) -> float:
 def exact_seconds(
     n: int, factor: int, rate: float, world: int = 1, example_seconds: float | None = None, panel: int | None = None,
     block: int | None = None, refits: int = 1, queries: int = 0, kept: bool = False, query_bytes: int = 0,
-    factor_cache: int | None = None,
+    factor_cache: int | None = None, pair_flops: float | None = None,
 ) -> float:
     """
     Estimated seconds of the exact mode's fit, ``refits`` refits of a tenth of the rows (``m = n / 10 + 1``, the
@@ -378,9 +313,12 @@ def exact_seconds(
     :param kept: Whether the training set's factors are kept between the kernel's computations.
     :param query_bytes: Bytes of one query's Jacobian factors (kept between passes with ``kept``).
     :param factor_cache: Bytes of the queries' factors kept (``None``: ``QUERY_CACHE_BYTES``).
+    :param pair_flops: Operations of the contraction per pair of examples, counted by the engine for its method
+        (``None``: ``2 D``).
     :return: Seconds.
     """
     m, passes, later = n // 10 + 1, refits + 1, max(refits - 1, 0)
+    pair = 2.0 * factor if pair_flops is None else float(pair_flops)
     q = queries
     solved = _kept_share(8 * q * (n - m))  # share of the queries whose unchanged part is kept
     solve = (4.0 * n**3 / 3.0 + refits * 2.0 * max(n - m, 0) ** 2 * m
@@ -393,14 +331,14 @@ def exact_seconds(
     else:
         row_products, query_factors = passes * q * n, passes * q
     if example_seconds is None:
-        kernel = 2.0 * (n * n * factor + row_products * factor) / KERNEL_EFFICIENCY / rate
+        kernel = (n * n + row_products) * pair / KERNEL_EFFICIENCY / rate
     else:
         panel = panel or n
         again = 0 if kept else n  # the set's factors, computed again per panel of new rows unless kept
         fit = n if kept else factor_passes(n, panel, block)  # kept: each example's factors once, tiles included
         examples = (fit + refits * (m + again * math.ceil(m / panel))
                     + query_factors + passes * again * math.ceil(q / panel))
-        contraction = 2.0 * ((n + refits * m) * n + row_products) * factor / CONTRACTION_EFFICIENCY / rate
+        contraction = ((n + refits * m) * n + row_products) * pair / CONTRACTION_EFFICIENCY / rate
         kernel = contraction + examples * example_seconds
     return (kernel + solve) / max(world, 1)
 
@@ -413,15 +351,21 @@ def _kept_share(nbytes: float, bound: int | None = None) -> float:
 
 
 def projected_seconds(n: int, factor: int, k: int, rate: float, world: int = 1, refits: int = 1,
-                      queries: int = 0) -> float:
+                      queries: int = 0, example_seconds: float | None = None) -> float:
     """
     Estimated seconds of the projected mode's fit, ``refits`` refits of a tenth of the rows and the scores of
-    ``queries`` queries after each: projecting the Jacobian factors of the training set, of the changed rows per
-    refit and of the queries once (``2 D k`` each) at ``KERNEL_EFFICIENCY``; per pass the primal solve with the hat
-    diagonal (``2 · 2 n k²`` and ``2 k³ / 3``) and the queries' leave-one-out factors (``2 q k (k + n)``) at
+    ``queries`` queries after each: the projected features of the training set, of the changed rows per refit, of
+    the queries once and of the projection's pilot (:data:`PILOT_EXAMPLES`), at ``example_seconds`` each (counted on
+    the projection itself, :func:`~art_malleability.ntk.projection.projected_example_seconds`; without it, projecting
+    the Jacobian factors, ``2 D k`` each, at ``KERNEL_EFFICIENCY``); per pass the primal solve with the hat diagonal
+    (``2 · 2 n k²`` and ``2 k³ / 3``) and the queries' leave-one-out factors (``2 q k (k + n)``) at
     ``SOLVE_EFFICIENCY``.
     """
     m, passes, w = n // 10 + 1, refits + 1, max(world, 1)
-    features = 2.0 * (n / w + refits * m / w + queries) * factor * k / KERNEL_EFFICIENCY
+    examples = n / w + refits * m / w + queries
+    if example_seconds is None:
+        features = 2.0 * examples * factor * k / KERNEL_EFFICIENCY / rate
+    else:
+        features = (examples + min(n, PILOT_EXAMPLES)) * example_seconds
     solve = passes * (4.0 * n * k * k / w + 2.0 * k**3 / 3.0 + 2.0 * queries * k * (k + n / w)) / SOLVE_EFFICIENCY
-    return (features + solve) / rate
+    return features + solve / rate

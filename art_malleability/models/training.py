@@ -34,7 +34,7 @@ from torch import nn
 from art_malleability._utils.checks import check_input_shape, check_loss, labels_to_indices
 from art_malleability._utils.io import progress_bar
 from art_malleability._utils.params import NON_NEGATIVE, POSITIVE, POSITIVE_INT, RuleTable, check_values
-from art_malleability._utils.torch_utils import resolve_device
+from art_malleability._utils.torch_utils import eval_mode, resolve_device
 from art_malleability.models.reference import is_transductive
 
 logger = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ def train_model(
     if not params:
         raise ValueError("model must have a parameter with requires_grad=True to train, got none")
 
-    with torch.no_grad():
+    with torch.no_grad(), eval_mode(model):  # a probe: no batch statistics of one example (nor their update)
         nb_outputs = model(x_t[:1]).shape[-1]
     if int(y_t.max()) >= nb_outputs:
         raise ValueError(f"y must hold class indices below the model's {nb_outputs} outputs, got {int(y_t.max())}")

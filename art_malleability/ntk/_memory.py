@@ -7,7 +7,7 @@ computed in sub-batches and assembled into blocks (see :mod:`art_malleability.nt
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -21,6 +21,11 @@ DEFAULT_CHUNK_MB = 256.0
 # examples, one thread: passes of 11 to 256 examples all took 7.4-11.7 s, within the spread of repeated runs), while
 # its intermediates add to the peak memory (1.78 GB at 22 examples a pass, 2.05 GB at 91, 2.70 GB at 256).
 CPU_PASS_MB = 64.0
+
+# Fewest examples a CPU pass takes where the chunk budget holds them, whatever CPU_PASS_MB says: a pass pays a fixed
+# overhead per operator (about 20 µs under torch.func), which ResNet-18's 1,400 operators make 28 ms, against 35 ms of
+# arithmetic an example (its float64 pass: 65 ms an example one at a time, 39 ms eight at a time).
+MIN_PASS_ROWS = 8
 
 # Share of a CUDA device's available memory one chunk may take: the engine holds about four chunks at its peak (the
 # raw factors of a sub-batch, kept factors or a panel of twice a chunk, one more block), so an eighth leaves room for
@@ -108,19 +113,16 @@ class OutputElements(TorchDispatchMode):
 
 @dataclass
 class Features:
-    """Per-example Jacobian factors of one batch."""
+    """Per-example Jacobian factors of one batch (see :mod:`art_malleability.ntk.empirical`)."""
 
     n: int
-    acts: list[torch.Tensor | None]  # per structured layer: (n, in) layer inputs, None if weight frozen
-    # per structured layer: (n, C, out) output gradients, or (n, out) rank-one factors g with
-    # δ_c = g u_c (see the module docstring of art_malleability.ntk.empirical)
-    grads: list[torch.Tensor]
-    jac: torch.Tensor | None  # (n, C, P) Jacobian of the fallback parameters (and of explicit probed layers)
-    # per structured convolution (batched method): unfolded inputs (n, L, d) and output gradients (n, L, C, o)
-    convs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # per structured block: its input side (n, L, d_in) (an embedding's token indices (n, L)) and its output gradients
+    # (n, L, C, o), or (n, 1, 1, o) rank-one factors g with δ_c = g u_c
+    blocks: list[tuple[torch.Tensor, torch.Tensor]]
+    jac: torch.Tensor | None  # (n, C, P): the explicit gradients and the fallback parameters' Jacobian, joined
 
     def _tensors(self) -> list[torch.Tensor | None]:
-        return [*self.acts, *self.grads, self.jac, *(t for pair in self.convs for t in pair)]
+        return [*(t for pair in self.blocks for t in pair), self.jac]
 
     def nbytes(self) -> int:
         """:return: Memory of the stored factors."""
@@ -132,21 +134,14 @@ class Features:
         def like(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.new_empty((n, *t.shape[1:]))
 
-        return Features(
-            n=n,
-            acts=[like(a) for a in self.acts],
-            grads=[like(g) for g in self.grads],
-            jac=like(self.jac),
-            convs=[(like(a), like(d)) for a, d in self.convs],
-        )
+        return Features(n=n, blocks=[(like(a), like(d)) for a, d in self.blocks], jac=like(self.jac))
 
     def take(self, start: int, stop: int) -> Features:
         """:return: The factors of the examples ``start:stop`` (views, nothing copied)."""
         def rows(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t[start:stop]
 
-        return Features(n=stop - start, acts=[rows(a) for a in self.acts], grads=[rows(g) for g in self.grads],
-                        jac=rows(self.jac), convs=[(rows(a), rows(d)) for a, d in self.convs])
+        return Features(n=stop - start, blocks=[(rows(a), rows(d)) for a, d in self.blocks], jac=rows(self.jac))
 
     def fill(self, part: Features, start: int) -> None:
         """Copy the factors of ``part`` into rows ``start:start + part.n``."""

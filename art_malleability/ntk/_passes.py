@@ -1,17 +1,9 @@
 """
-The per-sub-batch passes of the kernel engine (:class:`~art_malleability.ntk.empirical.JacobianGram`): one forward
-pass and the class gradients of a sub-batch, as the engine's method asks, turned into its Jacobian factors
-(:class:`~art_malleability.ntk._memory.Features`).
-
-- ``"structured"``: one forward pass capturing the structured layers' inputs and outputs and ``C`` backward passes
-  (:func:`~art_malleability.ntk._autograd.class_gradients`), the output gradients compressed to rank one where they
-  factor over the classes; the other parameters' Jacobians exactly (an unprojected
-  :class:`~art_malleability.ntk.projection.ProjectedNTK`, ``torch.func`` for the rest);
-- ``"batched"``: one class-batched ``torch.func`` pass with zero probes at the layers' outputs
-  (:func:`~art_malleability.ntk._autograd.probed_jacobians`), the probed convolutions and batch norms in closed form
-  (:mod:`~art_malleability.ntk._probed`).
-
-The plan (which layers take which path, from one probe forward pass) is made here too; the engine holds it.
+The plan and the per-sub-batch factors of the kernel engine (:class:`~art_malleability.ntk.empirical.JacobianGram`):
+the model's plan from the layer registry (:mod:`art_malleability.ntk.layers`), each Kronecker block's form, and one
+class-batched pass per sub-batch (:func:`~art_malleability.ntk.layers.passes.probed_pass`) turned into the Jacobian
+factors (:class:`~art_malleability.ntk._memory.Features`): the structured blocks' input sides and output gradients
+(rank one over the classes where ``"structured"`` finds them so), and every explicit gradient joined in one matrix.
 """
 
 from __future__ import annotations
@@ -22,193 +14,230 @@ import torch
 from torch import nn
 
 from art_malleability._utils.torch_utils import trainable_parameters
-from art_malleability.ntk._autograd import (
-    InputChanged,
-    class_gradients,
-    forward_capturing,
-    per_example_jacobian,
-    probe_calls,
-    probed_jacobians,
-)
-from art_malleability.ntk._memory import Features, OutputElements
-from art_malleability.ntk._probed import (
-    explicit_gradients,
-    prefers_structured,
-    probed_call,
-    probed_candidates,
-    structured_factors,
-)
-from art_malleability.ntk._rank_one import RankChange
-from art_malleability.ntk._structured import linear_candidates, two_dimensional_call
-from art_malleability.ntk.projection import ProjectedNTK
+from art_malleability.ntk._autograd import per_example_jacobian
+from art_malleability.ntk._cost import MethodCost, choose, count
+from art_malleability.ntk._memory import Features
+from art_malleability.ntk._rank_one import ClassDirections, RankChange
+from art_malleability.ntk.layers.base import Block
+from art_malleability.ntk.layers.passes import InputChanged, probed_pass, vmappable
+from art_malleability.ntk.layers.plan import plan_model
 
 logger = logging.getLogger("art_malleability.ntk.empirical")
 
 
+def factor_count(n: int, panel: int) -> int:
+    """Examples whose factors a symmetric kernel of ``n`` computes when panels of ``panel`` rows are kept: the
+    panel's own and the rows after it, once per panel."""
+    panels = -(-n // panel)
+    return panels * n - panel * panels * (panels - 1) // 2
+
+
+def prefers_structured(positions: int, width: int, channels: int, classes: int) -> bool:
+    """
+    The per-block rule: the structured form where its multiply-adds per pair of examples of the traced kernel are
+    fewer than the explicit form's.
+
+    - explicit: ``C·o·d`` (the dot product of two examples' ``C × o·d`` gradients);
+    - structured: ``L²·(d + C·o + 1)`` (the ``L × L`` position pairs of the input-side and the class-folded
+      output-side Gram matrices, and their product).
+
+    The explicit form's one-off product per example (``L·C·o·d``) is left out: a kernel of ``n`` examples spreads it
+    over ``n`` pairs. Structured is thus chosen for layers with few positions and wide sides (every ``nn.Linear`` on
+    2-D inputs, convolutions on small maps with many channels), which then also store fewer numbers per example
+    (``L·(d + C·o)``); explicit for long sequences and large maps with few channels.
+
+    :param positions: Positions ``L``.
+    :param width: Input-side multiply-adds of a position pair ``d`` (the columns; one for an embedding's tokens).
+    :param channels: Output side ``o``.
+    :param classes: Outputs ``C``.
+    :return: Whether the structured form costs fewer multiply-adds.
+    """
+    return positions**2 * (width + classes * channels + 1) < classes * channels * width
+
+
 class FeaturePasses:
-    """The plan and the sub-batch passes of :class:`~art_malleability.ntk.empirical.JacobianGram` (a base it
+    """The plan and the sub-batch factors of :class:`~art_malleability.ntk.empirical.JacobianGram` (a base it
     inherits; the engine holds the state)."""
 
     def _plan(self, x_probe: torch.Tensor, y_probe: torch.Tensor | None) -> None:
-        """
-        Decide which layers take a factorised path (probe forward pass): ``nn.Linear`` layers called once on 2-D
-        inputs, and for the batched method convolutions and batch norms (:mod:`~art_malleability.ntk._probed`),
-        each convolution in the form :func:`~art_malleability.ntk._probed.prefers_structured` picks.
-        """
-        if self._layers is not None:
+        """Plan the model (one probe forward pass), count its outputs and choose each block's form."""
+        if self._layer_plan is not None:
             return
-        candidates = [] if self._path == "jacobian" else linear_candidates(self.model)
-        probed = probed_candidates(self.model) if self._path == "batched" else []
-        rows = x_probe.shape[0]
-
-        def check(k: int, module: nn.Module, inputs: tuple, output: torch.Tensor) -> bool:
-            if k < len(candidates):
-                return two_dimensional_call(k, module, inputs, output)
-            return probed_call(probed[k - len(candidates)], inputs, output, rows)
-
-        watched = [c.module for c in candidates] + [p.module for p in probed]
-        with OutputElements() as sizes:
-            out, calls = probe_calls(self.model, watched, x_probe, check)
-        self._forward_size = (-(-sizes.total // rows), -(-sizes.largest // rows))
+        plan = plan_model(self.model, x_probe, lambda p: p.requires_grad)
+        self._forward_size = plan.forward_size
         with torch.no_grad():
-            self._n_outputs = int(self._apply_output_fn(out, y_probe).shape[1])
-        layers = [c for k, c in enumerate(candidates) if calls[k] == [True]]
-        self._probed = [p for k, p in enumerate(probed, start=len(candidates)) if calls[k] == [True]]
-        for p in self._probed:
-            p.structured = (
-                p.kind == "conv"
-                and p.weight
-                and prefers_structured(p.positions, p.patch, p.channels, self._n_outputs)
-            )
-        covered = set()
-        for module, weight, bias in [(c.module, c.weight, c.bias) for c in layers] + [
-            (p.module, p.weight, p.bias) for p in self._probed
-        ]:
-            if weight:
-                covered.add(id(module.weight))
-            if bias:
-                covered.add(id(module.bias))
-        self._fallback = [(n, p) for n, p in trainable_parameters(self.model) if id(p) not in covered]
-        self._layers = layers
-        self._rank_one = [True] * len(layers)
-        logger.debug(
-            "eNTK plan (%s): %d structured linear layer(s) %s, probed layer(s) %s, %d fallback parameter(s) %s",
-            self._path,
-            len(layers),
-            [c.name for c in layers],
-            [(p.name, "structured" if p.structured else "explicit") for p in self._probed],
-            len(self._fallback),
-            [n for n, _ in self._fallback],
-        )
+            self._n_outputs = int(self._apply_output_fn(plan.output, y_probe).shape[1])
+        plan.output = None
+        c = self._n_outputs
+        for b in plan.blocks:
+            b.structured = b.may_structure() and prefers_structured(b.positions, b.gram_width(), b.d_out, c)
+        self._layer_plan = plan
+        order: dict[int, nn.Parameter] = {}
+        for site in plan.sites:
+            in_blocks = {id(p) for b in site.blocks for p in b.params}
+            for b in site.blocks:
+                if not b.structured:
+                    for p in b.params:
+                        order.setdefault(id(p), p)
+            for _, p in site.params:
+                if id(p) not in in_blocks:
+                    order.setdefault(id(p), p)
+        self._explicit = list(order.values())
+        unused = set(plan.unused)
+        self._jacobian_params = [(n, p) for n, p in trainable_parameters(self.model) if n not in unused]
+        self._rank_one_blocks = [b.positions == 1 for b in plan.blocks if b.structured]
+        logger.debug("eNTK plan: structured block(s) %s, explicit %s, fallback %s",
+                     [b.name for b in plan.blocks if b.structured],
+                     [b.name for b in plan.blocks if not b.structured], [n for n, _ in plan.fallback])
+        if self._path is not None:
+            self._take_path(self._path)
+
+    def _take_path(self, path: str) -> None:
+        """Run ``path``: the structured blocks' list (none for ``"jacobian"``) and their rank-one state."""
+        self._path = path
+        plan = self._layer_plan
+        self._structured = [] if path == "jacobian" else [b for b in plan.blocks if b.structured]
+        self._rank_one = [] if path == "jacobian" else list(self._rank_one_blocks)
+
+    def _count(self, x: torch.Tensor, y: torch.Tensor | None) -> dict[str, MethodCost]:
+        """
+        Each method's counted work on the probe (:mod:`~art_malleability.ntk._cost`), from one counted pass:
+        ``"batched"``'s pass as it runs; ``"structured"`` the same pass and the rank-one check on its factors (which
+        also finds the blocks whose output gradients are not rank one over the classes: they never try to be), with
+        the compressed blocks' smaller contraction; ``"jacobian"`` the same pass and every block's per-example
+        gradients formed, contracted whole (not run: its Jacobian may not fit a probe).
+        """
+        c, probe = self._n_outputs, x.shape[0]
+        self._take_path("batched")
+        self._start(True)
+        try:
+            features, flops, writes, calls = count(self._sub_batch_features, x, y)
+            stored = self._example_size(raw=False)
+        finally:
+            self._finish()
+        classes = ClassDirections.fresh(len(self._structured))
+
+        def check() -> list[bool]:
+            return [c > 1 and b.positions == 1 and classes.factor(k, f[1][:, 0]) is not None
+                    for k, (b, f) in enumerate(zip(self._structured, features.blocks, strict=True))]
+
+        rank_one = check()  # sets the class directions: what is counted next is a sub-batch's check once they are
+        _, check_flops, check_writes, check_calls = count(check)
+        self._rank_one_blocks = rank_one
+
+        def pair(compressed: list[bool]) -> float:
+            total = 2.0 * c * self._explicit_numel()
+            for b, one in zip(self._structured, compressed, strict=True):
+                width = b.gram_width() + (1 if one else c) * b.d_out
+                total += 2.0 * width + 1 if b.positions == 1 else 2.0 * b.positions**2 * (width + 1)
+            return total
+
+        compressed = sum(b.positions * (c - 1) * b.d_out for b, one in zip(self._structured, rank_one, strict=True)
+                         if one)
+        numel = sum(p.numel() for _, p in self._jacobian_params)
+        formed = sum(2.0 * c * b.positions * b.d_out * b.d_in for b in self._structured)
+        return {
+            "batched": MethodCost("batched", flops / probe, writes / probe, pair([False] * len(rank_one)),
+                                  float(calls), 0.0, stored),
+            # the compressed blocks' stored output gradients are C times smaller: fewer numbers written
+            "structured": MethodCost("structured", (flops + check_flops) / probe,
+                                     (writes + check_writes) / probe - compressed, pair(rank_one),
+                                     float(calls + check_calls), 1.0 if any(rank_one) else 0.0, stored - compressed),
+            "jacobian": MethodCost("jacobian", flops / probe + formed, writes / probe + c * numel, 2.0 * c * numel,
+                                   float(calls), 0.0, c * numel),
+        }
+
+    def _choose(self, x: torch.Tensor, y: torch.Tensor | None, n1: int, n2: int | None) -> None:
+        """``"auto"``: count each method's work on the probe and take the least for a traced kernel of ``n1 × n2``
+        examples (``n2=None``: symmetric)."""
+        costs = self._count(x, y)
+        examples, passes = {}, {}
+        pairs = n1 * (n1 + 1) / 2 if n2 is None else n1 * n2
+        for path in costs:
+            self._take_path(path)
+            self._start(True)
+            rows, kept = self._sub_batch_rows(), self._kept_rows()
+            self._finish()
+            if n2 is None:
+                count_examples = n1 if n1 <= kept else factor_count(n1, max(kept - rows, rows))
+            else:
+                count_examples = n1 + n2 if n2 + rows <= kept else n1 + n2 * -(-n1 // max(kept - rows, rows))
+            examples[path] = float(count_examples)
+            passes[path] = float(-(-count_examples // rows))
+        choice = choose(costs, examples, pairs, passes, self.device)
+        self.choice = choice
+        self._take_path(choice.method)
+        logger.info("eNTK method (auto): %s", choice.reason)
+
+    def _unused_ids(self, plan: object) -> list[int]:
+        names = set(plan.unused)
+        return [id(p) for n, p in trainable_parameters(self.model) if n in names]
 
     def _sub_batch_features(self, x: torch.Tensor, y: torch.Tensor | None) -> Features:
-        """Factors of one sub-batch: one forward pass and ``C`` backward passes (one batched for ``"batched"``)."""
+        """Factors of one sub-batch from one class-batched pass (``"jacobian"``: ``torch.func`` for every
+        parameter)."""
         n = x.shape[0]
-        if self._path == "batched":
-            return self._batched_features(x, y)
-        acts: list[torch.Tensor | None] = []
-        grads: list[torch.Tensor] = []
-        if self._layers:
-            g, captured = forward_capturing(
-                [c.module for c in self._layers],
-                lambda: self._apply_output_fn(self.model(x), y),
-                clone_inputs=True,
-                hint="; use method='jacobian'",
-            )
-            outs = [c[1] for c in captured]
-            n_out = g.shape[1]
-            # raw output gradients, filled class by class: (n, C, out) per layer
-            grads = [
-                self._classes.raw_buffer(k, (n, n_out, o.shape[1]), o, temporary=self._compressed(k))
-                for k, o in enumerate(outs)
-            ]
-            for c, dc in class_gradients(g, outs):
-                for k, d in enumerate(dc):
-                    if d is None:
-                        grads[k][:, c].zero_()
-                    else:
-                        grads[k][:, c] = d
-                del dc
-            acts = [c[0] if plan.weight else None for c, plan in zip(captured, self._layers, strict=True)]
-            del g, outs, captured
-            for k in range(len(grads)):
-                if self._compressed(k):
-                    grads[k] = self._rank_one_factor(k, grads[k])
-
-        jac = None
-        if self._fallback:
-            jac = self._fallback_jacobian(x, y)
-        return Features(n=n, acts=acts, grads=grads, jac=jac)
-
-    def _batched_features(self, x: torch.Tensor, y: torch.Tensor | None) -> Features:
-        """
-        Factors of one sub-batch from one class-batched ``torch.func`` pass (:func:`probed_jacobians`): the linear
-        layers' inputs and output gradients as they come, each probed convolution's and batch norm's explicit
-        gradients (joined with the fallback's Jacobian in one matrix) or structured factors.
-        """
-        lin = len(self._layers)
+        plan = self._layer_plan
+        if self._path == "jacobian":
+            with vmappable(plan):
+                jac = per_example_jacobian(self.model, self._jacobian_params, x, y, self._apply_output_fn)
+            return Features(n=n, blocks=[], jac=jac)
         try:
-            acts, grads, jac = self._probed_pass(x, y)
+            result = probed_pass(plan, self.model, x, y, self._apply_output_fn, self._zeros, self._clone_inputs)
         except InputChanged:
             logger.debug("eNTK: the model changes a layer's input in place; keeping copies of the inputs")
             self._clone_inputs = True
-            acts, grads, jac = self._probed_pass(x, y)
-        parts: list[torch.Tensor] = []
-        convs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for k, p in enumerate(self._probed, start=lin):
-            inp, grad = acts[k], grads[k]
-            acts[k] = grads[k] = None  # released as soon as used: they are the pass's largest tensors
-            if p.structured:
-                convs.append(structured_factors(p, inp, grad))
+            result = probed_pass(plan, self.model, x, y, self._apply_output_fn, self._zeros, True)
+        pieces: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        parts: dict[int, torch.Tensor] = {}
+
+        def add(p: nn.Parameter, g: torch.Tensor) -> None:
+            parts[id(p)] = g if id(p) not in parts else parts[id(p)] + g
+
+        for i, site in enumerate(plan.sites):
+            kept, grads = result.kept[i], result.grads[i]
+            result.kept[i] = result.grads[i] = None  # released as soon as used: the pass's largest tensors
+            for j in range(len(kept)):
+                blocks, explicit = site.factors(kept[j], grads[j])
+                for b, f in zip(site.blocks, blocks, strict=True):
+                    pieces.setdefault(id(b), []).append(f)
+                for p, g in explicit:
+                    add(p, g)
+            del kept, grads
+        stored: list[tuple[torch.Tensor, torch.Tensor]] = []
+        k = 0
+        for b in plan.blocks:
+            calls = pieces.pop(id(b))
+            a = calls[0][0] if len(calls) == 1 else torch.cat([f[0] for f in calls], dim=1)
+            d = calls[0][1] if len(calls) == 1 else torch.cat([f[1] for f in calls], dim=2)
+            if b.structured:
+                stored.append(self._stored(k, b, a, d))
+                k += 1
             else:
-                parts.extend(explicit_gradients(p, inp, grad))
-            del inp, grad
-        if jac is not None:
-            parts.append(jac)
-        del jac
-        joined = None if not parts else parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
-        return Features(n=x.shape[0], acts=acts[:lin], grads=grads[:lin], jac=joined, convs=convs)
+                for p, g in b.explicit(a, d):
+                    add(p, g)
+        cols = [parts.pop(id(p)) for p in self._explicit]
+        if result.jac is not None:
+            cols.append(result.jac)
+        jac = None if not cols else cols[0] if len(cols) == 1 else torch.cat(cols, dim=2)
+        return Features(n=n, blocks=stored, jac=jac)
 
-    def _probed_pass(
-        self, x: torch.Tensor, y: torch.Tensor | None
-    ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None], torch.Tensor | None]:
-        """The class-batched pass of :meth:`_batched_features` over the linear and the probed layers."""
-        lin = len(self._layers)
-        return probed_jacobians(
-            self.model,
-            [c.module for c in self._layers] + [p.module for p in self._probed],
-            [c.weight for c in self._layers] + [p.keeps_input() for p in self._probed],
-            [(c.module.out_features,) for c in self._layers] + [p.out_shape for p in self._probed],
-            self._fallback,
-            x,
-            y,
-            self._apply_output_fn,
-            self._zeros,
-            contiguous=[True] * lin + [False] * len(self._probed),
-            clone_inputs=self._clone_inputs,
-        )
+    def _stored(self, k: int, block: Block, a: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A structured block's stored factors: the input side ``(n, L, d_in)`` and the output gradients
+        ``(n, L, C, o)``, or ``(n, 1, 1, o)`` where they are rank one over the classes."""
+        side = block.input_side(a).contiguous()
+        if self._compressed(k):
+            g = self._classes.factor(k, d[:, :, 0, :])
+            if g is None:
+                self._rank_one[k] = False
+                raise RankChange(block.name)
+            return side, g.reshape(g.shape[0], 1, 1, -1)
+        return side, d.permute(0, 2, 1, 3).contiguous()
 
-    def _rank_one_factor(self, k: int, d: torch.Tensor) -> torch.Tensor:
-        """
-        Rank-one factor of the raw output gradients ``d`` of layer ``k``
-        (:meth:`ClassDirections.factor <art_malleability.ntk._rank_one.ClassDirections.factor>`).
-
-        :raises RankChange: If the check fails (the layer is then marked as not rank one).
-        """
-        g = self._classes.factor(k, d)
-        if g is None:
-            self._rank_one[k] = False
-            raise RankChange(self._layers[k].name)
-        return g
-
-    def _fallback_jacobian(self, x: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
-        if self.output_fn is None and self._trace and self._path == "structured":
-            # traced NTK: exact Jacobians of convolutions and of modules' own parameters from their
-            # factors (an unprojected ProjectedNTK), whole-model torch.func only for the rest
-            if self._exact_rest is None:
-                params = [p for _, p in self._fallback]
-                self._exact_rest = ProjectedNTK(
-                    self.model, 2**31 - 1, batch_size=self.batch_size, chunk_mb=self.chunk_mb, parameters=params
-                ).plan(x)
-            return self._exact_rest._features(x).unsqueeze(1)
-        return per_example_jacobian(self.model, self._fallback, x, y, self._apply_output_fn)
+    def _explicit_numel(self) -> int:
+        """Numbers of the explicit gradients per output: the explicit blocks' and sites' parameters, and the
+        fallback's."""
+        plan = self._layer_plan
+        if self._path == "jacobian":
+            return sum(p.numel() for _, p in self._jacobian_params)
+        return sum(p.numel() for p in self._explicit) + sum(p.numel() for _, p in plan.fallback)

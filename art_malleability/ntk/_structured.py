@@ -1,100 +1,78 @@
 """
-The structured strategy of :mod:`art_malleability.ntk.empirical`: ``nn.Linear`` layers called once
-per forward pass on 2-D inputs, whose per-example Jacobians factor into the layer inputs and the
-output gradients, contracted without ever forming a Jacobian.
+The contraction of the kernel engine (:mod:`art_malleability.ntk.empirical`): a Gram block between two batches of
+Jacobian factors, from each structured block's position-pair products ``Σ_{l,l'} (A1 A2ᵀ) ⊙ (Δ1 Δ2ᵀ)`` (classes
+folded into ``Δ``, or kept apart) and one product of the explicit gradients.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-from torch import nn
 
-from art_malleability.ntk._autograd import plain_layers
 from art_malleability.ntk._memory import Features
-from art_malleability.ntk._probed import conv_contract
+from art_malleability.ntk.layers.base import Block
 
 
-@dataclass
-class LinearPlan:
-    """A ``nn.Linear`` layer handled by the structured (factorised) path."""
-
-    name: str
-    module: nn.Linear
-    weight: bool
-    bias: bool
-
-
-def linear_candidates(model: nn.Module) -> list[LinearPlan]:
+def block_contract(block: Block, f1: tuple[torch.Tensor, torch.Tensor], f2: tuple[torch.Tensor, torch.Tensor],
+                   trace: bool, chunk_elements: int) -> torch.Tensor:
     """
-    :param model: The model.
-    :return: Its plain ``nn.Linear`` layers (not subclasses with their own ``forward``) with a trained parameter.
+    A structured block's share of a Gram block: ``Σ_{l,l'} (A1 A2ᵀ) ⊙ (Δ1 Δ2ᵀ)`` with the classes folded into ``Δ``
+    (traced) or kept apart. With more than one position the ``(n1·L) × (n2·L)`` products are formed for rows of
+    ``f1`` at a time so that the two of them take at most ``chunk_elements`` numbers (one row at least).
+
+    :param block: The block (its input side's Gram).
+    :param f1: Stored factors ``(A, Δ)`` of the first batch: ``(n1, L, d_in)`` (or token indices) and
+        ``(n1, L, C, o)``.
+    :param f2: Stored factors of the second batch.
+    :param trace: Sum over outputs (``(n1, n2)``) or keep them (``(n1, n2, C, C)``).
+    :param chunk_elements: Numbers the intermediate products may take.
+    :return: The share.
     """
-    return [
-        LinearPlan(name, module, w, b)
-        for name, module, w, b in plain_layers(model, (nn.Linear,))
-        if type(module).forward is nn.Linear.forward
-    ]
+    (a1, d1), (a2, d2) = f1, f2
+    n1, n2, length, c = d1.shape[0], d2.shape[0], d1.shape[1], d1.shape[2]
+    if length == 1:
+        gram_a = block.gram(a1, a2)
+        if trace:
+            return (d1.reshape(n1, -1) @ d2.reshape(n2, -1).T).mul_(gram_a)
+        return torch.einsum("acn,bdn->abcd", d1[:, 0], d2[:, 0]).mul_(gram_a[:, :, None, None])
+    per_row = 2 * length * n2 * length * (1 if trace else c * c)
+    step = max(1, min(n1, chunk_elements // max(per_row, 1)))
+    d2f = d2.reshape(n2 * length, -1) if trace else d2.reshape(n2 * length * c, -1)
+    parts = []
+    for i in range(0, n1, step):
+        rows = min(step, n1 - i)
+        gram_a = block.gram(a1[i : i + rows], a2)  # (rows·L, n2·L)
+        if trace:
+            gram_d = d1[i : i + rows].reshape(rows * length, -1) @ d2f.T
+            parts.append(gram_d.mul_(gram_a).view(rows, length, n2, length).sum((1, 3)))
+        else:
+            gram_d = d1[i : i + rows].reshape(rows * length * c, -1) @ d2f.T
+            parts.append(torch.einsum("alcbmd,albm->abcd", gram_d.view(rows, length, c, n2, length, c),
+                                      gram_a.view(rows, length, n2, length)))
+        del gram_a, gram_d
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
-def two_dimensional_call(k: int, module: nn.Module, inputs: tuple, output: torch.Tensor) -> bool:
-    """Whether one call of a candidate layer maps a 2-D input to a 2-D output (the structured case)."""
-    return (
-        len(inputs) == 1
-        and isinstance(inputs[0], torch.Tensor)
-        and inputs[0].dim() == 2
-        and isinstance(output, torch.Tensor)
-        and output.dim() == 2
-    )
-
-
-def contract(
-    layers: list[LinearPlan],
-    f1: Features,
-    f2: Features,
-    n_outputs: int,
-    trace: bool,
-    dtype: torch.dtype,
-    device: torch.device,
-    chunk_elements: int = 2**25,
-) -> torch.Tensor:
+def contract(blocks: list[Block], f1: Features, f2: Features, n_outputs: int, trace: bool, dtype: torch.dtype,
+             device: torch.device, chunk_elements: int = 2**25) -> torch.Tensor:
     """
-    Gram block between two batches of factors: per structured layer ``(A1 A2ᵀ) ⊙ (Δ1 Δ2ᵀ)`` (classes folded into
-    ``Δ``), the structured convolutions' position-pair sums (:func:`~art_malleability.ntk._probed.conv_contract`),
-    and one product of the explicit Jacobians.
+    Gram block between two batches of factors: each structured block's share (:func:`block_contract`) and one
+    product of the explicit gradients.
 
-    :param layers: The structured layers the factors belong to.
+    :param blocks: The structured blocks the factors belong to.
     :param f1: Factors of the first batch (``n1`` examples).
     :param f2: Factors of the second batch (``n2`` examples).
     :param n_outputs: Number of outputs ``C``.
     :param trace: Sum over outputs (``(n1, n2)``) or keep them (``(n1, n2, C, C)``).
     :param dtype: Dtype of the block.
     :param device: Device of the block.
-    :param chunk_elements: Numbers the intermediate products of one structured convolution may take.
+    :param chunk_elements: Numbers the intermediate products of one block may take.
     :return: The block.
     """
-    c = n_outputs
     k: torch.Tensor | None = None  # the first term is the block itself: no zero fill, no extra add
-    for plan, a1, d1, a2, d2 in zip(layers, f1.acts, f1.grads, f2.acts, f2.grads, strict=True):
-        if trace:
-            # full (n, C, out) factors or rank-one (n, out) factors: the same product
-            s = d1.reshape(f1.n, -1) @ d2.reshape(f2.n, -1).T
-        else:
-            s = torch.einsum("acn,bdn->abcd", d1, d2)
-        if plan.weight:
-            gram_a = a1 @ a2.T
-            if plan.bias:
-                gram_a += 1.0
-            s.mul_(gram_a if trace else gram_a[:, :, None, None])
-        if k is None:
-            k = s
-        else:
-            k += s
-        del s
-    for c1, c2 in zip(f1.convs, f2.convs, strict=True):
-        s = conv_contract(c1, c2, trace, chunk_elements)
+    for block, b1, b2 in zip(blocks, f1.blocks, f2.blocks, strict=True):
+        s = block_contract(block, b1, b2, trace, chunk_elements)
         k = s if k is None else k.add_(s)
+        del s
     if f1.jac is not None:
         if trace:
             j1, j2 = f1.jac.reshape(f1.n, -1), f2.jac.reshape(f2.n, -1)
@@ -103,6 +81,6 @@ def contract(
             s = torch.einsum("acp,bdp->abcd", f1.jac, f2.jac)
             k = s if k is None else k.add_(s)
     if k is None:  # nothing trained reaches the outputs
-        shape = (f1.n, f2.n) if trace else (f1.n, f2.n, c, c)
+        shape = (f1.n, f2.n) if trace else (f1.n, f2.n, n_outputs, n_outputs)
         k = torch.zeros(shape, dtype=dtype, device=device)
     return k

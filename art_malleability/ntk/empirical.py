@@ -95,7 +95,6 @@ Results do not depend on the chunking beyond rounding.
 from __future__ import annotations
 
 import logging
-import math
 
 import numpy as np
 import torch
@@ -107,11 +106,12 @@ from art_malleability.ntk._autograd import (
     OutputFn,
     check_model,
     per_example_jacobian,
-    plain_layers,
 )
 from art_malleability.ntk._checks import check_batch_size, check_chunk_mb
+from art_malleability.ntk._cost import MethodChoice, MethodCost
 from art_malleability.ntk._memory import (
     DEFAULT_CHUNK_MB,
+    MIN_PASS_ROWS,
     Features,
     budget_elements,
     device_chunk_mb,
@@ -121,11 +121,10 @@ from art_malleability.ntk._memory import (
     rows_per_pass,
 )
 from art_malleability.ntk._passes import FeaturePasses
-from art_malleability.ntk._probed import (
-    ProbedLayer,
-)
 from art_malleability.ntk._rank_one import ClassDirections, RankChange
-from art_malleability.ntk._structured import LinearPlan, contract
+from art_malleability.ntk._structured import contract
+from art_malleability.ntk.layers.base import Block
+from art_malleability.ntk.layers.plan import Plan
 
 __all__ = [
     "DEFAULT_CHUNK_MB",
@@ -137,7 +136,6 @@ __all__ = [
     "check_chunk_mb",
     "empirical_ntk",
     "per_example_jacobian",
-    "plain_layers",
 ]
 
 logger = logging.getLogger(__name__)
@@ -146,22 +144,9 @@ NTK_METHODS = ("auto", "structured", "batched", "jacobian")
 #: The rule of a kernel engine's ``method`` (the gradient and NTK influences' too): one of :data:`NTK_METHODS`.
 METHOD = one_of(NTK_METHODS)
 
-# What ``"auto"`` prefers on each device type (see the module docstring); device types not listed run "structured".
-AUTO_METHODS = {"cpu": "structured", "cuda": "batched"}
-
 
 def _check_method(method: str) -> str:
     return METHOD(method, "method")
-
-
-def resolve_method(method: str, device: torch.device) -> str:
-    """
-    :param method: One of :data:`NTK_METHODS`.
-    :param device: The model's device.
-    :return: The method that runs: ``method`` itself, or for ``"auto"`` the one chosen for the device's type.
-    """
-    method = _check_method(method)
-    return AUTO_METHODS.get(torch.device(device).type, "structured") if method == "auto" else method
 
 
 class JacobianGram(FeaturePasses):
@@ -206,26 +191,26 @@ class JacobianGram(FeaturePasses):
         self.device, self.dtype = check_model(model)
         self.model = model
         self.method = _check_method(method)
-        self._path = resolve_method(method, self.device)  # the method that runs
+        self._path: str | None = None if method == "auto" else method  # the method that runs (None: not chosen yet)
+        #: What ``method="auto"`` chose and why (:class:`~art_malleability.ntk._cost.MethodChoice`), once chosen.
+        self.choice: MethodChoice | None = None
         self.batch_size = check_batch_size(batch_size)
         self.output_fn = output_fn
         self.chunk_mb = check_chunk_mb(chunk_mb)
-        self._layers: list[LinearPlan] | None = None
-        self._fallback: list[tuple[str, nn.Parameter]] = []
-        self._exact_rest = None  # exact factor-based Jacobians of the fallback parameters (traced NTK)
-        self._trace = False
+        self._layer_plan: Plan | None = None  # the layer registry's plan of the model
+        self._structured: list[Block] = []  # the blocks in the structured form, in the factors' order
+        self._explicit: list[nn.Parameter] = []  # the explicit gradients' parameters, in the factors' order
+        self._jacobian_params: list[tuple[str, nn.Parameter]] = []  # "jacobian": every used trained parameter
         self._n_outputs: int = 0
-        # rank-one class factorisation: per structured layer, whether it is still assumed
-        # (sticky once a layer fails the check), and the class directions, reset for every
-        # kernel computation
+        # rank-one class factorisation: per structured block, whether it is still assumed (sticky once a block fails
+        # the check), and the class directions, reset for every kernel computation
         self._rank_one: list[bool] = []
         self._classes = ClassDirections.fresh(0)
         self._compress = False
-        self._zeros: dict[tuple[int, ...], torch.Tensor] = {}  # zero probes of the batched method, by shape
-        self._probed: list[ProbedLayer] = []  # convolutions and batch norms of the batched method
+        self._zeros: dict[tuple[int, ...], torch.Tensor] = {}  # zero probes, by shape
         self._forward_size = (0, 0)  # numbers one example's forward pass creates: in all, the largest tensor
         self._budget_mb = self.chunk_mb  # the chunk budget of the current computation (from the device)
-        self._clone_inputs = False  # copy the probed layers' inputs (sticky once the model changed one in place)
+        self._clone_inputs = False  # copy the sites' inputs (sticky once the model changed one in place)
 
     # ------------------------------------------------------------------ planning
     def _apply_output_fn(self, out: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
@@ -236,7 +221,73 @@ class JacobianGram(FeaturePasses):
             return g.flatten(1)
         return g
 
-    def factor_elements(self, x_probe: np.ndarray | torch.Tensor, compressed: bool = True) -> int:
+    def method_cost(self, x_probe: np.ndarray | torch.Tensor, n1: int | None = None, n2: int | None = None,
+                    y_probe: np.ndarray | torch.Tensor | None = None) -> tuple[MethodCost, int]:
+        """
+        The counted work of the method that runs (:class:`~art_malleability.ntk._cost.MethodCost`; for a method that
+        was given, counted now on the probe) and the examples of its passes, for the time estimates of the
+        influences that use this engine.
+
+        :param x_probe: A few inputs.
+        :param n1: Rows of the kernel to plan for (``"auto"``'s choice; ``None``: ``batch_size``).
+        :param n2: Its columns (``None``: symmetric).
+        :param y_probe: The probe's labels (for ``output_fn``).
+        :return: The cost and the rows of a pass.
+        """
+        self.prepare(x_probe, n1, n2, y_probe)
+        if self.choice is not None:
+            cost = self.choice.costs[self._path]
+        else:
+            x = to_tensor(x_probe[:2], self.device, self.dtype)
+            y = None if y_probe is None else to_tensor(y_probe[:2], self.device, torch.long)
+            with eval_mode(self.model), no_tf32(self.device):
+                blocks = list(self._rank_one_blocks)
+                cost = self._count(x, y)[self._path]
+                self._rank_one_blocks = blocks  # a method that was given keeps its own rank-one trials
+                self._take_path(self.method)
+        self._start(True)
+        try:
+            return cost, self._sub_batch_rows()
+        finally:
+            self._finish()
+
+    def describe_method(self) -> dict | None:
+        """:return: The method that ran and why (``None`` before any computation): under ``"auto"`` the choice with
+            each candidate's counted work and estimated seconds (:class:`~art_malleability.ntk._cost.MethodChoice`)."""
+        if self._path is None:
+            return None
+        if self.choice is None:
+            return {"method": self._path, "reason": f"method={self.method!r} was given"}
+        return self.choice.to_dict()
+
+    @property
+    def path(self) -> str | None:
+        """The method that runs (``None`` until ``"auto"`` has chosen: at the first computation or plan)."""
+        return self._path
+
+    def prepare(self, x_probe: np.ndarray | torch.Tensor, n1: int | None = None, n2: int | None = None,
+                y_probe: np.ndarray | torch.Tensor | None = None) -> JacobianGram:
+        """
+        Plan the model on a few inputs and, under ``"auto"``, choose the method by counted work
+        (:mod:`~art_malleability.ntk._cost`) for a traced kernel of ``n1 × n2`` examples (``n2=None``: symmetric);
+        without sizes, for a symmetric kernel of ``batch_size`` examples. Called by the computations themselves; the
+        choice is made once and kept.
+
+        :param x_probe: A few inputs (two are used).
+        :param n1: Rows of the kernel the choice is for.
+        :param n2: Columns (``None``: a symmetric kernel of ``n1``).
+        :param y_probe: Their labels (for ``output_fn``).
+        :return: ``self``.
+        """
+        x = to_tensor(x_probe[:2], self.device, self.dtype)
+        y = None if y_probe is None else to_tensor(y_probe[:2], self.device, torch.long)
+        with eval_mode(self.model), no_tf32(self.device):
+            self._plan(x, y)
+            if self._path is None:
+                self._choose(x, y, self.batch_size if n1 is None else int(n1), n2)
+        return self
+
+    def factor_elements(self, x_probe: np.ndarray | torch.Tensor, compressed: bool = True, n: int | None = None) -> int:
         """
         Elements stored per example for the traced kernel (the size of its Jacobian factors): the
         cost of one kernel entry is about this many multiply-adds, and the memory of cached factors
@@ -246,11 +297,10 @@ class JacobianGram(FeaturePasses):
         :param compressed: Count layers whose output gradients may factor over the classes at the
             compressed size (the likely cost); ``False`` gives the largest size the factors can
             take (for memory checks).
+        :param n: The examples of the kernel to plan for (the choice of ``"auto"``; ``None``: ``batch_size``).
         :return: Elements per example.
         """
-        x = to_tensor(x_probe[:2], self.device, self.dtype)
-        with eval_mode(self.model):
-            self._plan(x, None)
+        self.prepare(x_probe, n)
         self._start(True)
         try:
             return self._example_size(raw=not compressed)
@@ -262,13 +312,10 @@ class JacobianGram(FeaturePasses):
         Set the per-computation state before a kernel computation: fresh class directions, or ``classes`` kept
         from an earlier computation (:class:`~art_malleability.ntk.kept.KeptFactors`).
         """
-        # the batched method never compresses: the rank-one check needs the host to read its outcome
-        self._compress = trace and self._n_outputs > 1 and self._path != "batched"
-        self._trace = trace
-        self._classes = ClassDirections.fresh(len(self._layers)) if classes is None else classes
+        # only "structured" compresses: the rank-one check needs the host to read its outcome
+        self._compress = trace and self._n_outputs > 1 and self._path == "structured"
+        self._classes = ClassDirections.fresh(len(self._structured)) if classes is None else classes
         self._budget_mb = device_chunk_mb(self.device, self.chunk_mb)
-        for p in self._probed:
-            p.refresh()
 
     def _finish(self) -> None:
         """Release the per-computation state after a kernel computation."""
@@ -276,34 +323,33 @@ class JacobianGram(FeaturePasses):
         self._compress = False
         self._zeros = {}
         self._budget_mb = self.chunk_mb
-        for p in self._probed:
-            p.normaliser = None
 
     def _compressed(self, k: int) -> bool:
         return self._compress and self._rank_one[k]
 
     def _example_size(self, raw: bool) -> int:
         """
-        Numbers per example: of one forward/backward pass (``raw``) or of the (possibly compressed) factors kept for
-        the contraction. For the batched method a pass holds, beside the factors, what its class-batched reverse pass
-        makes ``C`` times over: the output gradients of every probed layer, the explicit gradients formed from them
-        (and their concatenation), and :meth:`_pass_intermediates`.
+        Numbers of one example's factors kept for the contraction: the structured blocks' input sides and output
+        gradients (compressed where they are rank one, unless ``raw``) and the explicit gradients.
         """
         c = self._n_outputs
-        size = 0
-        for k, plan in enumerate(self._layers):
-            out = plan.module.out_features
-            size += out if (not raw and self._compressed(k)) else c * out
-            size += plan.module.in_features if plan.weight else 0
-        explicit = sum(p.parameters_per_output() for p in self._probed if not p.structured)
-        size += sum(p.stored(c) for p in self._probed if p.structured)
-        size += c * (explicit + sum(p.numel() for _, p in self._fallback))
-        if raw and self._path == "batched":
-            size += self._pass_intermediates()
-            size += c * sum(math.prod(p.out_shape) for p in self._probed)  # the probes' output gradients
-            size += sum(math.prod(p.in_shape) for p in self._probed if p.keeps_input())
-            size += c * (explicit + sum(p.numel() for _, p in self._fallback))  # explicit parts before concatenation
+        size = c * self._explicit_numel()
+        for k, b in enumerate(self._structured):
+            classes = 1 if (not raw and self._compressed(k)) else c
+            size += b.positions * (b.d_in + classes * b.d_out)
         return max(size, 1)
+
+    def _pass_size(self) -> int:
+        """
+        Numbers of one example's pass beside the forward pass's intermediates: every probe's output gradients ``C``
+        times over, what the sites keep of their inputs, the stored factors formed from them, and the explicit
+        gradients once more (their parts before they are joined); for ``"jacobian"`` its per-example Jacobian twice.
+        """
+        if self._path == "jacobian":
+            return 2 * self._example_size(raw=True)
+        c = self._n_outputs
+        size = sum(c * s.probe_numel() + s.kept_numel() for s in self._layer_plan.sites)
+        return size + self._example_size(raw=True) + c * self._explicit_numel()
 
     def _pass_intermediates(self) -> int:
         """Numbers per example of a pass beside its factors: the forward pass's intermediate tensors and the largest
@@ -329,11 +375,13 @@ class JacobianGram(FeaturePasses):
         return max(bs, (self._kept_rows() - bs) // bs * bs)
 
     def _sub_batch_rows(self) -> int:
-        """Examples per forward/backward pass: ``batch_size`` capped by the pass budget (:func:`pass_chunk_mb`)."""
-        size = self._example_size(raw=True)
-        if self._path != "batched":  # the batched size counts them already
-            size += self._pass_intermediates()
-        return rows_per_pass(self.batch_size, pass_chunk_mb(self.device, self._budget_mb), self.dtype, size)
+        """Examples per forward/backward pass: ``batch_size`` capped by the pass budget (:func:`pass_chunk_mb`), and
+        at least :data:`~art_malleability.ntk._memory.MIN_PASS_ROWS` where the chunk budget holds them (a large
+        model's pass would otherwise pay its operators' fixed overhead for one or two examples)."""
+        size = self._pass_size() + self._pass_intermediates()
+        rows = rows_per_pass(self.batch_size, pass_chunk_mb(self.device, self._budget_mb), self.dtype, size)
+        whole = rows_per_pass(self.batch_size, self._budget_mb, self.dtype, size)
+        return max(rows, min(MIN_PASS_ROWS, whole))
 
     # ------------------------------------------------------------------ features
     def features(self, x: torch.Tensor, y: torch.Tensor | None = None) -> Features:
@@ -358,7 +406,7 @@ class JacobianGram(FeaturePasses):
         :return: The block.
         """
         return contract(
-            self._layers,
+            self._structured,
             f1,
             f2,
             self._n_outputs,
@@ -402,8 +450,8 @@ class JacobianGram(FeaturePasses):
         if n1 == 0 or n2 == 0:
             raise ValueError(f"x1 and x2 must hold at least one example each, got {n1} and {n2}")
 
+        self.prepare(x1, n1, None if sym else n2, y1)
         with eval_mode(self.model), no_tf32(self.device):
-            self._plan(x1[:2], None if y1 is None else y1[:2])
             try:
                 while True:
                     self._start(trace)

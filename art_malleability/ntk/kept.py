@@ -64,7 +64,7 @@ class KeptFactors:
             try:
                 yield
             finally:
-                self._state.scratch = [None] * len(engine._layers)
+                self._state.scratch = [None] * len(engine._structured)
                 engine._finish()
 
     def _blocks_of(self, x: torch.Tensor) -> list[Features]:
@@ -75,10 +75,9 @@ class KeptFactors:
         engine = self.engine
         self._last = BoundedCache(self.query_bytes, lambda block: block.nbytes())
         self._base_rows = BoundedCache(_cache.QUERY_CACHE_BYTES, lambda t: t.numel() * t.element_size())
-        with eval_mode(engine.model):
-            engine._plan(self.x[:2], None)
+        engine.prepare(self.x, self.n)
         while True:
-            self._state = ClassDirections.fresh(len(engine._layers))
+            self._state = ClassDirections.fresh(len(engine._structured))
             try:
                 with self._session():
                     self._blocks = self._blocks_of(self.x)

@@ -7,25 +7,22 @@ J(x)·J(x')``. :class:`ProjectedNTK` maps each ``J(x)`` to ``k`` dimensions with
 linear map ``R`` (``E[RᵀR] = I``, so ``K ≈ ΦΦᵀ`` without bias) and never materialises a
 per-example Jacobian larger than a layer's factors:
 
-- **Kronecker-factored layers** (``nn.Linear`` on inputs of any rank, ``nn.Conv2d`` with
-  ``groups=1`` and zero padding), as in LoGra (Choe et al., 2024). The Jacobian of such a layer is
-  ``Σ_p vec(Δ_p) ⊗ a_p`` over positions ``p`` (one for a linear layer on 2-D inputs; the output
-  pixels for a convolution), with ``Δ_p`` the ``C × out`` output gradients of all classes and
-  ``a_p`` the layer input (the unfolded patch for a convolution), extended by a constant 1 when the
-  bias is trained. Its projection ``(P_out ⊗ P_in)`` is computed as
-  ``Σ_p (P_out vec Δ_p) ⊗ (P_in a_p)``: each factor is projected first, then the small outer
-  products are summed over positions. The output side accumulates class by class during the
-  ``C`` backward passes, so the ``C × out`` gradients are never stored for all classes at once.
-- **Parameters of other modules called once** (batch norm, layer norm, any layer that owns its
-  parameters and treats examples independently): the module's input and output are captured in
-  the same forward pass, and the per-example gradients of its own parameters for each class come
-  from a ``torch.func`` vector-Jacobian product of *that module alone*
-  (``vmap(vjp(functional_call(module, ...)))``) with the output gradients of the same ``C``
-  backward passes; they are multiplied by a Gaussian matrix class block by class block.
-- **All other trainable parameters** (free-standing parameters of the root module, tied
-  parameters, modules called several times) form one *fallback* group: per-example Jacobians of
-  the whole model from ``torch.func.vmap(torch.func.jacrev(...))`` in sub-batches, multiplied by a
-  Gaussian matrix.
+The groups come from the layer registry's plan (:mod:`art_malleability.ntk.layers`), the same as the exact
+engine's, and their factors from the same class-batched pass
+(:func:`~art_malleability.ntk.layers.passes.probed_pass`):
+
+- **Kronecker blocks** (``nn.Linear`` on inputs of any rank, convolutions with one group, embeddings, attention's
+  and recurrent layers' projections), as in LoGra (Choe et al., 2024). The Jacobian of such a block is
+  ``Σ_p vec(Δ_p) ⊗ a_p`` over positions ``p`` (tokens, output pixels, time steps), with ``Δ_p`` the ``C × o``
+  output gradients of all classes and ``a_p`` the block's input side (the unfolded patch for a convolution, the
+  token's one-hot row for an embedding), extended by a constant 1 when the bias is trained. Its projection
+  ``(P_out ⊗ P_in)`` is computed as ``Σ_p (P_out vec Δ_p) ⊗ (P_in a_p)``: each factor is projected first, then the
+  small outer products are summed over positions.
+- **Explicit gradients** (normalisation layers, grouped convolutions, tied weights, the modules the registry does
+  not know, taken by the batched path of their own parameters): one group per site, its per-example gradients for
+  every class multiplied by a Gaussian matrix.
+- **The fallback parameters** (free-standing parameters, weights used outside their module): their per-example
+  Jacobians from the pass run under ``vmap`` over the examples, multiplied by a Gaussian matrix.
 
 Gaussian matrices are generated in column blocks from the seed and stored only when small.
 
@@ -56,10 +53,11 @@ import torch
 from torch import nn
 
 from art_malleability._utils.torch_utils import eval_mode, no_tf32, to_tensor
-from art_malleability.ntk._autograd import check_model, class_gradients, forward_capturing, per_example_jacobian
+from art_malleability.ntk._autograd import check_model
 from art_malleability.ntk._checks import check_batch_size, check_chunk_mb, check_projection_dim
-from art_malleability.ntk._groups import Group, find_groups, layer_positions, module_gradients
-from art_malleability.ntk._memory import DEFAULT_CHUNK_MB, rows_per_pass
+from art_malleability.ntk._cost import MethodCost, count
+from art_malleability.ntk._groups import Group, find_groups
+from art_malleability.ntk._memory import DEFAULT_CHUNK_MB, MIN_PASS_ROWS, pass_chunk_mb, rows_per_pass
 from art_malleability.ntk._sketch import (
     FALLBACK_BLOCK,
     allocate,
@@ -68,6 +66,8 @@ from art_malleability.ntk._sketch import (
     orthogonal_projection,
     seed_of,
 )
+from art_malleability.ntk.layers.passes import InputChanged, probed_pass
+from art_malleability.ntk.layers.plan import Plan, plan_model
 
 __all__ = [
     "ProjectedNTK",
@@ -136,6 +136,9 @@ class ProjectedNTK:
         self.like = like
         self.groups: list[Group] | None = None
         self.n_outputs = 0
+        self._plan: Plan | None = None
+        self._zeros: dict = {}
+        self._clone_inputs = False
 
     # ------------------------------------------------------------------ planning
     @property
@@ -248,15 +251,17 @@ class ProjectedNTK:
             offset += g.k
 
     def _find_groups(self, x_probe: torch.Tensor) -> list[Group]:
-        def wanted(p: nn.Parameter | None) -> bool:
-            return p is not None and p.requires_grad and (self._include is None or id(p) in self._include)
+        def wanted(p: nn.Parameter) -> bool:
+            return p.requires_grad and (self._include is None or id(p) in self._include)
 
-        groups, self.n_outputs = find_groups(self.model, x_probe, wanted)
-        logger.debug(
-            "projected NTK plan: %s; fallback %s",
-            [(g.name, g.kind) for g in groups if g.kind != "fallback"],
-            [n for g in groups if g.kind == "fallback" for n, _ in g.params],
-        )
+        plan = plan_model(self.model, x_probe, wanted)
+        if plan.output.dim() != 2:
+            raise ValueError(f"model must return outputs of shape (n, C), got shape {tuple(plan.output.shape)}")
+        self.n_outputs = int(plan.output.shape[1])
+        plan.output = None
+        self._plan = plan
+        groups = find_groups(plan, self.n_outputs)
+        logger.debug("projected NTK plan: %s", [(g.name, g.kind, g.kronecker) for g in groups])
         return groups
 
     def _draw(self, g: Group, index: int, k: int, pilot: bool, split: tuple[int, int] | None = None) -> None:
@@ -301,61 +306,74 @@ class ProjectedNTK:
         return out
 
     def _rows_per_pass(self, x: torch.Tensor) -> int:
-        """Examples per pass: ``batch_size`` capped by the budget on the per-example buffers."""
-        per_example = self.dim
+        """Examples per pass: ``batch_size`` capped by the budget on the per-example buffers (the pass's output
+        gradients and kept inputs, the forward pass's intermediates, the explicit gradients and the projected
+        sides)."""
+        c = self.n_outputs
+        plan = self._plan
+        total, largest = plan.forward_size
+        per_example = self.dim + total + 2 * c * largest
+        per_example += sum(c * s.probe_numel() + s.kept_numel() for s in plan.sites)
         for g in self.groups:
-            if not g.kronecker:
-                per_example += 2 * g.full_dim
+            if g.kronecker:
+                per_example += g.positions * (g.k_out + g.k_in + g.d_in)
             else:
-                per_example += g.positions * (g.k_out + g.k_in + g.d_in + g.d_out // max(self.n_outputs, 1))
-        return rows_per_pass(self.batch_size, self.chunk_mb, self.dtype, per_example)
+                per_example += 2 * g.full_dim
+        rows = rows_per_pass(self.batch_size, pass_chunk_mb(self.device, self.chunk_mb), self.dtype, per_example)
+        return max(rows, min(MIN_PASS_ROWS, rows_per_pass(self.batch_size, self.chunk_mb, self.dtype, per_example)))
 
     def _pass(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
         out = torch.empty((n, self.dim), dtype=self.dtype, device=self.device)
-        hooked = [g for g in self.groups if g.kind != "fallback"]
-        if hooked:
-            logits, captured = forward_capturing([g.module for g in hooked], lambda: self.model(x), clone_inputs=False)
-            outs = [c[1] for c in captured]
-            acc = [
-                torch.zeros((n, layer_positions(g.module, o), g.k_out), dtype=self.dtype, device=self.device)
-                if g.kronecker
-                else torch.zeros((n, g.k), dtype=self.dtype, device=self.device)
-                for g, o in zip(hooked, outs, strict=True)
-            ]
-            n_out = logits.shape[1]
-            for c, grads in class_gradients(logits, outs):
-                for g, a, d, (inp, _) in zip(hooked, acc, grads, captured, strict=True):
-                    if d is None:
-                        continue
-                    width = g.d_out // n_out
-                    if not g.kronecker:
-                        jac = module_gradients(g, inp, d)
-                        self._project_columns(g, jac, c * width, (c + 1) * width, a)
-                        continue
-                    d = d.flatten(2).transpose(1, 2) if g.kind == "conv" else d.reshape(n, -1, width)
-                    if g.p_out is None:
-                        a[:, :, c * width : (c + 1) * width] = d
-                    else:
-                        a += d @ g.p_out[:, c * width : (c + 1) * width].T
-                del grads
-            del logits, outs
-            for g, a, (inp, _) in zip(hooked, acc, captured, strict=True):
-                if not g.kronecker:
-                    out[:, g.offset : g.offset + g.k] = a
+        plan = self._plan
+        try:
+            result = probed_pass(plan, self.model, x, None, _outputs, self._zeros, self._clone_inputs)
+        except InputChanged:
+            self._clone_inputs = True
+            result = probed_pass(plan, self.model, x, None, _outputs, self._zeros, True)
+        kron = {id(g.block): g for g in self.groups if g.kronecker}
+        parts: dict[int, torch.Tensor] = {}
+
+        def add(p: nn.Parameter, grad: torch.Tensor) -> None:
+            parts[id(p)] = grad if id(p) not in parts else parts[id(p)] + grad
+
+        for i, site in enumerate(plan.sites):
+            kept, grads = result.kept[i], result.grads[i]
+            result.kept[i] = result.grads[i] = None
+            pieces: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in site.blocks]
+            for j in range(len(kept)):
+                blocks, explicit = site.factors(kept[j], grads[j])
+                for k, f in enumerate(blocks):
+                    pieces[k].append(f)
+                for p, grad in explicit:
+                    add(p, grad)
+            del kept, grads
+            for b, calls in zip(site.blocks, pieces, strict=True):
+                a = calls[0][0] if len(calls) == 1 else torch.cat([f[0] for f in calls], dim=1)
+                d = calls[0][1] if len(calls) == 1 else torch.cat([f[1] for f in calls], dim=2)
+                g = kron.get(id(b))
+                if g is None:
+                    for p, grad in b.explicit(a, d):
+                        add(p, grad)
                     continue
-                side = g.input_side(inp, a.shape[1])
-                if g.p_in is not None:
-                    side = side @ g.p_in.T
-                block = torch.bmm(a.transpose(1, 2), side)  # (n, k_out, k_in): Σ_p over positions
+                # (n, C, L, o) -> (n, L, C·o), class-major: projected on the output side, then summed over positions
+                side_out = d.permute(0, 2, 1, 3).reshape(n, d.shape[2], -1)
+                if g.p_out is not None:
+                    side_out = side_out @ g.p_out.T
+                side_in = g.project_side(b.input_side(a))
+                block = torch.bmm(side_out.transpose(1, 2), side_in)  # (n, k_out, k_in)
                 out[:, g.offset : g.offset + g.k] = block.reshape(n, -1)
-            del acc, captured
         for g in self.groups:
+            if g.kronecker:
+                continue
             if g.kind == "fallback":
-                jac = per_example_jacobian(self.model, g.params, x).reshape(n, -1)
-                a = torch.zeros((n, g.k), dtype=self.dtype, device=self.device)
-                self._project_columns(g, jac, 0, g.full_dim, a)
-                out[:, g.offset : g.offset + g.k] = a
+                jac = result.jac.reshape(n, -1)
+            else:
+                cols = [parts.pop(id(p)) for p in g.params]
+                jac = (cols[0] if len(cols) == 1 else torch.cat(cols, dim=2)).reshape(n, -1)
+            acc = torch.zeros((n, g.k), dtype=self.dtype, device=self.device)
+            self._project_columns(g, jac, 0, g.full_dim, acc)
+            out[:, g.offset : g.offset + g.k] = acc
         return out
 
     def _project_columns(self, g: Group, jac: torch.Tensor, start: int, stop: int, acc: torch.Tensor) -> None:
@@ -368,3 +386,31 @@ class ProjectedNTK:
             for s in range(start, stop, FALLBACK_BLOCK):
                 e = min(s + FALLBACK_BLOCK, stop)
                 acc += jac[:, s - start : e - start] @ gaussian_block(g.k, s, e, g.seed, self.dtype, self.device).T
+
+
+def _outputs(out: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
+    """The model's outputs as they are (the projection is of the logits' Jacobians)."""
+    return out
+
+
+def projected_example_seconds(model: nn.Module, probe: np.ndarray | torch.Tensor, projection_dim: int,
+                              batch_size: int = 256, device: torch.device | None = None) -> float:
+    """
+    Estimated seconds of one example's projected features (:mod:`~art_malleability.ntk._cost`'s counts at the
+    device's nominal rate): a projection planned on up to eight probe examples, its features of two counted.
+
+    :param model: The model.
+    :param probe: A few inputs.
+    :param projection_dim: The budget ``k``.
+    :param batch_size: Examples per pass at most.
+    :param device: The device (``None``: the model's).
+    :return: Seconds per example.
+    """
+    projector = ProjectedNTK(model, projection_dim, batch_size=batch_size, probe_size=8).plan(probe[:8])
+    x = to_tensor(probe[:2], projector.device, projector.dtype)
+    with eval_mode(model), no_tf32(projector.device):
+        _, flops, writes, calls = count(projector._features, x)
+        rows = projector._rows_per_pass(x)
+    n = x.shape[0]
+    cost = MethodCost("projected", flops / n, writes / n, 0.0, float(calls), 0.0, projector.dim)
+    return cost.example_seconds(rows, projector.device if device is None else device)
