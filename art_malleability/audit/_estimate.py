@@ -25,7 +25,7 @@ from art_malleability.influence.ntk_memory import FACTOR_EFFICIENCY, SOLVE_EFFIC
 from art_malleability.metrics import SPEARMAN_PAIRS, top_k_count
 from art_malleability.metrics.accumulators import metrics_plan
 from art_malleability.models.reference import is_transductive
-from art_malleability.ntk._cost import loss_step_cost
+from art_malleability.ntk.cost import loss_step_cost
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ def _predicted(model: torch.nn.Module, x_probe: np.ndarray) -> np.ndarray:
 def _step_seconds(model: torch.nn.Module, x_probe: np.ndarray, est: Any) -> float:
     """
     Seconds of one example's attack step: a forward and backward pass of its loss in the model's own dtype, counted
-    (:func:`~art_malleability.ntk._cost.loss_step_cost`) at the device's nominal rate, in ART's batches.
+    (:func:`~art_malleability.ntk.cost.loss_step_cost`) at the device's nominal rate, in ART's batches.
     """
     device, dtype = model_device_dtype(model)
     x = torch.as_tensor(np.asarray(x_probe[:2]), device=device, dtype=dtype)

@@ -130,7 +130,7 @@ class TracInInfluence(InfluenceEstimator):
                       n_query: int) -> float:
         """
         Estimated seconds of one :meth:`scores` call of ``n_query`` queries against ``n_train`` training examples, from
-        counted work at the device's nominal rate (:mod:`~art_malleability.ntk._cost`; nothing timed), for an
+        counted work at the device's nominal rate (:mod:`~art_malleability.ntk.cost`; nothing timed), for an
         audit's plan.
 
         :param model: The model (a working copy is counted; its weights do not matter).

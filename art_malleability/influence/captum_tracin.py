@@ -27,7 +27,7 @@ from art_malleability._utils.params import Rule, RuleTable
 from art_malleability._utils.torch_utils import frozen_parameters_to_buffers
 from art_malleability.influence._tracin import TracInInfluence, snapshot_state
 from art_malleability.influence.base import KMostInfluential, per_example_loss
-from art_malleability.ntk._cost import MethodCost, loss_step_cost
+from art_malleability.ntk.cost import MethodCost, loss_step_cost
 
 logger = logging.getLogger(__name__)
 

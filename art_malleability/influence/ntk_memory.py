@@ -5,7 +5,7 @@ what its modes are estimated to cost on this machine.
 Every decision these feed (the mode of ``projection_dim="auto"``, the exact solve's form, the chunk sizes) depends
 only on the inputs, the options and fixed facts of the machine: its total memory (not what other processes leave
 free), the number of threads and the device's kind (a nominal GEMM rate, :func:`nominal_gemm_rate`, not one timed at
-that moment), and operation counts (the kernel engine's and the projection's, :mod:`art_malleability.ntk._cost`, not a
+that moment), and operation counts (the kernel engine's and the projection's, :mod:`art_malleability.ntk.cost`, not a
 timed probe). The same command and seed thus run the same estimator whatever else the machine is doing; a run that
 cannot fit its chosen estimator in the memory available now stops with an error (:func:`check_available`) instead of
 switching estimators.

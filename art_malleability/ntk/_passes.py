@@ -15,9 +15,9 @@ from torch import nn
 
 from art_malleability._utils.torch_utils import trainable_parameters
 from art_malleability.ntk._autograd import per_example_jacobian
-from art_malleability.ntk._cost import MethodCost, choose, count
 from art_malleability.ntk._memory import Features
 from art_malleability.ntk._rank_one import ClassDirections, RankChange
+from art_malleability.ntk.cost import MethodCost, choose, count
 from art_malleability.ntk.layers.base import Block
 from art_malleability.ntk.layers.passes import InputChanged, probed_pass, vmappable
 from art_malleability.ntk.layers.plan import plan_model
@@ -101,7 +101,7 @@ class FeaturePasses:
 
     def _count(self, x: torch.Tensor, y: torch.Tensor | None) -> dict[str, MethodCost]:
         """
-        Each method's counted work on the probe (:mod:`~art_malleability.ntk._cost`), from one counted pass:
+        Each method's counted work on the probe (:mod:`~art_malleability.ntk.cost`), from one counted pass:
         ``"batched"``'s pass as it runs; ``"structured"`` the same pass and the rank-one check on its factors (which
         also finds the blocks whose output gradients are not rank one over the classes: they never try to be), with
         the compressed blocks' smaller contraction; ``"jacobian"`` the same pass and every block's per-example

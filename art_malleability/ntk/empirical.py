@@ -9,41 +9,46 @@ i.e. the Gram matrix of per-example Jacobians, traced over the model outputs (lo
 ``trace=False`` the full block ``K[a, b, c, d] = Σ_θ ∂f_c(x1_a)/∂θ · ∂f_d(x2_b)/∂θ`` is returned.
 Only parameters with ``requires_grad=True`` count.
 
-Three methods give the same numbers (to float precision):
+Any model: the layer registry
+-----------------------------
+The Jacobian factors come from the layer registry (:mod:`art_malleability.ntk.layers`), which the projection
+(:mod:`art_malleability.ntk.projection`) shares. One probe forward pass plans the model: every module a kind of the
+registry knows becomes a *site* (linear layers on inputs of any rank, convolutions in 1-3 dimensions with any
+grouping, padding, stride and dilation, embeddings, batch norms in evaluation mode, layer / group / RMS norms,
+multi-head attention, LSTM / GRU / RNN layers); a module no kind knows, with parameters of its own, takes the batched
+path of its own parameters (a module-local vector-Jacobian product, ``vmap``-ped over examples and classes); the
+uses of every trained parameter are tracked, and a parameter used outside the calls of the sites that cover it
+(class tokens, position embeddings, layer scales, a weight used outside its module) is a *fallback* parameter.
+Then every sub-batch takes one class-batched pass (:func:`~art_malleability.ntk.layers.passes.probed_pass`): a zero
+probe at each site's outputs, one forward pass and one reverse pass batched over the ``C`` outputs
+(``torch.func.jacrev``), whose derivatives with respect to the probes are the sites' per-example output gradients
+``δ_c``; with fallback parameters the pass runs under ``vmap`` over the examples and also gives their per-example
+Jacobians. No per-example or per-class loop, no host synchronisation.
 
-- ``"structured"`` (what ``"auto"`` runs on the CPU): for every ``nn.Linear`` layer called exactly once per forward
-  pass on 2-D inputs, the per-example Jacobian factorises into the layer input ``a`` and the
-  gradient ``δ_c`` of output ``c`` with respect to the layer output, so the layer's share of the
-  kernel is ``(A1 A2ᵀ) ⊙ Σ_c Δ1_c Δ2_cᵀ`` for the weight and ``Σ_c Δ1_c Δ2_cᵀ`` for the bias. This
-  costs one forward and ``C`` backward passes per example and never materialises a Jacobian. All
-  other trainable parameters (convolutions, shared or reused layers, 3-D inputs, free-standing
-  parameters, ...) go through the ``torch.func`` fallback below.
-- ``"batched"``: the same factors as ``"structured"`` (layer inputs and output gradients of the same
-  ``nn.Linear`` layers), from a single ``torch.func`` call per sub-batch: one forward pass with a zero *probe* added
-  to each such layer's output (the derivative with respect to a probe is the layer's output gradient ``δ``) and one
-  reverse pass batched over the ``C`` one-hot cotangents (``jacrev``). Without other trainable parameters the pass
-  runs on the whole sub-batch; otherwise it is ``vmap(jacrev(...))`` over the examples, which also gives the
-  per-example Jacobians of the fallback parameters. No per-class Python loop, no ``torch.autograd.grad`` call and no
-  host synchronisation (the rank-one class factorisation below, whose check the host must read, is not used: the
-  factors keep their ``C`` classes). Convolutions and batch norms in evaluation mode are probed the same way and
-  take their per-example gradients in closed form from their inputs and output gradients
-  (:mod:`art_malleability.ntk._probed`): a convolution by unfolding its input and one batched product per sub-batch
-  with the classes folded in (*explicit*), or, where it costs fewer multiply-adds per pair of examples, by keeping
-  the unfolded input ``A`` and the output gradients ``Δ`` and contracting ``Σ_{l,l'} (A1 A2ᵀ) ⊙ (Δ1 Δ2ᵀ)`` over
-  position pairs (*structured*). The rule (:func:`~art_malleability.ntk._probed.prefers_structured`), per layer with
-  ``L`` output positions, ``d`` input-side columns (patch, plus one for a bias), ``o`` output channels and ``C``
-  outputs: structured iff ``L²·(d + C·o + 1) < C·o·d``. A batch norm's gradients are ``Σ_pos δ_c·x̂`` (scale) and
-  ``Σ_pos δ_c`` (shift) with ``x̂`` from its running statistics. All explicit gradients (and the fallback's
-  Jacobians) are joined in one matrix, contracted by one product per block pair. Fewer, larger operator calls: what a
-  GPU prefers, where each call is a kernel launch.
-  ``"auto"`` runs it on CUDA devices (``AUTO_METHODS``), where the engine waits on launches and host
-  syncs rather than on arithmetic; the price is up to ``C`` times more contraction flops and factor memory for
-  layers that ``"structured"`` would compress (e.g. the reference two-layer models), which a GPU's GEMM rate absorbs
-  at the sizes an exact kernel is computed for. On the CPU, where the contraction's flops dominate, ``"auto"`` runs
-  ``"structured"``.
-- ``"jacobian"``: per-example Jacobians of every trainable parameter with
-  ``torch.func.vmap(torch.func.jacrev(...))`` over ``functional_call``, contracted as
-  ``Σ_c J1_c J2_cᵀ``. Exact for any model; the reference the structured path is tested against.
+Each Kronecker block (a weight and its bias whose per-example Jacobian is ``Σ_l Δ_{l,c} ⊗ a_l`` over positions ``l``)
+takes one of two forms, chosen per block by counted multiply-adds per pair of examples
+(:func:`~art_malleability.ntk._passes.prefers_structured`, ``L²·(d + C·o + 1) < C·o·d``): *structured*, its input
+sides ``A`` and output gradients ``Δ`` kept and contracted as ``Σ_{l,l'} (A1 A2ᵀ) ⊙ (Δ1 Δ2ᵀ)`` (every ``nn.Linear``
+on 2-D inputs, convolutions on small maps), or *explicit*, its per-example gradients formed by one batched product
+(long sequences, large maps, grouped convolutions, tied weights). Every explicit gradient (those blocks', the
+normalisation layers', the module sites', the fallback's) is joined in one matrix, contracted by one product per block
+pair.
+
+Methods
+-------
+- ``"batched"``: the factors above, as they come from the pass; nothing is read back to the host.
+- ``"structured"``: the same, and the structured blocks with one position whose output gradients factor over the
+  classes (``δ_c(x)_j = g_j(x) u_{jc}``: the last hidden layer of an MLP, the reference models' hidden layer, an
+  output layer) are stored and contracted in that rank-one form (``C`` times fewer numbers and operations), checked
+  for every example on the host (see *Class factorisation* below).
+- ``"jacobian"``: per-example Jacobians of every trainable parameter with ``torch.func.vmap(torch.func.jacrev(...))``
+  over ``functional_call`` (with the registry's written-out forwards where ``vmap`` cannot run a module's own),
+  contracted as ``Σ_c J1_c J2_cᵀ``. Exact for any model; the reference.
+- ``"auto"`` (default): the method with the least estimated time for the kernel at hand, from counted work
+  (:mod:`art_malleability.ntk.cost`): on one probe sub-batch, the operations, the numbers written and the operator
+  calls of the pass, the rank-one check's, and from the factors' shapes the contraction's operations per pair of
+  examples, at the device's nominal rate and fixed per-call and per-synchronisation overheads. Nothing is timed, so
+  the same call always runs the same method; the choice, each method's counts and estimate are in :attr:`choice`.
 
 All assume that examples are independent in the forward pass (true in evaluation mode; the
 model is put in evaluation mode while the kernel is computed and its flags are restored after).
@@ -56,39 +61,31 @@ are never held for all examples at once. A backward pass always yields the whole
 layer's output gradient, so the work is chunked over *examples*, with chunk sizes derived from
 the widths and a memory budget ``chunk_mb``:
 
-- **Sub-batches.** Forward and backward passes run on sub-batches of at most ``batch_size``
-  examples whose raw output gradients (``rows × C × Σ widths``) and intermediates (the forward
-  pass's tensors and twice its largest ``C`` times over) fit ``chunk_mb`` MiB, on a device other
-  than CUDA at most ``CPU_PASS_MB`` (64 MiB: larger passes run no faster there).
-- **Class factorisation (rank one).** For ``trace=True``, ``C > 1`` and ``"structured"``, a layer whose output
-  gradients factor over the classes, ``δ_c(x)_j = g_j(x) u_{jc}`` (e.g. the last hidden layer of an MLP), is stored
-  and contracted as ``G1 G2ᵀ``: ``C`` times less storage and fewer flops. Every example is checked to float
-  precision; a layer that fails the check anywhere takes the full ``(C × m)`` form for good and the kernel is
-  recomputed.
+- **Sub-batches.** Passes run on sub-batches of at most ``batch_size`` examples whose numbers (every probe's output
+  gradients ``C`` times over, what the sites keep of their inputs, the factors formed from them, the explicit
+  gradients twice, the forward pass's intermediates and twice its largest tensor ``C`` times over) fit ``chunk_mb``
+  MiB; on a device other than CUDA at most ``CPU_PASS_MB`` (64 MiB: larger passes run no faster there), but at least
+  ``MIN_PASS_ROWS`` examples where the chunk holds them (a large model's pass pays its operators' fixed overhead).
+- **Class factorisation (rank one).** For ``trace=True``, ``C > 1`` and ``"structured"``, a block whose output
+  gradients factor over the classes is stored and contracted as ``G1 G2ᵀ``. Every example is checked to float
+  precision; a block that fails the check anywhere takes the full ``(C × o)`` form for good and the kernel is
+  recomputed (``"auto"``'s probe finds most such blocks before the kernel starts).
 - **Blocks.** The kernel is assembled from blocks of at most ``batch_size`` examples whose
   stored factors fit in ``chunk_mb`` MiB; the factors of ``x2`` are computed once and kept when
   they fit in ``2 × chunk_mb`` MiB with one block of ``x1``. Otherwise the blocks of ``x1`` are
   taken in panels that fit ``2 × chunk_mb`` MiB with one block of ``x2``, and the factors of
   ``x2`` are computed once per panel (a memory for time trade: ``n1 + ⌈n1 / panel⌉ n2``
   examples' factors instead of ``n1 + ⌈n1 / block⌉ n2``). With ``x2=None`` only the upper
-  block triangle is computed and mirrored.
-
-For ``"batched"`` the raw size of a sub-batch also counts what its class-batched pass holds ``C`` times over: the
-output gradients of every probed layer, the explicit gradients formed from them (twice: the parts and their
-concatenation), the forward pass's intermediate tensors (counted once when planning) and twice the largest of them
-``C`` times over (the cotangents in flight); so a budget small enough gives smaller sub-batches, never a pass past
-it. A structured convolution's ``(n1·L) × (n2·L)`` products are formed for as many rows at a time as fit one chunk.
-
+  block triangle is computed and mirrored. A structured block's ``(n1·L) × (n2·L)`` products are formed for as many
+  rows at a time as fit one chunk.
 - **The budget from the device.** On the CPU one chunk is ``chunk_mb``. On a CUDA device it is the larger of
   ``chunk_mb`` and an eighth (:data:`~art_malleability.ntk._memory.DEVICE_CHUNK_SHARE`) of the memory available when
   the computation starts (``torch.cuda.mem_get_info``'s free memory plus what the caching allocator holds unused),
-  read once before any work is queued: sub-batches and blocks then reach ``batch_size`` rows (pass ``batch_size ≥
-  1,024``) wherever the device's memory allows. Nothing inside ``gram`` waits on the device for ``"batched"``.
+  read once before any work is queued.
 
 Peak memory is thus about the model, plus one chunk of raw gradients and the autograd graph
 of one sub-batch, plus at most ``2 × chunk_mb`` for kept factors (or a panel) with the block
-beside them, plus the ``n1 × n2`` result, whatever the number of examples and the width (default ``chunk_mb = 256``:
-for ``n = 1,000``, ``m = 65,536``, ``C = 10`` in float64 the call adds about 1 GB to the model).
+beside them, plus the ``n1 × n2`` result, whatever the number of examples and the width (default ``chunk_mb = 256``).
 Results do not depend on the chunking beyond rounding.
 """
 
@@ -108,7 +105,6 @@ from art_malleability.ntk._autograd import (
     per_example_jacobian,
 )
 from art_malleability.ntk._checks import check_batch_size, check_chunk_mb
-from art_malleability.ntk._cost import MethodChoice, MethodCost
 from art_malleability.ntk._memory import (
     DEFAULT_CHUNK_MB,
     MIN_PASS_ROWS,
@@ -123,6 +119,7 @@ from art_malleability.ntk._memory import (
 from art_malleability.ntk._passes import FeaturePasses
 from art_malleability.ntk._rank_one import ClassDirections, RankChange
 from art_malleability.ntk._structured import contract
+from art_malleability.ntk.cost import MethodChoice, MethodCost
 from art_malleability.ntk.layers.base import Block
 from art_malleability.ntk.layers.plan import Plan
 
@@ -159,17 +156,16 @@ class JacobianGram(FeaturePasses):
     ``output_fn`` returning one per-example loss, it is the matrix of per-example loss-gradient
     dot products ``g_a · g_b`` used by TracIn.
 
-    The model is used as is (no copy): it is evaluated in evaluation mode, forward hooks are
-    registered only for the duration of a forward pass and removed in ``finally``, gradients are
-    taken with :func:`torch.autograd.grad` (``.grad`` fields are never written), so the model's
-    weights, flags and mode are left as they were. Memory is bounded as described in the module
-    docstring (sub-batches, rank-one class factorisation, blocks).
+    The model is used as is (no copy): it is evaluated in evaluation mode, forward hooks (and, for the layers whose
+    forward the registry writes out, an instance ``forward``) live only for the duration of a pass and are removed in
+    ``finally``, gradients are taken with ``torch.func`` transforms (``.grad`` fields are never written), so the
+    model's weights, flags and mode are left as they were. Memory is bounded as described in the module docstring
+    (sub-batches, rank-one class factorisation, blocks).
 
     :param model: The model; computations run in its dtype and on its device.
-    :param method: ``"auto"`` / ``"structured"`` (factorised ``nn.Linear`` layers plus a
-        ``torch.func`` fallback for the other parameters), ``"batched"`` (the same factors from one
-        class-batched ``torch.func`` pass per sub-batch) or ``"jacobian"`` (``torch.func`` for all); see the
-        module docstring for what ``"auto"`` runs on each device.
+    :param method: ``"auto"`` (by counted work), ``"structured"`` (the registry's factors, rank one over the classes
+        where they are), ``"batched"`` (the same factors, nothing read back to the host) or ``"jacobian"``
+        (``torch.func`` for all, the reference); see the module docstring.
     :param batch_size: Largest number of examples per forward pass and per kernel block.
     :param output_fn: Optional map ``(model outputs (n, C), labels (n,) or None) -> (n, C')``
         (or ``(n,)``) applied after the model; it must treat examples independently.
@@ -192,7 +188,7 @@ class JacobianGram(FeaturePasses):
         self.model = model
         self.method = _check_method(method)
         self._path: str | None = None if method == "auto" else method  # the method that runs (None: not chosen yet)
-        #: What ``method="auto"`` chose and why (:class:`~art_malleability.ntk._cost.MethodChoice`), once chosen.
+        #: What ``method="auto"`` chose and why (:class:`~art_malleability.ntk.cost.MethodChoice`), once chosen.
         self.choice: MethodChoice | None = None
         self.batch_size = check_batch_size(batch_size)
         self.output_fn = output_fn
@@ -224,7 +220,7 @@ class JacobianGram(FeaturePasses):
     def method_cost(self, x_probe: np.ndarray | torch.Tensor, n1: int | None = None, n2: int | None = None,
                     y_probe: np.ndarray | torch.Tensor | None = None) -> tuple[MethodCost, int]:
         """
-        The counted work of the method that runs (:class:`~art_malleability.ntk._cost.MethodCost`; for a method that
+        The counted work of the method that runs (:class:`~art_malleability.ntk.cost.MethodCost`; for a method that
         was given, counted now on the probe) and the examples of its passes, for the time estimates of the
         influences that use this engine.
 
@@ -252,8 +248,10 @@ class JacobianGram(FeaturePasses):
             self._finish()
 
     def describe_method(self) -> dict | None:
-        """:return: The method that ran and why (``None`` before any computation): under ``"auto"`` the choice with
-            each candidate's counted work and estimated seconds (:class:`~art_malleability.ntk._cost.MethodChoice`)."""
+        """
+        :return: The method that ran and why (``None`` before any computation): under ``"auto"`` the choice with each
+            candidate's counted work and estimated seconds (:class:`~art_malleability.ntk.cost.MethodChoice`).
+        """
         if self._path is None:
             return None
         if self.choice is None:
@@ -269,7 +267,7 @@ class JacobianGram(FeaturePasses):
                 y_probe: np.ndarray | torch.Tensor | None = None) -> JacobianGram:
         """
         Plan the model on a few inputs and, under ``"auto"``, choose the method by counted work
-        (:mod:`~art_malleability.ntk._cost`) for a traced kernel of ``n1 × n2`` examples (``n2=None``: symmetric);
+        (:mod:`~art_malleability.ntk.cost`) for a traced kernel of ``n1 × n2`` examples (``n2=None``: symmetric);
         without sizes, for a symmetric kernel of ``batch_size`` examples. Called by the computations themselves; the
         choice is made once and kept.
 
@@ -540,10 +538,9 @@ def empirical_ntk(
     :param model: A PyTorch model mapping ``(n, *input_shape)`` to outputs ``(n, C)``.
     :param x1: Inputs, shape ``(n1, *input_shape)`` (numpy array or tensor).
     :param x2: Inputs, shape ``(n2, *input_shape)``; ``None`` means ``x1`` (symmetric kernel).
-    :param method: ``"auto"`` or ``"structured"`` (factorised ``nn.Linear`` layers with a
-        ``torch.func`` fallback for the rest), ``"batched"`` (the same factors from one class-batched
-        ``torch.func`` pass per sub-batch, without host syncs) or ``"jacobian"`` (``torch.func`` Jacobian
-        contraction for every parameter; slow, the reference).
+    :param method: ``"auto"`` (the method with the least counted work, see :attr:`JacobianGram.choice`),
+        ``"structured"``, ``"batched"`` or ``"jacobian"`` (``torch.func`` Jacobian contraction for every parameter;
+        slow, the reference); see the module docstring.
     :param batch_size: Largest number of examples per forward pass and per kernel block.
     :param trace: Sum over outputs (default) or return the full output block.
     :param chunk_mb: Memory budget in MiB of one chunk of Jacobian factors (default 256); smaller

@@ -55,7 +55,6 @@ from torch import nn
 from art_malleability._utils.torch_utils import eval_mode, no_tf32, to_tensor
 from art_malleability.ntk._autograd import check_model
 from art_malleability.ntk._checks import check_batch_size, check_chunk_mb, check_projection_dim
-from art_malleability.ntk._cost import MethodCost, count
 from art_malleability.ntk._groups import Group, find_groups
 from art_malleability.ntk._memory import DEFAULT_CHUNK_MB, MIN_PASS_ROWS, pass_chunk_mb, rows_per_pass
 from art_malleability.ntk._sketch import (
@@ -66,6 +65,7 @@ from art_malleability.ntk._sketch import (
     orthogonal_projection,
     seed_of,
 )
+from art_malleability.ntk.cost import MethodCost, count
 from art_malleability.ntk.layers.passes import InputChanged, probed_pass
 from art_malleability.ntk.layers.plan import Plan, plan_model
 
@@ -396,7 +396,7 @@ def _outputs(out: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
 def projected_example_seconds(model: nn.Module, probe: np.ndarray | torch.Tensor, projection_dim: int,
                               batch_size: int = 256, device: torch.device | None = None) -> float:
     """
-    Estimated seconds of one example's projected features (:mod:`~art_malleability.ntk._cost`'s counts at the
+    Estimated seconds of one example's projected features (:mod:`~art_malleability.ntk.cost`'s counts at the
     device's nominal rate): a projection planned on up to eight probe examples, its features of two counted.
 
     :param model: The model.
