@@ -104,19 +104,15 @@ def model_device_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
     return torch.device("cpu"), torch.get_default_dtype()
 
 
-def as_model_inputs(model: nn.Module, x: np.ndarray) -> np.ndarray:
+def numpy_dtype(model: nn.Module) -> np.dtype:
     """
-    Inputs in the floating-point dtype of ``model``, for an ART classifier's ``predict`` and attacks (which pass
-    numpy arrays to the model as they are): a float64 model gets float64 inputs; ``x`` itself when it already has it.
+    The numpy dtype of a model's floating-point dtype: what an ART classifier's ``predict`` must be given (it passes
+    numpy arrays to the model as they are), float64 for a float64 model.
 
     :param model: The classifier's model.
-    :param x: Floating-point inputs.
-    :return: ``x`` as that dtype.
+    :return: The dtype.
     """
-    _, dtype = model_device_dtype(model)
-    target = torch.empty((), dtype=dtype).numpy().dtype
-    return x if x.dtype == target else x.astype(target)
-
+    return torch.empty((), dtype=model_device_dtype(model)[1]).numpy().dtype
 
 def frozen_parameters_to_buffers(module: nn.Module) -> nn.Module:
     """

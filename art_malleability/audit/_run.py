@@ -22,7 +22,7 @@ from art.utils import compute_success_array
 from art_malleability._utils.checks import near_chance_warnings, one_hot
 from art_malleability._utils.io import progress_bar
 from art_malleability._utils.provenance import library_versions
-from art_malleability._utils.torch_utils import as_model_inputs, release_freed_memory, resolve_device
+from art_malleability._utils.torch_utils import numpy_dtype, release_freed_memory, resolve_device
 from art_malleability.audit._classifier import AuditInputs, PerturbedRows
 from art_malleability.audit.attacks import (
     CONTROL_LABEL,
@@ -106,8 +106,9 @@ def clean_accuracy(classifier: Any, data: ExampleSource, shard: Shard, batch_siz
     """:return: Clean accuracy on a source (each process its shard)."""
     start, stop = shard.bounds(data.n)
     correct = 0
+    dtype = numpy_dtype(classifier.model)  # a float64 model predicts on float64 inputs
     for _, xb, yb in data.batches(batch_size * 8, start, stop):
-        xb = as_model_inputs(classifier.model, xb)  # a float64 model predicts on float64 inputs
+        xb = xb if xb.dtype == dtype else xb.astype(dtype)
         correct += int(np.sum(classifier.predict(xb, batch_size=batch_size).argmax(axis=1) == yb))
     correct = int(shard.all_reduce(torch.tensor([correct], dtype=torch.int64))[0])
     return correct / data.n
@@ -410,13 +411,13 @@ class AuditRun:
         chunk = max(est.batch_size * 8, 1)
         bar = progress_bar(total=len(x), desc=f"attack {attack_label(attack)}", unit="ex", leave=False,
                            verbose=est.verbose and len(x) > chunk)
+        dtype = numpy_dtype(est.classifier.model)  # predictions in the model's dtype (a float64 model's included)
         for s in range(0, len(x), chunk):
             xb, yb = x[s : s + chunk], labels[s : s + chunk]
             adv = perturb_training_set(attack, xb, yb, np.arange(len(xb)), seed=est.seed + s)
             x_adv[s : s + len(xb)] = adv
-            model = est.classifier.model  # predictions in the model's dtype (a float64 model's included)
-            changed += int(np.sum(compute_success_array(est.classifier, as_model_inputs(model, xb), yb,
-                                                        as_model_inputs(model, adv), batch_size=est.batch_size)))
+            changed += int(np.sum(compute_success_array(est.classifier, xb.astype(dtype, copy=False), yb,
+                                                        adv.astype(dtype, copy=False), batch_size=est.batch_size)))
             linf = max(linf, float(np.max(np.abs(adv - xb))) if len(xb) else 0.0)
             bar.update(len(xb))
         bar.close()
