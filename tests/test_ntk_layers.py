@@ -301,7 +301,7 @@ def _peak_script(chunk_mb: float, cpu_pass_mb: float | None = None, method: str 
         engine.gram(x[:4])  # warm up the allocator and torch's lazy state
         rows = []
         inner = engine._sub_batch_features
-        engine._sub_batch_features = lambda xb, yb: rows.append(len(xb)) or inner(xb, yb)
+        engine._sub_batch_features = lambda xb, yb, out=None: rows.append(len(xb)) or inner(xb, yb, out)
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets the peak resident size
         base = rss("VmRSS:")

@@ -178,15 +178,18 @@ def place_block(kernel: torch.Tensor, block: torch.Tensor, i: int, j: int, symme
 
 
 def in_sub_batches(
-    compute: Callable[[torch.Tensor, torch.Tensor | None], Features],
+    compute: Callable[[torch.Tensor, torch.Tensor | None, Features | None], Features],
     x: torch.Tensor,
     y: torch.Tensor | None,
     step: int,
 ) -> Features:
     """
-    Factors of a batch computed ``step`` examples at a time and gathered.
+    Factors of a batch computed ``step`` examples at a time: the first sub-batch's factors give the shapes of the
+    whole batch's, and each later sub-batch writes its factors straight into their rows (no copy of a gathered
+    part).
 
-    :param compute: Factors of one sub-batch ``(x, y) -> Features``.
+    :param compute: Factors of one sub-batch ``(x, y, out) -> Features``, written into ``out`` when it is given (the
+        rows of the whole batch's factors), else into new tensors.
     :param x: Inputs.
     :param y: Labels, or ``None``.
     :param step: Examples per sub-batch.
@@ -194,12 +197,15 @@ def in_sub_batches(
     """
     n = x.shape[0]
     if n <= step:
-        return compute(x, y)
+        return compute(x, y, None)
     out: Features | None = None
     for i in range(0, n, step):
-        part = compute(x[i : i + step], None if y is None else y[i : i + step])
+        xi, yi = x[i : i + step], None if y is None else y[i : i + step]
         if out is None:
+            part = compute(xi, yi, None)
             out = part.empty_like(n)
-        out.fill(part, i)
-        del part
+            out.fill(part, i)
+            del part
+        else:
+            compute(xi, yi, out.take(i, i + xi.shape[0]))
     return out

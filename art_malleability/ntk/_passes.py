@@ -173,15 +173,20 @@ class FeaturePasses:
         names = set(plan.unused)
         return [id(p) for n, p in trainable_parameters(self.model) if n in names]
 
-    def _sub_batch_features(self, x: torch.Tensor, y: torch.Tensor | None) -> Features:
-        """Factors of one sub-batch from one class-batched pass (``"jacobian"``: ``torch.func`` for every
-        parameter)."""
+    def _sub_batch_features(self, x: torch.Tensor, y: torch.Tensor | None, out: Features | None = None) -> Features:
+        """
+        Factors of one sub-batch from one class-batched pass (``"jacobian"``: ``torch.func`` for every parameter),
+        written into ``out`` when given (rows of a larger batch's factors), else into new tensors.
+        """
         n = x.shape[0]
         plan = self._layer_plan
         if self._path == "jacobian":
             with vmappable(plan):
                 jac = per_example_jacobian(self.model, self._jacobian_params, x, y, self._apply_output_fn)
-            return Features(n=n, blocks=[], jac=jac)
+            if out is None:
+                return Features(n=n, blocks=[], jac=jac)
+            out.jac.copy_(jac)
+            return out
         try:
             result = probed_pass(plan, self.model, x, y, self._apply_output_fn, self._zeros, self._clone_inputs)
         except InputChanged:
@@ -211,28 +216,42 @@ class FeaturePasses:
             a = calls[0][0] if len(calls) == 1 else torch.cat([f[0] for f in calls], dim=1)
             d = calls[0][1] if len(calls) == 1 else torch.cat([f[1] for f in calls], dim=2)
             if b.structured:
-                stored.append(self._stored(k, b, a, d))
+                stored.append(self._stored(k, b, a, d, None if out is None else out.blocks[k]))
                 k += 1
             else:
                 for p, g in b.explicit(a, d):
                     add(p, g)
-        cols = [parts.pop(id(p)) for p in self._explicit]
+        width = self._explicit_numel()
+        if not width:
+            return Features(n=n, blocks=stored, jac=None) if out is None else out
+        jac = out.jac if out is not None else x.new_empty((n, self._n_outputs, width))
+        offset = 0
+        for p in self._explicit:
+            jac[:, :, offset : offset + p.numel()] = parts.pop(id(p))
+            offset += p.numel()
         if result.jac is not None:
-            cols.append(result.jac)
-        jac = None if not cols else cols[0] if len(cols) == 1 else torch.cat(cols, dim=2)
-        return Features(n=n, blocks=stored, jac=jac)
+            jac[:, :, offset:] = result.jac
+        return Features(n=n, blocks=stored, jac=jac) if out is None else out
 
-    def _stored(self, k: int, block: Block, a: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _stored(self, k: int, block: Block, a: torch.Tensor, d: torch.Tensor,
+                out: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
         """A structured block's stored factors: the input side ``(n, L, d_in)`` and the output gradients
-        ``(n, L, C, o)``, or ``(n, 1, 1, o)`` where they are rank one over the classes."""
-        side = block.input_side(a).contiguous()
+        ``(n, L, C, o)``, or ``(n, 1, 1, o)`` where they are rank one over the classes; written into ``out`` when
+        given."""
+        side = block.input_side(a)
         if self._compressed(k):
             g = self._classes.factor(k, d[:, :, 0, :])
             if g is None:
                 self._rank_one[k] = False
                 raise RankChange(block.name)
-            return side, g.reshape(g.shape[0], 1, 1, -1)
-        return side, d.permute(0, 2, 1, 3).contiguous()
+            grads = g.reshape(g.shape[0], 1, 1, -1)
+        else:
+            grads = d.permute(0, 2, 1, 3)
+        if out is None:
+            return side.contiguous(), grads.contiguous()
+        out[0].copy_(side)
+        out[1].copy_(grads)
+        return out
 
     def _explicit_numel(self) -> int:
         """Numbers of the explicit gradients per output: the explicit blocks' and sites' parameters, and the
