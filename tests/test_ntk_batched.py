@@ -244,3 +244,23 @@ def test_a_layer_skipped_after_planning_is_an_error() -> None:
     model = Skipping().double()
     with pytest.raises(RuntimeError, match="every layer"):
         empirical_ntk(model, torch.randn(3, 4, dtype=torch.float64), method="batched")
+
+
+@pytest.mark.parametrize("width", [16, 4096])
+def test_auto_counts_its_work_on_the_kernels_own_first_sub_batch(width: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the counted pass is the kernel's first sub-batch, whose factors the kernel then uses (batched, or compressed with
+    # the class directions the structured kernel goes on with): no pass is run twice, and the kernel is the chosen
+    # method's own
+    from art_malleability.ntk import _passes
+
+    model = TwoLayerReLU((1, 8, 8), width, 10, seed=3).double().eval()
+    x = torch.randn(256, 1, 8, 8, generator=_gen(15), dtype=torch.float64)
+    rows: list[int] = []
+    real = _passes.probed_pass
+    monkeypatch.setattr(_passes, "probed_pass", lambda *a, **k: rows.append(len(a[2])) or real(*a, **k))
+    engine = JacobianGram(model, batch_size=64)
+    k = engine.gram(x)
+    assert sum(rows) == len(x), rows  # every example's factors once: the counted sub-batch's are kept
+    assert engine.path == ("structured" if width == 4096 else "batched")
+    monkeypatch.setattr(_passes, "probed_pass", real)
+    assert torch.equal(k, empirical_ntk(model, x, method=engine.path, batch_size=64))

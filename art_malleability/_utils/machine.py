@@ -5,6 +5,7 @@ the machine is doing): the nominal float64 GEMM rate of a device.
 
 from __future__ import annotations
 
+import functools
 import platform
 
 import torch
@@ -16,15 +17,16 @@ NOMINAL_CLOCK_HZ = 2.0e9
 #: parts; every other part has 2, a sixty-fourth of their rate or less).
 _CUDA_FP64_UNITS = {(6, 0): 32, (7, 0): 32, (8, 0): 32, (9, 0): 64, (10, 0): 64}
 
-def _cpu_flags() -> set[str]:
+@functools.lru_cache(maxsize=1)
+def _cpu_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as handle:
             for line in handle:
                 if line.startswith(("flags", "Features")):
-                    return set(line.split(":", 1)[1].split())
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
 def nominal_gemm_rate(device: torch.device, threads: int | None = None) -> tuple[float, str]:

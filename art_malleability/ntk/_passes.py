@@ -25,6 +25,12 @@ from art_malleability.ntk.layers.plan import plan_model
 logger = logging.getLogger("art_malleability.ntk.empirical")
 
 
+def _same_rows(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors are the same memory seen the same way (the same rows of the same inputs)."""
+    return (a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype and a.device == b.device
+            and a.data_ptr() == b.data_ptr())
+
+
 def factor_count(n: int, panel: int) -> int:
     """Examples whose factors a symmetric kernel of ``n`` computes when panels of ``panel`` rows are kept: the
     panel's own and the rows after it, once per panel."""
@@ -99,9 +105,10 @@ class FeaturePasses:
         self._structured = [] if path == "jacobian" else [b for b in plan.blocks if b.structured]
         self._rank_one = [] if path == "jacobian" else list(self._rank_one_blocks)
 
-    def _count(self, x: torch.Tensor, y: torch.Tensor | None) -> dict[str, MethodCost]:
+    def _count(self, x: torch.Tensor, y: torch.Tensor | None) -> tuple[dict[str, MethodCost], Features]:
         """
-        Each method's counted work on the probe (:mod:`~art_malleability.ntk.cost`), from one counted pass:
+        Each method's counted work on the probe (:mod:`~art_malleability.ntk.cost`) and the probe's factors (the batched
+        method's), from one counted pass:
         ``"batched"``'s pass as it runs; ``"structured"`` the same pass and the rank-one check on its factors (which
         also finds the blocks whose output gradients are not rank one over the classes: they never try to be), with
         the compressed blocks' smaller contraction; ``"jacobian"`` the same pass and every block's per-example
@@ -124,6 +131,10 @@ class FeaturePasses:
         rank_one = check()  # sets the class directions: what is counted next is a sub-batch's check once they are
         _, check_flops, check_writes, check_calls = count(check)
         self._rank_one_blocks = rank_one
+        # the same rows' factors as "structured" stores them, with the class directions they were compressed with
+        compressed_blocks = [(a, classes.factor(k, d[:, 0]).reshape(d.shape[0], 1, 1, -1)) if one else (a, d)
+                             for k, ((a, d), one) in enumerate(zip(features.blocks, rank_one, strict=True))]
+        self._first_structured = (Features(n=features.n, blocks=compressed_blocks, jac=features.jac), classes)
 
         def pair(compressed: list[bool]) -> float:
             total = 2.0 * c * self._explicit_numel()
@@ -145,12 +156,12 @@ class FeaturePasses:
                                      float(calls + check_calls), 1.0 if any(rank_one) else 0.0, stored - compressed),
             "jacobian": MethodCost("jacobian", flops / probe + formed, writes / probe + c * numel, 2.0 * c * numel,
                                    float(calls), 0.0, c * numel),
-        }
+        }, features
 
     def _choose(self, x: torch.Tensor, y: torch.Tensor | None, n1: int, n2: int | None) -> None:
         """``"auto"``: count each method's work on the probe and take the least for a traced kernel of ``n1 × n2``
         examples (``n2=None``: symmetric)."""
-        costs = self._count(x, y)
+        costs, features = self._count(x, y)
         examples, passes = {}, {}
         pairs = n1 * (n1 + 1) / 2 if n2 is None else n1 * n2
         for path in costs:
@@ -167,6 +178,9 @@ class FeaturePasses:
         choice = choose(costs, examples, pairs, passes, self.device)
         self.choice = choice
         self._take_path(choice.method)
+        structured, classes = self._first_structured
+        self._first_structured = None
+        self._first = {"batched": (x, y, features, None), "structured": (x, y, structured, classes)}.get(choice.method)
         logger.info("eNTK method (auto): %s", choice.reason)
 
     def _unused_ids(self, plan: object) -> list[int]:
@@ -180,6 +194,12 @@ class FeaturePasses:
         """
         n = x.shape[0]
         plan = self._layer_plan
+        reused = self._reuse_first(x, y)
+        if reused is not None:
+            if out is None:
+                return reused
+            out.fill(reused, 0)
+            return out
         if self._path == "jacobian":
             with vmappable(plan):
                 jac = per_example_jacobian(self.model, self._jacobian_params, x, y, self._apply_output_fn)
@@ -232,6 +252,23 @@ class FeaturePasses:
         if result.jac is not None:
             jac[:, :, offset:] = result.jac
         return Features(n=n, blocks=stored, jac=jac) if out is None else out
+
+    def _reuse_first(self, x: torch.Tensor, y: torch.Tensor | None) -> Features | None:
+        """
+        The factors ``"auto"`` counted its work on, if ``x`` (and ``y``) are those very rows and they are stored as this
+        computation stores them (``"structured"``'s compressed ones only with the class directions they were
+        compressed with, which :meth:`_start` then takes); used once.
+        """
+        first = self._first
+        if first is None or not _same_rows(first[0], x):
+            return None
+        if (first[1] is None) != (y is None) or (y is not None and not _same_rows(first[1], y)):
+            return None
+        compressed = first[3] is not None and any(self._rank_one)
+        if compressed and (not self._compress or self._classes is not first[3]):
+            return None
+        self._first = None
+        return first[2]
 
     def _stored(self, k: int, block: Block, a: torch.Tensor, d: torch.Tensor,
                 out: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -68,7 +68,7 @@ class ClassDirections:
         :return: The factor, or ``None`` if the check fails.
         """
         n, n_out, width = d.shape
-        sq = torch.einsum("ncj,ncj->nj", d, d)  # ‖δ‖² per example and column, the classes summed in one operation
+        sq = (d * d).sum(1)  # ‖δ‖² per example and column: the classes summed in one operation
         if self.directions[k] is None:
             self.directions[k] = torch.zeros((n_out, width), dtype=d.dtype, device=d.device)
             self.known[k] = torch.zeros(width, dtype=torch.bool, device=d.device)
@@ -80,7 +80,7 @@ class ClassDirections:
                 vec = d[row[cols], :, cols]  # (len(cols), C): the largest gradient of each new column
                 u[:, cols] = (vec / peak[cols].sqrt().unsqueeze(1)).T
                 known[cols] = True
-        g = torch.einsum("ncj,cj->nj", d, u)
+        g = (d * u).sum(1)
         tol = 8.0 * (n_out + 2) * torch.finfo(d.dtype).eps
         # sq <- ‖δ‖² − g² − τ ‖δ‖², the orthogonal residual beyond the tolerance; non-finite
         # gradients also fail the check, so that they reach the kernel through the full factors

@@ -207,6 +207,10 @@ class JacobianGram(FeaturePasses):
         self._forward_size = (0, 0)  # numbers one example's forward pass creates: in all, the largest tensor
         self._budget_mb = self.chunk_mb  # the chunk budget of the current computation (from the device)
         self._clone_inputs = False  # copy the sites' inputs (sticky once the model changed one in place)
+        # the first sub-batch's factors that "auto" counted its work on (inputs, labels, factors), until they are used
+        # (inputs, labels, factors, the class directions of compressed factors or None)
+        self._first: tuple[torch.Tensor, torch.Tensor | None, Features, ClassDirections | None] | None = None
+        self._first_structured: tuple[Features, ClassDirections] | None = None
 
     # ------------------------------------------------------------------ planning
     def _apply_output_fn(self, out: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
@@ -238,7 +242,7 @@ class JacobianGram(FeaturePasses):
             y = None if y_probe is None else to_tensor(y_probe[:2], self.device, torch.long)
             with eval_mode(self.model), no_tf32(self.device):
                 blocks = list(self._rank_one_blocks)
-                cost = self._count(x, y)[self._path]
+                cost = self._count(x, y)[0][self._path]
                 self._rank_one_blocks = blocks  # a method that was given keeps its own rank-one trials
                 self._take_path(self.method)
         self._start(True)
@@ -282,8 +286,22 @@ class JacobianGram(FeaturePasses):
         with eval_mode(self.model), no_tf32(self.device):
             self._plan(x, y)
             if self._path is None:
-                self._choose(x, y, self.batch_size if n1 is None else int(n1), n2)
+                # the work is counted on the computation's own first sub-batch, whose factors are then kept for it
+                self._take_path("batched")
+                self._start(True)
+                rows = self._sub_batch_rows()
+                self._finish()
+                first = self._rows_of(x_probe, rows, self.dtype)
+                labels = None if y_probe is None else self._rows_of(y_probe, rows, torch.long)
+                self._choose(first, labels, self.batch_size if n1 is None else int(n1), n2)
         return self
+
+    def _rows_of(self, a: np.ndarray | torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
+        """The first ``rows`` of ``a`` on the engine's device in ``dtype``: a view of a tensor that already is (so that
+        a computation's own first sub-batch is recognised), else a copy."""
+        if isinstance(a, torch.Tensor) and a.device == self.device and a.dtype == dtype:
+            return a.detach()[:rows]
+        return to_tensor(a[:rows], self.device, dtype)
 
     def factor_elements(self, x_probe: np.ndarray | torch.Tensor, compressed: bool = True, n: int | None = None) -> int:
         """
@@ -312,6 +330,9 @@ class JacobianGram(FeaturePasses):
         """
         # only "structured" compresses: the rank-one check needs the host to read its outcome
         self._compress = trace and self._n_outputs > 1 and self._path == "structured"
+        first = self._first
+        if classes is None and self._compress and first is not None and first[3] is not None:
+            classes = first[3]  # the first sub-batch's factors were compressed with these directions: kept for all
         self._classes = ClassDirections.fresh(len(self._structured)) if classes is None else classes
         self._budget_mb = device_chunk_mb(self.device, self.chunk_mb)
 
@@ -458,6 +479,7 @@ class JacobianGram(FeaturePasses):
                     except RankChange as change:
                         logger.debug("eNTK: layer %s is not rank one over the classes; recomputing", change)
             finally:
+                self._first = None
                 self._finish()
 
     def _gram(
