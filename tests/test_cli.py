@@ -454,3 +454,14 @@ def test_the_studies_options_are_checked_through_the_librarys_rules(tmp_path, ca
     assert main([*args, "--output", str(tmp_path / "out")]) == 2
     assert capsys.readouterr().err.endswith(f"error: {message}")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_torchvision_builder_is_a_model_factory():
+    # torchvision's builders take the classes as num_classes (through **kwargs): --model torchvision.models:resnet18
+    from art_malleability.cli.checks import build_model
+
+    model = build_model("torchvision.models:resnet18", (3, 32, 32), 10, width=16, seed=0)
+    with torch.no_grad():
+        assert model.eval()(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
+    with pytest.raises(ValueError, match="cannot take the data's inputs"):  # a ViT built for 224 x 224 inputs
+        build_model("torchvision.models:vit_b_16", (3, 32, 32), 10, width=16, seed=0)

@@ -395,12 +395,25 @@ def build_model(
     except (TypeError, ValueError):
         accepted = {}
     kwargs = {k: v for k, v in zip(_FACTORY_ARGUMENTS, (input_shape, nb_classes), strict=True) if k in accepted}
+    if _takes_num_classes(factory, accepted):  # torchvision's convention: --model torchvision.models:resnet18
+        kwargs["num_classes"] = nb_classes
     model = factory(**kwargs)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"--model must build a torch.nn.Module, got {type(model).__name__} from {name!r}")
     if not is_transductive(model):  # a transductive forward needs the training context, set when it is trained
         _probe(model, name, input_shape, nb_classes)
     return model
+
+
+def _takes_num_classes(factory: object, accepted: Mapping[str, inspect.Parameter]) -> bool:
+    """Whether a factory takes the classes as ``num_classes``: a parameter of that name, or a torchvision builder
+    (whose ``**kwargs`` go to the model's class, which takes it)."""
+    if "nb_classes" in accepted:
+        return False
+    if "num_classes" in accepted:
+        return True
+    keywords = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
+    return keywords and getattr(factory, "__module__", "").startswith("torchvision.")
 
 
 def _probe(model: torch.nn.Module, name: str, input_shape: tuple[int, ...], nb_classes: int) -> None:

@@ -15,7 +15,8 @@ DEFAULT_MODELS = ("2l-relu", "mlp-attn")
 _MODEL_HELP = (
     "reference model name ('2l-relu', 'mlp-attn'), architecture ('cnn', 'resnet20': see "
     "art_malleability.models.architectures) or 'package.module:factory' returning an nn.Module (called with "
-    "input_shape= and nb_classes= when it takes them); repeat for several; default: both reference models"
+    "input_shape= and nb_classes= when it takes them, or num_classes= as torchvision's builders: "
+    "'torchvision.models:resnet18'); repeat for several; default: both reference models"
 )
 
 
