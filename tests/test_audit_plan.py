@@ -79,6 +79,21 @@ def test_the_estimate_is_the_same_every_time_changes_nothing_and_names_the_mode_
     assert squeezed.estimate(data.x_train, data.x_test).mode == "projected"
 
 
+@pytest.mark.parametrize("influence", ["gradient", "captum"])
+def test_tracin_influences_are_estimated_from_their_counted_work(relu, influence):
+    # the TracIn estimators' scores are estimated too (the training set's gradients with every query block, their dot
+    # products), from counted operations: positive, the same every time, growing with the work
+    clf, data = relu
+    audit = MalleabilityEstimator(clf, influence=influence, n_queries=30, n_bootstrap=50, verbose=False, device="cpu")
+    first = audit.estimate(data.x_train, data.x_test)
+    assert first.mode is None and first.seconds["influence"] > 0
+    assert first.to_dict() == audit.estimate(data.x_train, data.x_test).to_dict()
+    assert "not estimated" not in first.summary()
+    larger = MalleabilityEstimator(clf, influence=influence, n_queries=30, n_bootstrap=50, verbose=False,
+                                   device="cpu").estimate(np.concatenate([data.x_train] * 4), data.x_test)
+    assert larger.seconds["influence"] > 2 * first.seconds["influence"]
+
+
 def test_budget_parameters_are_checked():
     clf = trained_classifier("2l-relu", epochs=1)
     for name, bad in (("time_budget_s", 0.0), ("time_budget_s", np.inf), ("memory_limit_gb", -1.0)):
