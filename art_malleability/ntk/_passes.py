@@ -25,12 +25,6 @@ from art_malleability.ntk.layers.plan import plan_model
 logger = logging.getLogger("art_malleability.ntk.empirical")
 
 
-def _same_rows(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors are the same memory seen the same way (the same rows of the same inputs)."""
-    return (a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype and a.device == b.device
-            and a.data_ptr() == b.data_ptr())
-
-
 def factor_count(n: int, panel: int) -> int:
     """Examples whose factors a symmetric kernel of ``n`` computes when panels of ``panel`` rows are kept: the
     panel's own and the rows after it, once per panel."""
@@ -260,9 +254,12 @@ class FeaturePasses:
         compressed with, which :meth:`_start` then takes); used once.
         """
         first = self._first
-        if first is None or not _same_rows(first[0], x):
-            return None
-        if (first[1] is None) != (y is None) or (y is not None and not _same_rows(first[1], y)):
+        # the same memory seen the same way (the same rows of the same inputs), compared here, not in a helper the
+        # inputs are handed to
+        same = [a is not None and b is not None and a.shape == b.shape and a.stride() == b.stride()
+                and a.dtype == b.dtype and a.device == b.device and a.data_ptr() == b.data_ptr()
+                for a, b in ((first[0], x), (first[1], y))] if first is not None else [False, False]
+        if not same[0] or (first[1] is None) != (y is None) or (y is not None and not same[1]):
             return None
         compressed = first[3] is not None and any(self._rank_one)
         if compressed and (not self._compress or self._classes is not first[3]):
