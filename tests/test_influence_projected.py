@@ -507,3 +507,44 @@ def test_the_first_query_factors_stay_when_not_all_fit(monkeypatch):
     for _ in range(2):
         assert [cache_unit.get(k, lambda k=k: "x" * k) for k in (6, 3, 5)] == ["x" * 6, "x" * 3, "x" * 5]
     assert cache_unit.nbytes == 9 and set(cache_unit._items) == {6, 3}
+
+
+def test_the_projections_cost_is_counted_without_drawing_its_matrices(monkeypatch):
+    import art_malleability.ntk.projection as projection
+    from art_malleability.ntk._sketch import FALLBACK_BLOCK
+
+    model, (x, _) = _cnn(), _images(8)
+    drawn = []
+
+    def gaussian(k, start, stop, *args):
+        drawn.append(k * FALLBACK_BLOCK * ((stop - 1) // FALLBACK_BLOCK - start // FALLBACK_BLOCK + 1))
+        return gaussian_block(k, start, stop, *args)
+
+    def orthogonal(dim, k, *args):
+        drawn.append(dim * k if k < dim else 0)
+        return orthogonal_projection(dim, k, *args)
+
+    gaussian_block, orthogonal_projection = projection.gaussian_block, projection.orthogonal_projection
+    monkeypatch.setattr(projection, "gaussian_block", gaussian)
+    monkeypatch.setattr(projection, "orthogonal_projection", orthogonal)
+    counted = ProjectedNTK(model, 40, chunk_mb=1e-4, probe_size=8)  # tiny chunks: the dense groups drawn in passes
+    counted._counting = True
+    counted.plan(x)
+    assert not drawn and counted._drawn > 0  # shapes only, and the numbers counted
+    # the same shapes drawn for real (its budgets taken from the counted one) cost what the counted plan said,
+    # pilot aside; a pass draws what the counted pass counted
+    real = ProjectedNTK(model, 40, chunk_mb=1e-4, probe_size=8, like=counted).plan(x)
+    assert [(g.k_out, g.k_in) for g in real.groups] == [(g.k_out, g.k_in) for g in counted.groups]
+    planned = sum(drawn)
+    pilot = ProjectedNTK(model, 40, chunk_mb=1e-4, probe_size=8)
+    pilot._counting = True
+    for i, g in enumerate(pilot._find_groups(torch.as_tensor(x[:2]))):
+        pilot._draw(g, i, projection._PILOT_SIDE**2, pilot=True)
+    assert counted._drawn == pytest.approx(planned + pilot._drawn)
+    drawn.clear()
+    counted._drawn = 0.0
+    counted.features(x[:3])
+    real.features(x[:3])
+    assert sum(drawn) == counted._drawn > 0
+    plan_s, example_s = projection.projected_costs(model, x, 40)
+    assert 0 < plan_s < 10 and 0 < example_s < 1

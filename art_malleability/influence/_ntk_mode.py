@@ -62,6 +62,7 @@ class ModelFacts:
     :param pair_flops: Operations of the contraction per pair of examples (the engine's counted method), or ``None``
         (``2 D``).
     :param projected_seconds: Seconds of one example's projected features at the nominal rate, or ``None``.
+    :param projection_plan_seconds: Seconds of planning the projection (drawing its matrices) at the nominal rate.
     """
 
     factor: int
@@ -72,6 +73,7 @@ class ModelFacts:
     example_seconds: float | None = None
     pair_flops: float | None = None
     projected_seconds: float | None = None
+    projection_plan_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -208,7 +210,8 @@ def choose_mode(n: int, options: ModeOptions, machine: MachineFacts, model: Mode
                                  kept=kept, query_bytes=model.example_bytes, factor_cache=factor_cache,
                                  pair_flops=model.pair_flops, **work)
         projected = projected_seconds(n, model.factor, int(k) if given_k else DEFAULT_PROJECTION_DIM, rate, world,
-                                      example_seconds=model.projected_seconds, **work)
+                                      example_seconds=model.projected_seconds,
+                                      plan_seconds=model.projection_plan_seconds, **work)
         choice.seconds = {"exact": estimate, "projected": projected}
     if given_k:
         choice.reason = f"projected: projection_dim={k} was given"

@@ -32,7 +32,7 @@ from art_malleability.influence.base import regression_targets
 from art_malleability.influence.ntk_memory import check_available, engine_chunk_mb, nominal_gemm_rate
 from art_malleability.influence.ridge_choice import RIDGE_RULES, choose_ridge
 from art_malleability.ntk.empirical import JacobianGram
-from art_malleability.ntk.projection import projected_example_seconds
+from art_malleability.ntk.projection import projected_costs
 
 #: Fewest rows per sub-batch and kernel block the engine may take on a CUDA device (the device's memory budget caps
 #: them): large products, few launches.
@@ -113,6 +113,7 @@ class NTKSession:
         if needs_model_facts(options, planning):
             engine = self.engine(model, n)
             seconds = pair_flops = projected = None
+            plan_seconds = 0.0
             if estimates(options, planning):  # counted operations at the nominal rate
                 rate, rate_text = nominal_gemm_rate(self.device)
                 rate = -float(self.shard.all_reduce(torch.tensor([-rate], dtype=torch.float64), "max")[0])  # slowest
@@ -120,10 +121,10 @@ class NTKSession:
                 cost, rows = engine.method_cost(probe, n)  # the exact engine's method for this kernel, counted
                 seconds, pair_flops = cost.example_seconds(rows, self.device), cost.pair_flops
                 k = options.projection_dim if isinstance(options.projection_dim, int) else DEFAULT_PROJECTION_DIM
-                projected = projected_example_seconds(model, probe, k, self.batch_size, self.device)
+                plan_seconds, projected = projected_costs(model, probe, k, self.batch_size, self.device)
             example_bytes = engine.factor_elements(probe, compressed=False, n=n) * torch.finfo(engine.dtype).bits // 8
             facts = ModelFacts(engine.factor_elements(probe, n=n), example_bytes, engine.batch_size, engine.chunk_mb,
-                               engine.panel_rows(), seconds, pair_flops, projected)
+                               engine.panel_rows(), seconds, pair_flops, projected, plan_seconds)
         self.choice = choose_mode(n, options, machine, facts, estimating=planning)
         return self.choice
 

@@ -351,12 +351,13 @@ def _kept_share(nbytes: float, bound: int | None = None) -> float:
 
 
 def projected_seconds(n: int, factor: int, k: int, rate: float, world: int = 1, refits: int = 1,
-                      queries: int = 0, example_seconds: float | None = None) -> float:
+                      queries: int = 0, example_seconds: float | None = None, plan_seconds: float = 0.0) -> float:
     """
     Estimated seconds of the projected mode's fit, ``refits`` refits of a tenth of the rows and the scores of
     ``queries`` queries after each: the projected features of the training set, of the changed rows per refit, of
-    the queries once and of the projection's pilot (:data:`PILOT_EXAMPLES`), at ``example_seconds`` each (counted on
-    the projection itself, :func:`~art_malleability.ntk.projection.projected_example_seconds`; without it, projecting
+    the queries once and of the projection's pilot (:data:`PILOT_EXAMPLES`), at ``example_seconds`` each, and the
+    projection's plan, ``plan_seconds`` (both counted on the projection itself,
+    :func:`~art_malleability.ntk.projection.projected_costs`; without them, projecting
     the Jacobian factors, ``2 D k`` each, at ``KERNEL_EFFICIENCY``); per pass the primal solve with the hat diagonal
     (``2 · 2 n k²`` and ``2 k³ / 3``) and the queries' leave-one-out factors (``2 q k (k + n)``) at
     ``SOLVE_EFFICIENCY``.
@@ -366,6 +367,6 @@ def projected_seconds(n: int, factor: int, k: int, rate: float, world: int = 1, 
     if example_seconds is None:
         features = 2.0 * examples * factor * k / KERNEL_EFFICIENCY / rate
     else:
-        features = (examples + min(n, PILOT_EXAMPLES)) * example_seconds
+        features = (examples + min(n, PILOT_EXAMPLES)) * example_seconds + plan_seconds
     solve = passes * (4.0 * n * k * k / w + 2.0 * k**3 / 3.0 + 2.0 * queries * k * (k + n / w)) / SOLVE_EFFICIENCY
     return features + solve / rate

@@ -11,7 +11,8 @@ and from the factors' shapes the operations of the contraction per pair of examp
 of ``n1 × n2`` examples (:meth:`MethodCost.seconds`) is
 
     examples · (factor operations / (rate · FACTOR_SHARE) + numbers written · NUMBER_SECONDS)
-    + sub-batches · (calls · CALL_SECONDS + syncs · SYNC_SECONDS) + pairs · pair operations / (rate · CONTRACTION_SHARE)
+    + sub-batches · (calls · CALL_SECONDS + syncs · SYNC_SECONDS + random numbers · RANDOM_SECONDS)
+    + pairs · pair operations / (rate · CONTRACTION_SHARE)
 
 at the device's nominal float64 rate (:func:`~art_malleability._utils.machine.nominal_gemm_rate`), and ``"auto"``
 runs the method with the least. The methods differ where they store different factors: ``"structured"`` compresses
@@ -40,6 +41,9 @@ from art_malleability._utils.machine import nominal_gemm_rate
 CALL_SECONDS = {"cpu": 1.8e-5, "cuda": 2.0e-5}
 #: Seconds per number an operator writes (memory traffic of elementwise work the operation count leaves out).
 NUMBER_SECONDS = {"cpu": 1.0e-9, "cuda": 1.0e-11}
+#: Seconds per Gaussian number drawn from a seeded generator (the projection's matrices: the CPU draws them one by one,
+#: 22 ns each measured in float64; GPU nominal).
+RANDOM_SECONDS = {"cpu": 2.2e-8, "cuda": 1.0e-11}
 #: Seconds of one host synchronisation (the CPU has none to wait for).
 SYNC_SECONDS = {"cpu": 0.0, "cuda": 5.0e-5}
 #: Share of the nominal rate at which the factors' counted operations run (fitted: 0.33 of a nominal 128 GFLOP/s), and
@@ -62,6 +66,7 @@ class MethodCost:
     :param example_numbers: Numbers stored per example (the factors kept for the contraction).
     :param bits: Bits of the dtype the work runs in (the nominal rate is float64's; float32 runs twice as many
         operations per cycle).
+    :param random: Random numbers drawn per sub-batch (a projection's Gaussian blocks drawn again in every pass).
     """
 
     method: str
@@ -72,6 +77,7 @@ class MethodCost:
     syncs: float
     example_numbers: int
     bits: int = 64
+    random: float = 0.0
 
     def seconds(self, examples: float, pairs: float, sub_batches: float, device: torch.device) -> float:
         """Estimated seconds of a kernel that computes ``examples`` examples' factors in ``sub_batches`` passes and
@@ -80,7 +86,8 @@ class MethodCost:
         rate *= max(1.0, 64.0 / self.bits)
         kind = device.type if device.type in CALL_SECONDS else "cpu"
         return (examples * (self.example_flops / (rate * FACTOR_SHARE) + self.example_writes * NUMBER_SECONDS[kind])
-                + sub_batches * (self.calls * CALL_SECONDS[kind] + self.syncs * SYNC_SECONDS[kind])
+                + sub_batches * (self.calls * CALL_SECONDS[kind] + self.syncs * SYNC_SECONDS[kind]
+                                 + self.random * RANDOM_SECONDS[kind])
                 + pairs * self.pair_flops / (rate * CONTRACTION_SHARE))
 
     def example_seconds(self, rows: int, device: torch.device) -> float:

@@ -139,6 +139,10 @@ class ProjectedNTK:
         self._plan: Plan | None = None
         self._zeros: dict = {}
         self._clone_inputs = False
+        # counting (:func:`projected_costs`): the matrices' shapes without their values, and what drawing them costs
+        self._counting = False
+        self._drawn = 0.0
+        self._draw_flops = 0.0
 
     # ------------------------------------------------------------------ planning
     @property
@@ -191,13 +195,15 @@ class ProjectedNTK:
                 # of k_out * k_in need not give k_out, k_in again)
                 ks, splits = [g.k for g in earlier.groups], [(g.k_out, g.k_in) for g in earlier.groups]
             else:
-                # pilot: small projections estimate each group's squared Jacobian norm
+                # pilot: small projections estimate each group's squared Jacobian norm (counting: its work is
+                # counted and the budget shared by the groups' dimensions, no numbers having been drawn)
                 for g_idx, g in enumerate(groups):
                     self._draw(g, g_idx, _PILOT_SIDE * _PILOT_SIDE, pilot=True)
                 self.groups = groups
                 self._offsets()
                 pilot = self._features(x)
-                traces = [float(pilot[:, g.offset : g.offset + g.k].pow(2).sum()) for g in groups]
+                traces = [g.full_dim if self._counting else float(pilot[:, g.offset : g.offset + g.k].pow(2).sum())
+                          for g in groups]
                 ks = allocate(traces, [g.full_dim for g in groups], self.projection_dim)
         self.groups = groups
         self._check_matrix_memory(ks)
@@ -271,7 +277,7 @@ class ProjectedNTK:
             g.k_in = 1
             g.matrix = None
             if self._stored(g.k, g.full_dim):
-                g.matrix = gaussian_block(g.k, 0, g.full_dim, seed, self.dtype, self.device)
+                g.matrix = self._gaussian(g.k, 0, g.full_dim, seed)
             g.p_out = g.p_in = None
             g.seed = seed
             return
@@ -280,8 +286,27 @@ class ProjectedNTK:
         else:
             k_out, k_in = kronecker_split(k, g.d_out, g.d_in) if split is None else split
         g.k_out, g.k_in, g.k = k_out, k_in, k_out * k_in
-        g.p_out = orthogonal_projection(g.d_out, k_out, seed_of(seed, 0), self.dtype, self.device)
-        g.p_in = orthogonal_projection(g.d_in, k_in, seed_of(seed, 1), self.dtype, self.device)
+        g.p_out = self._orthogonal(g.d_out, k_out, seed_of(seed, 0))
+        g.p_in = self._orthogonal(g.d_in, k_in, seed_of(seed, 1))
+
+    def _gaussian(self, k: int, start: int, stop: int, seed: int) -> torch.Tensor:
+        """Columns ``start:stop`` of a group's Gaussian matrix (:func:`gaussian_block`); counting, their shape only
+        and the numbers drawn for them (whole blocks of :data:`FALLBACK_BLOCK` columns)."""
+        if not self._counting:
+            return gaussian_block(k, start, stop, seed, self.dtype, self.device)
+        self._drawn += k * FALLBACK_BLOCK * ((stop - 1) // FALLBACK_BLOCK - start // FALLBACK_BLOCK + 1)
+        return torch.empty((k, stop - start), dtype=self.dtype, device=self.device)
+
+    def _orthogonal(self, dim: int, k: int, seed: int) -> torch.Tensor | None:
+        """A Kronecker side's projection (:func:`orthogonal_projection`); counting, its shape only, and the Gaussian
+        numbers and the QR factorisation's operations (``4 dim k²``, Householder with ``Q`` formed) it costs."""
+        if not self._counting:
+            return orthogonal_projection(dim, k, seed, self.dtype, self.device)
+        if k >= dim:
+            return None
+        self._drawn += dim * k
+        self._draw_flops += 4.0 * dim * k * k
+        return torch.empty((k, dim), dtype=self.dtype, device=self.device)
 
     # ------------------------------------------------------------------ features
     def features(self, x: np.ndarray | torch.Tensor) -> torch.Tensor:
@@ -385,7 +410,7 @@ class ProjectedNTK:
         else:
             for s in range(start, stop, FALLBACK_BLOCK):
                 e = min(s + FALLBACK_BLOCK, stop)
-                acc += jac[:, s - start : e - start] @ gaussian_block(g.k, s, e, g.seed, self.dtype, self.device).T
+                acc += jac[:, s - start : e - start] @ self._gaussian(g.k, s, e, g.seed).T
 
 
 def _outputs(out: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
@@ -393,24 +418,35 @@ def _outputs(out: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
     return out
 
 
-def projected_example_seconds(model: nn.Module, probe: np.ndarray | torch.Tensor, projection_dim: int,
-                              batch_size: int = 256, device: torch.device | None = None) -> float:
+def projected_costs(model: nn.Module, probe: np.ndarray | torch.Tensor, projection_dim: int,
+                    batch_size: int = 256, device: torch.device | None = None) -> tuple[float, float]:
     """
-    Estimated seconds of one example's projected features (:mod:`~art_malleability.ntk.cost`'s counts at the
-    device's nominal rate): a projection planned on up to eight probe examples, its features of two counted.
+    Estimated seconds of the projection's plan and of one example's projected features (:mod:`~art_malleability.ntk.
+    cost`'s counts at the device's nominal rate), counted on a projection planned on up to eight probe examples
+    whose matrices are given their shapes but not drawn: the Gaussian numbers a plan or a pass would draw (one by one
+    from a seeded generator, :data:`~art_malleability.ntk.cost.RANDOM_SECONDS` each) and the orthogonal sides'
+    factorisations are counted instead. The pilot that shares the budget among the groups is counted as well; its
+    shares are not measured, the groups' dimensions stand in for them.
 
     :param model: The model.
     :param probe: A few inputs.
     :param projection_dim: The budget ``k``.
     :param batch_size: Examples per pass at most.
     :param device: The device (``None``: the model's).
-    :return: Seconds per example.
+    :return: ``(plan seconds, seconds per example)``.
     """
-    projector = ProjectedNTK(model, projection_dim, batch_size=batch_size, probe_size=8).plan(probe[:8])
+    projector = ProjectedNTK(model, projection_dim, batch_size=batch_size, probe_size=8)
+    projector._counting = True
+    _, flops, writes, calls = count(projector.plan, probe[:8])
+    device = projector.device if device is None else device
+    plan = MethodCost("plan", flops + projector._draw_flops, writes, 0.0, float(calls), 0.0, 0,
+                      random=projector._drawn)
     x = to_tensor(probe[:2], projector.device, projector.dtype)
+    projector._drawn = 0.0
     with eval_mode(model), no_tf32(projector.device):
         _, flops, writes, calls = count(projector._features, x)
         rows = projector._rows_per_pass(x)
     n = x.shape[0]
-    cost = MethodCost("projected", flops / n, writes / n, 0.0, float(calls), 0.0, projector.dim)
-    return cost.example_seconds(rows, projector.device if device is None else device)
+    cost = MethodCost("projected", flops / n, writes / n, 0.0, float(calls), 0.0, projector.dim,
+                      random=projector._drawn)
+    return plan.seconds(1.0, 0.0, 1.0, device), cost.example_seconds(rows, device)
