@@ -128,6 +128,31 @@ def test_a_planned_projection_fits_its_second_seed_before_the_clean_fit(relu):
     assert order.index("influence_other_seeds") < order.index("influence_clean"), order
 
 
+def test_a_projected_audit_is_estimated_with_its_other_seeds_fit(relu, monkeypatch):
+    """The projected mode's estimate adds the twin of the next projection seed (its fit and the queries scored once,
+    as ``_other_seed_scores`` runs it) to the influence's planned work, and nothing in the exact mode."""
+    import art_malleability.audit._estimate as estimate
+
+    clf, data = relu
+    audit = MalleabilityEstimator(clf, n_queries=20, n_bootstrap=50, verbose=False, device="cpu", projection_dim=64)
+    plan = audit._influence.plan(clf.model, data.x_train[:64], len(data.x_train))  # the influence's own planned work
+    assert plan["mode"] == "projected" and 0 < plan["fit_seconds"] < plan["seconds"]["projected"]
+    seen = {}
+    real = estimate.NTKInfluence.plan
+
+    def planned(self, *args):
+        seen.update(real(self, *args))
+        return dict(seen)
+
+    monkeypatch.setattr(estimate.NTKInfluence, "plan", planned)
+    first = audit.estimate(data.x_train, data.x_test)
+    assert first.mode == "projected"
+    assert first.seconds["influence"] == pytest.approx(seen["seconds"]["projected"] + seen["fit_seconds"])
+    exact = MalleabilityEstimator(clf, n_queries=20, n_bootstrap=50, verbose=False, device="cpu", projection_dim=None)
+    seen.clear()
+    assert exact.estimate(data.x_train, data.x_test).seconds["influence"] == pytest.approx(seen["seconds"]["exact"])
+
+
 def test_the_peak_estimate_counts_what_is_kept_of_the_queries_between_passes(relu, monkeypatch):
     """The exact mode keeps the queries' solves on the unchanged rows and their rows on the set (each up to
     QUERY_CACHE_BYTES) and their factors (up to a quarter of what the budget leaves): the plan counts them, and the

@@ -19,7 +19,7 @@ import torch
 
 from art_malleability._utils.io import duration_text
 from art_malleability._utils.torch_utils import eval_mode, model_device_dtype, resolve_device
-from art_malleability.audit.params import planned_work
+from art_malleability.audit.params import PROJECTION_SEEDS, planned_work
 from art_malleability.influence import NTKInfluence
 from art_malleability.influence.ntk_memory import FACTOR_EFFICIENCY, SOLVE_EFFICIENCY, nominal_gemm_rate
 from art_malleability.metrics import SPEARMAN_PAIRS, top_k_count
@@ -105,6 +105,8 @@ def estimate_audit(est: Any, n_train: int, n_query: int, refits: int, x_probe: n
         with planned_work(influence, refits, n_query):
             plan = influence.plan(model, x_probe, n_train)
         influence_seconds = float(plan["seconds"][plan["mode"]])
+        if plan["mode"] == "projected":  # twins of the next projection seeds: the projection's noise model
+            influence_seconds += (PROJECTION_SEEDS - 1) * float(plan["fit_seconds"])
     elif hasattr(influence, "score_seconds"):  # TracIn: the training set's gradients again with every query block
         y_probe = _predicted(model, x_probe)
         block = metrics_plan(n_query, n_train, k, est.n_bootstrap)["block_rows"]

@@ -31,7 +31,7 @@ from art_malleability.audit.attacks import (
     perturb_training_set,
     random_sign_perturbation,
 )
-from art_malleability.audit.params import control_budgets
+from art_malleability.audit.params import PROJECTION_SEEDS, control_budgets
 from art_malleability.audit.report import AttackResult, MalleabilityReport, control_summary, undecided_warning
 from art_malleability.data.input_pipeline import with_input_pipeline
 from art_malleability.data.streaming import ExampleSource
@@ -58,9 +58,6 @@ from art_malleability.models.reference import is_transductive
 
 logger = logging.getLogger(__name__)
 
-#: Projection seeds of a projected influence (the audit's and the next ones): their spread is the projection's noise.
-#: Two cost one extra clean fit; the noise model is a regression over every training example, so two seeds suffice.
-PROJECTION_SEEDS = 2
 #: Share of the influential set with undecidable perturbed signs above which the report warns.
 UNDECIDED_WARNING = 0.25
 #: Draw ``d`` of a random-sign control is seeded with ``seed + CONTROL_SEED_STRIDE * d``.

@@ -62,6 +62,8 @@ class ModelFacts:
     :param pair_flops: Operations of the contraction per pair of examples (the engine's counted method), or ``None``
         (``2 D``).
     :param projected_seconds: Seconds of one example's projected features at the nominal rate, or ``None``.
+    :param pass_seconds: Fixed seconds of one of the engine's passes (its operator calls) at the nominal rate.
+    :param pass_rows: Examples of one of the engine's passes at most (``None``: ``batch_size``).
     :param projection_plan_seconds: Seconds of planning the projection (drawing its matrices) at the nominal rate.
     """
 
@@ -74,6 +76,8 @@ class ModelFacts:
     pair_flops: float | None = None
     projected_seconds: float | None = None
     projection_plan_seconds: float = 0.0
+    pass_seconds: float = 0.0
+    pass_rows: int | None = None
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,8 @@ class ModeChoice:
     :param factor_cache: Bytes of the queries' factors kept between passes (with the set's factors kept; else 0).
     :param seconds: The estimates of both modes by mode, or ``None`` (not estimated).
     :param note: Under ``"auto"`` when the projected mode runs: why, and what the other options would cost.
+    :param fit_seconds: The projected mode's fit alone with the queries scored once (what a twin estimator of another
+        projection seed costs an audit), or ``None`` (not estimated).
     """
 
     mode: str
@@ -113,6 +119,7 @@ class ModeChoice:
     factor_cache: int = 0
     seconds: dict[str, float] | None = field(default=None)
     note: str | None = None
+    fit_seconds: float | None = None
 
     def query_cache_bytes(self, n: int, queries: int, dim: int) -> int:
         """
@@ -208,11 +215,16 @@ def choose_mode(n: int, options: ModeOptions, machine: MachineFacts, model: Mode
         rate = machine.rate
         estimate = exact_seconds(n, model.factor, rate, world, model.example_seconds, model.panel, plan and plan[0],
                                  kept=kept, query_bytes=model.example_bytes, factor_cache=factor_cache,
-                                 pair_flops=model.pair_flops, **work)
+                                 pair_flops=model.pair_flops, pass_seconds=model.pass_seconds,
+                                 rows=model.pass_rows or model.batch_size, **work)
         projected = projected_seconds(n, model.factor, int(k) if given_k else DEFAULT_PROJECTION_DIM, rate, world,
                                       example_seconds=model.projected_seconds,
                                       plan_seconds=model.projection_plan_seconds, **work)
         choice.seconds = {"exact": estimate, "projected": projected}
+        choice.fit_seconds = projected_seconds(n, model.factor, int(k) if given_k else DEFAULT_PROJECTION_DIM, rate,
+                                               world, refits=0, queries=work["queries"],
+                                               example_seconds=model.projected_seconds,
+                                               plan_seconds=model.projection_plan_seconds)
     if given_k:
         choice.reason = f"projected: projection_dim={k} was given"
         return choice

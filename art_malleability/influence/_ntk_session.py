@@ -113,18 +113,21 @@ class NTKSession:
         if needs_model_facts(options, planning):
             engine = self.engine(model, n)
             seconds = pair_flops = projected = None
-            plan_seconds = 0.0
+            plan_seconds, pass_seconds, rows = 0.0, 0.0, None
             if estimates(options, planning):  # counted operations at the nominal rate
                 rate, rate_text = nominal_gemm_rate(self.device)
                 rate = -float(self.shard.all_reduce(torch.tensor([-rate], dtype=torch.float64), "max")[0])  # slowest
                 machine = replace(machine, rate=rate, rate_text=rate_text)
                 cost, rows = engine.method_cost(probe, n)  # the exact engine's method for this kernel, counted
-                seconds, pair_flops = cost.example_seconds(rows, self.device), cost.pair_flops
+                # an example's own work, and a pass's fixed calls paid per pass of at most ``rows`` examples
+                seconds, pair_flops = cost.seconds(1.0, 0.0, 0.0, self.device), cost.pair_flops
+                pass_seconds = cost.seconds(0.0, 0.0, 1.0, self.device)
                 k = options.projection_dim if isinstance(options.projection_dim, int) else DEFAULT_PROJECTION_DIM
                 plan_seconds, projected = projected_costs(model, probe, k, self.batch_size, self.device)
             example_bytes = engine.factor_elements(probe, compressed=False, n=n) * torch.finfo(engine.dtype).bits // 8
             facts = ModelFacts(engine.factor_elements(probe, n=n), example_bytes, engine.batch_size, engine.chunk_mb,
-                               engine.panel_rows(), seconds, pair_flops, projected, plan_seconds)
+                               engine.panel_rows(), seconds, pair_flops, projected, plan_seconds, pass_seconds,
+                               rows)
         self.choice = choose_mode(n, options, machine, facts, estimating=planning)
         return self.choice
 

@@ -201,9 +201,9 @@ class NTKInfluence(InfluenceEstimator):
         :param model: The model (its architecture decides the sizes; the weights do not matter).
         :param x_probe: A few training inputs (up to 64 are used).
         :param n_train: Training examples.
-        :return: ``{"mode", "reason", "seconds" (by mode), "bytes", "cache_bytes" (what is kept of the planned queries
-            between passes), "kept_bytes" (the training set's factors, when the exact mode keeps them; else 0),
-            "budget"}``.
+        :return: ``{"mode", "reason", "seconds" (by mode), "fit_seconds" (the projected mode's fit alone with the
+            queries scored once), "bytes", "cache_bytes" (what is kept of the planned queries between passes),
+            "kept_bytes" (the training set's factors, when the exact mode keeps them; else 0), "budget"}``.
         """
         other = type(self)(**self.get_params())
         other._check_params()
@@ -212,6 +212,7 @@ class NTKInfluence(InfluenceEstimator):
         session = other._session(current_shard(other.distributed), 0)
         choice = other._choose_mode(int(n_train), session, copy, np.asarray(x_probe[:64]), planning=True)
         return {"mode": choice.mode, "reason": choice.reason, "seconds": dict(choice.seconds),
+                "fit_seconds": choice.fit_seconds,
                 "bytes": session.need(int(n_train), int(self.planned_queries), other._dim())[0],
                 "cache_bytes": choice.query_cache_bytes(int(n_train), int(self.planned_queries), other._dim()),
                 "kept_bytes": choice.kept_bytes, "budget": session.budget}

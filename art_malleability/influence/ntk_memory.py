@@ -280,7 +280,8 @@ def factor_passes(n: int, panel: int, block: int | None = None) -> float:
 def exact_seconds(
     n: int, factor: int, rate: float, world: int = 1, example_seconds: float | None = None, panel: int | None = None,
     block: int | None = None, refits: int = 1, queries: int = 0, kept: bool = False, query_bytes: int = 0,
-    factor_cache: int | None = None, pair_flops: float | None = None,
+    factor_cache: int | None = None, pair_flops: float | None = None, pass_seconds: float = 0.0,
+    rows: int | None = None,
 ) -> float:
     """
     Estimated seconds of the exact mode's fit, ``refits`` refits of a tenth of the rows (``m = n / 10 + 1``, the
@@ -292,8 +293,9 @@ def exact_seconds(
     - kernel: the contraction (``2 n² D`` for the fit, ``2 m n D`` per refit) at ``CONTRACTION_EFFICIENCY`` plus the
       Jacobian factors of :func:`factor_passes` examples for the fit (``n`` when the set's factors are ``kept``, tiles
       included) and, per refit, of the ``m`` changed ones and one more pass over the set (none when the set's factors
-      are ``kept``), at ``example_seconds`` each; without
-      ``example_seconds``, ``2 n² D`` at ``KERNEL_EFFICIENCY``;
+      are ``kept``), at ``example_seconds`` each, and ``pass_seconds`` (the fixed overhead of a pass: its operator
+      calls) for every pass of at most ``rows`` examples they take; without ``example_seconds``, ``2 n² D`` at
+      ``KERNEL_EFFICIENCY``;
     - queries: ``A⁻¹`` applied to their kernel rows (``4 n² q``: the factor and its transpose) after the fit and the
       first refit; after the later refits of the same rows only the changed rows' part (``4 m n q``) for the share of
       the queries whose solve on the unchanged rows is kept (``QUERY_CACHE_BYTES`` of ``8 q (n − m)``); their kernel
@@ -315,6 +317,8 @@ def exact_seconds(
     :param factor_cache: Bytes of the queries' factors kept (``None``: ``QUERY_CACHE_BYTES``).
     :param pair_flops: Operations of the contraction per pair of examples, counted by the engine for its method
         (``None``: ``2 D``).
+    :param pass_seconds: Fixed seconds of one pass of the engine, whatever its examples (with ``example_seconds``).
+    :param rows: Examples of a pass at most (``None``: ``panel``).
     :return: Seconds.
     """
     m, passes, later = n // 10 + 1, refits + 1, max(refits - 1, 0)
@@ -338,8 +342,15 @@ def exact_seconds(
         fit = n if kept else factor_passes(n, panel, block)  # kept: each example's factors once, tiles included
         examples = (fit + refits * (m + again * math.ceil(m / panel))
                     + query_factors + passes * again * math.ceil(q / panel))
+        r = max(int(rows or panel), 1)
+
+        def runs(count: float) -> float:  # passes of at most r examples for ``count`` examples computed together
+            return math.ceil(count / r) if count > 0 else 0
+
+        sub_batches = (runs(fit) + refits * (runs(m) + runs(again) * math.ceil(m / panel))
+                       + runs(q) * query_factors / max(q, 1) + passes * runs(again) * math.ceil(q / panel))
         contraction = ((n + refits * m) * n + row_products) * pair / CONTRACTION_EFFICIENCY / rate
-        kernel = contraction + examples * example_seconds
+        kernel = contraction + examples * example_seconds + sub_batches * pass_seconds
     return (kernel + solve) / max(world, 1)
 
 
