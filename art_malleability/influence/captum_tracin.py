@@ -62,6 +62,12 @@ def _sample_wise_problem(model: nn.Module, x_one: np.ndarray, dtype: torch.dtype
     return None
 
 
+#: Share of another example's counted backward work that one example's backward pass through its batch's graph pays
+#: (Captum's per-example path differentiates the batch's outputs one by one): fitted on the SmallCNN in float64 (15 ms
+#: an example in batches of 64 against 1.4 ms counted), and checked on the audits of docs/scale.md.
+BATCH_GRAPH_SHARE = 0.15
+
+
 class CaptumLoss(nn.Module):
     """
     The package's per-example loss (:func:`~art_malleability.influence.base.per_example_loss`)
@@ -177,8 +183,9 @@ class CaptumInfluence(TracInInfluence):
                        device: torch.device) -> float:
         """
         Captum's work for one query batch: a forward and backward pass of every training example and query (in
-        batches where its sample-wise gradients are exact, else one example at a time), each example's gradient of
-        all ``P`` parameters written, and the ``2 q n P`` operations of their dot products.
+        batches where its sample-wise gradients are exact, else one example at a time, each through its whole
+        batch's graph), each example's gradient of all ``P`` parameters written, and the ``2 q n P`` operations of
+        their dot products.
         """
         loss = CaptumLoss(self.loss, "sum")
         step = loss_step_cost(model, x, y, loss)
@@ -186,7 +193,14 @@ class CaptumInfluence(TracInInfluence):
         sample_wise = wanted and _sample_wise_problem(model, x[:1].cpu().numpy(), self.dtype, device) is None
         examples = n_train + n_query
         passes = examples / self.batch_size if sample_wise else examples
-        per = MethodCost("captum", step.example_flops, step.example_writes + step.example_numbers,
+        # one example at a time, Captum differentiates its batch's graph once per example (the training set in batches
+        # of batch_size, the queries in one batch): each example's backward pass pays a share of its batch's
+        def spread(batch: int) -> float:
+            return 1.0 + (batch - 1) * BATCH_GRAPH_SHARE
+
+        spread = 1.0 if sample_wise else (n_train * spread(min(self.batch_size, n_train))
+                                          + n_query * spread(n_query)) / examples
+        per = MethodCost("captum", step.example_flops * spread, step.example_writes * spread + step.example_numbers,
                          2.0 * step.example_numbers, step.calls, 0.0, step.example_numbers, step.bits)
         return per.seconds(examples, n_query * n_train, passes, device)
 

@@ -371,7 +371,9 @@ def projected_seconds(n: int, factor: int, k: int, rate: float, world: int = 1, 
     :func:`~art_malleability.ntk.projection.projected_costs`; without them, projecting
     the Jacobian factors, ``2 D k`` each, at ``KERNEL_EFFICIENCY``); per pass the primal solve with the hat diagonal
     (``2 · 2 n k²`` and ``2 k³ / 3``) and the queries' leave-one-out factors (``2 q k (k + n)``) at
-    ``SOLVE_EFFICIENCY``.
+    ``SOLVE_EFFICIENCY``; with no more examples than features (``n ≤ k``) the dual solve the fit runs instead: the Gram
+    ``2 n² k``, its factorisation ``4 n³ / 3``, per refit the changed rows' Schur complement and Gram rows, and per pass
+    the queries' kernel rows and solves (``2 q n k + 4 n² q``).
     """
     m, passes, w = n // 10 + 1, refits + 1, max(world, 1)
     examples = n / w + refits * m / w + queries
@@ -379,5 +381,9 @@ def projected_seconds(n: int, factor: int, k: int, rate: float, world: int = 1, 
         features = 2.0 * examples * factor * k / KERNEL_EFFICIENCY / rate
     else:
         features = (examples + min(n, PILOT_EXAMPLES)) * example_seconds + plan_seconds
-    solve = passes * (4.0 * n * k * k / w + 2.0 * k**3 / 3.0 + 2.0 * queries * k * (k + n / w)) / SOLVE_EFFICIENCY
+    if n <= k:  # the dual solve on ΦΦᵀ (as the fit runs it): the Gram, its factorisation and the changed rows' updates
+        solve = (2.0 * n * n * k + 4.0 * n**3 / 3.0 + refits * (2.0 * max(n - m, 0) ** 2 * m + 2.0 * m * n * k)
+                 + passes * (2.0 * queries * n * k + 4.0 * n * n * queries)) / SOLVE_EFFICIENCY
+    else:
+        solve = passes * (4.0 * n * k * k / w + 2.0 * k**3 / 3.0 + 2.0 * queries * k * (k + n / w)) / SOLVE_EFFICIENCY
     return features + solve / rate
