@@ -6,6 +6,8 @@ examples, no per-layer rule), whose rows are the per-example Jacobians since the
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 from torch.func import functional_call, jacrev
@@ -14,7 +16,9 @@ from torch.func import functional_call, jacrev
 def reference_jacobian(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``(n, C, P)``: the per-example Jacobians of every trained parameter, from one whole-batch ``jacrev``."""
     params = {k: v.detach() for k, v in model.named_parameters() if v.requires_grad}
-    jd = jacrev(lambda p: functional_call(model, p, (x,)))(params)
+    with warnings.catch_warnings():  # jacrev's vmap runs fused attention's backward output by output: slow, exact
+        warnings.filterwarnings("ignore", message=".*performance drop.*")
+        jd = jacrev(lambda p: functional_call(model, p, (x,)))(params)
     n = x.shape[0]
     return torch.cat([value.reshape(n, value.shape[1], -1) for value in jd.values()], dim=2)  # (n, C, *p) each
 
