@@ -114,6 +114,7 @@ def numpy_dtype(model: nn.Module) -> np.dtype:
     """
     return torch.empty((), dtype=model_device_dtype(model)[1]).numpy().dtype
 
+
 def frozen_parameters_to_buffers(module: nn.Module) -> nn.Module:
     """
     Re-register every parameter with ``requires_grad=False`` as a (persistent) buffer of the

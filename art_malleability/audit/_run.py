@@ -105,7 +105,7 @@ def clean_accuracy(classifier: Any, data: ExampleSource, shard: Shard, batch_siz
     correct = 0
     dtype = numpy_dtype(classifier.model)  # a float64 model predicts on float64 inputs
     for _, xb, yb in data.batches(batch_size * 8, start, stop):
-        xb = xb if xb.dtype == dtype else xb.astype(dtype)
+        xb = xb.astype(dtype, copy=False)
         correct += int(np.sum(classifier.predict(xb, batch_size=batch_size).argmax(axis=1) == yb))
     correct = int(shard.all_reduce(torch.tensor([correct], dtype=torch.int64))[0])
     return correct / data.n

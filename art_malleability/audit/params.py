@@ -53,6 +53,7 @@ DEFAULT_MAX_QUERIES = 10_000
 #: Two cost one extra clean fit; the noise model is a regression over every training example, so two seeds suffice.
 PROJECTION_SEEDS = 2
 
+
 def default_queries(n_queries: int | None) -> int:
     """:return: The most queries an audit takes: ``n_queries``, or :data:`DEFAULT_MAX_QUERIES` for ``None``."""
     return DEFAULT_MAX_QUERIES if n_queries is None else int(n_queries)

@@ -8,6 +8,7 @@ what other processes hold, so the same inputs always choose the same mode; the r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -217,14 +218,12 @@ def choose_mode(n: int, options: ModeOptions, machine: MachineFacts, model: Mode
                                  kept=kept, query_bytes=model.example_bytes, factor_cache=factor_cache,
                                  pair_flops=model.pair_flops, pass_seconds=model.pass_seconds,
                                  rows=model.pass_rows or model.batch_size, **work)
-        projected = projected_seconds(n, model.factor, int(k) if given_k else DEFAULT_PROJECTION_DIM, rate, world,
-                                      example_seconds=model.projected_seconds,
-                                      plan_seconds=model.projection_plan_seconds, **work)
+        projected_time = partial(projected_seconds, n, model.factor, int(k) if given_k else DEFAULT_PROJECTION_DIM,
+                                 rate, world, example_seconds=model.projected_seconds,
+                                 plan_seconds=model.projection_plan_seconds)
+        projected = projected_time(**work)
         choice.seconds = {"exact": estimate, "projected": projected}
-        choice.fit_seconds = projected_seconds(n, model.factor, int(k) if given_k else DEFAULT_PROJECTION_DIM, rate,
-                                               world, refits=0, queries=work["queries"],
-                                               example_seconds=model.projected_seconds,
-                                               plan_seconds=model.projection_plan_seconds)
+        choice.fit_seconds = projected_time(refits=0, queries=work["queries"])
     if given_k:
         choice.reason = f"projected: projection_dim={k} was given"
         return choice

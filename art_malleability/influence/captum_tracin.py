@@ -195,11 +195,11 @@ class CaptumInfluence(TracInInfluence):
         passes = examples / self.batch_size if sample_wise else examples
         # one example at a time, Captum differentiates its batch's graph once per example (the training set in batches
         # of batch_size, the queries in one batch): each example's backward pass pays a share of its batch's
-        def spread(batch: int) -> float:
+        def share(batch: int) -> float:
             return 1.0 + (batch - 1) * BATCH_GRAPH_SHARE
 
-        spread = 1.0 if sample_wise else (n_train * spread(min(self.batch_size, n_train))
-                                          + n_query * spread(n_query)) / examples
+        spread = 1.0 if sample_wise else (n_train * share(min(self.batch_size, n_train))
+                                          + n_query * share(n_query)) / examples
         per = MethodCost("captum", step.example_flops * spread, step.example_writes * spread + step.example_numbers,
                          2.0 * step.example_numbers, step.calls, 0.0, step.example_numbers, step.bits)
         return per.seconds(examples, n_query * n_train, passes, device)

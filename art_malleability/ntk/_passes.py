@@ -99,10 +99,11 @@ class FeaturePasses:
         self._structured = [] if path == "jacobian" else [b for b in plan.blocks if b.structured]
         self._rank_one = [] if path == "jacobian" else list(self._rank_one_blocks)
 
-    def _count(self, x: torch.Tensor, y: torch.Tensor | None) -> tuple[dict[str, MethodCost], Features]:
+    def _count(self, x: torch.Tensor, y: torch.Tensor | None
+               ) -> tuple[dict[str, MethodCost], Features, ClassDirections]:
         """
-        Each method's counted work on the probe (:mod:`~art_malleability.ntk.cost`) and the probe's factors (the batched
-        method's), from one counted pass:
+        Each method's counted work on the probe (:mod:`~art_malleability.ntk.cost`), the probe's factors (the batched
+        method's) and the class directions its rank-one check set, from one counted pass:
         ``"batched"``'s pass as it runs; ``"structured"`` the same pass and the rank-one check on its factors (which
         also finds the blocks whose output gradients are not rank one over the classes: they never try to be), with
         the compressed blocks' smaller contraction; ``"jacobian"`` the same pass and every block's per-example
@@ -125,10 +126,6 @@ class FeaturePasses:
         rank_one = check()  # sets the class directions: what is counted next is a sub-batch's check once they are
         _, check_flops, check_writes, check_calls = count(check)
         self._rank_one_blocks = rank_one
-        # the same rows' factors as "structured" stores them, with the class directions they were compressed with
-        compressed_blocks = [(a, classes.factor(k, d[:, 0]).reshape(d.shape[0], 1, 1, -1)) if one else (a, d)
-                             for k, ((a, d), one) in enumerate(zip(features.blocks, rank_one, strict=True))]
-        self._first_structured = (Features(n=features.n, blocks=compressed_blocks, jac=features.jac), classes)
 
         def pair(compressed: list[bool]) -> float:
             total = 2.0 * c * self._explicit_numel()
@@ -150,12 +147,12 @@ class FeaturePasses:
                                      float(calls + check_calls), 1.0 if any(rank_one) else 0.0, stored - compressed),
             "jacobian": MethodCost("jacobian", flops / probe + formed, writes / probe + c * numel, 2.0 * c * numel,
                                    float(calls), 0.0, c * numel),
-        }, features
+        }, features, classes
 
     def _choose(self, x: torch.Tensor, y: torch.Tensor | None, n1: int, n2: int | None) -> None:
         """``"auto"``: count each method's work on the probe and take the least for a traced kernel of ``n1 × n2``
         examples (``n2=None``: symmetric)."""
-        costs, features = self._count(x, y)
+        costs, features, classes = self._count(x, y)
         examples, passes = {}, {}
         pairs = n1 * (n1 + 1) / 2 if n2 is None else n1 * n2
         for path in costs:
@@ -172,9 +169,14 @@ class FeaturePasses:
         choice = choose(costs, examples, pairs, passes, self.device)
         self.choice = choice
         self._take_path(choice.method)
-        structured, classes = self._first_structured
-        self._first_structured = None
-        self._first = {"batched": (x, y, features, None), "structured": (x, y, structured, classes)}.get(choice.method)
+        # the probe's factors are the computation's first sub-batch's: kept for it, as the chosen method stores them
+        # ("structured": compressed with the class directions the check set, which the computation then takes)
+        if choice.method == "batched":
+            self._first = (x, y, features, None)
+        elif choice.method == "structured":
+            blocks = [(a, classes.factor(k, d[:, 0]).reshape(d.shape[0], 1, 1, -1)) if one else (a, d)
+                      for k, ((a, d), one) in enumerate(zip(features.blocks, self._rank_one_blocks, strict=True))]
+            self._first = (x, y, Features(n=features.n, blocks=blocks, jac=features.jac), classes)
         logger.info("eNTK method (auto): %s", choice.reason)
 
     def _unused_ids(self, plan: object) -> list[int]:
@@ -254,13 +256,14 @@ class FeaturePasses:
         compressed with, which :meth:`_start` then takes); used once.
         """
         first = self._first
+        if first is None or (first[1] is None) != (y is None):
+            return None
         # the same memory seen the same way (the same rows of the same inputs), compared here, not in a helper the
         # inputs are handed to
-        same = [a is not None and b is not None and a.shape == b.shape and a.stride() == b.stride()
-                and a.dtype == b.dtype and a.device == b.device and a.data_ptr() == b.data_ptr()
-                for a, b in ((first[0], x), (first[1], y))] if first is not None else [False, False]
-        if not same[0] or (first[1] is None) != (y is None) or (y is not None and not same[1]):
-            return None
+        for a, b in ((first[0], x), (first[1], y)):
+            if b is not None and (a.shape != b.shape or a.stride() != b.stride() or a.dtype != b.dtype
+                                  or a.device != b.device or a.data_ptr() != b.data_ptr()):
+                return None
         compressed = first[3] is not None and any(self._rank_one)
         if compressed and (not self._compress or self._classes is not first[3]):
             return None

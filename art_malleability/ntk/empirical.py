@@ -207,10 +207,9 @@ class JacobianGram(FeaturePasses):
         self._forward_size = (0, 0)  # numbers one example's forward pass creates: in all, the largest tensor
         self._budget_mb = self.chunk_mb  # the chunk budget of the current computation (from the device)
         self._clone_inputs = False  # copy the sites' inputs (sticky once the model changed one in place)
-        # the first sub-batch's factors that "auto" counted its work on (inputs, labels, factors), until they are used
-        # (inputs, labels, factors, the class directions of compressed factors or None)
+        # the first sub-batch's factors that "auto" counted its work on, until they are used: (inputs, labels, factors,
+        # the class directions of compressed factors or None)
         self._first: tuple[torch.Tensor, torch.Tensor | None, Features, ClassDirections | None] | None = None
-        self._first_structured: tuple[Features, ClassDirections] | None = None
 
     # ------------------------------------------------------------------ planning
     def _apply_output_fn(self, out: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
