@@ -207,6 +207,39 @@ class Custom(nn.Module):
         return torch.tanh(x @ self.w) * self.g
 
 
+class SmallMaps(nn.Module):
+    """Convolutions on maps no larger than their kernels (ResNet-18's last stages at 32 x 32), which a pass runs as
+    matrices: circular padding, a stride, a 1x1, a 1-D and a 3-D one; beside them a large map and a convolution called
+    on two map sizes, which keep the stock convolution. With ``free``, a scale used outside any layer (a fallback
+    parameter: the pass runs per example under ``vmap``)."""
+
+    #: The convolutions a pass runs as matrices.
+    dense = {"wrap", "down", "point", "line", "volume"}
+
+    def __init__(self, classes: int, free: bool = False) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(2, 4, 3, stride=3)  # 6 x 6 -> 2 x 2
+        self.wrap = nn.Conv2d(4, 5, 3, padding=1, padding_mode="circular")  # 2 x 2 -> 2 x 2
+        self.down = nn.Conv2d(5, 6, 3, stride=2, padding=1, bias=False)  # 2 x 2 -> 1 x 1
+        self.point = nn.Conv2d(6, 6, 1)
+        self.line = nn.Conv1d(6, 3, 3, padding=1)  # length 2
+        self.volume = nn.Conv3d(1, 2, (1, 2, 2))  # (1, 2, 2) -> one position
+        self.twice = nn.Conv2d(4, 4, 1)  # on 2 x 2 and on 1 x 1
+        self.scale = nn.Parameter(torch.full((6,), 0.5)) if free else None
+        self.head = nn.Linear(6 + 6 + 4 + 2, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.stem(x))
+        t = self.twice(h).mean((2, 3)) + self.twice(h.mean((2, 3), keepdim=True)).flatten(1)
+        d = torch.tanh(self.down(torch.tanh(self.wrap(h))))
+        if self.scale is not None:
+            d = d * self.scale.reshape(1, -1, 1, 1)
+        p = self.point(d).flatten(1)
+        line = self.line(torch.stack([p, d.flatten(1)], dim=2)).flatten(1)
+        v = self.volume(h[:, :1].unsqueeze(2)).flatten(1)
+        return self.head(torch.cat([p, line, t, v], dim=1))
+
+
 def randomised(model: nn.Module, seed: int = 8) -> nn.Module:
     """Batch norms' statistics and affine maps away from their initial values; float64, evaluation mode."""
     gen = torch.Generator().manual_seed(seed)
@@ -229,4 +262,6 @@ ZOO = {
     "recurrent": (Recurrent, (1, 6, 6), {"conv", "recurrent", "embedding", "linear"}),
     "shared": (Shared, (6,), {"linear", "embedding"}),
     "free": (Free, (1, 6, 6), {"conv", "module", "linear"}),
+    "small-maps": (SmallMaps, (2, 6, 6), {"conv", "linear"}),
+    "small-maps-free": (lambda classes: SmallMaps(classes, free=True), (2, 6, 6), {"conv", "linear"}),
 }

@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 import torch
-from layer_zoo import ZOO, Free, Shared, randomised, reference_jacobian, reference_ntk
+from layer_zoo import ZOO, Free, Shared, SmallMaps, randomised, reference_jacobian, reference_ntk
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -27,7 +27,7 @@ from art_malleability.ntk.layers.plan import plan_model
 from art_malleability.ntk.projection import ProjectedNTK
 
 #: The fallback parameters each zoo model must have: only those used outside any layer's own forward.
-FALLBACK = {"shared": {"outside.weight"}, "free": {"cls", "pos", "scale"}}
+FALLBACK = {"shared": {"outside.weight"}, "free": {"cls", "pos", "scale"}, "small-maps-free": {"scale"}}
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -65,6 +65,8 @@ def test_every_kind_matches_the_oracle(name: str, method: str, classes: int) -> 
     assert {s.kind for s in plan.sites} == ZOO[name][2]
     assert {n for n, _ in plan.fallback} == FALLBACK.get(name, set())
     assert not plan.unused
+    if name.startswith("small-maps"):  # the convolutions on small maps ran as matrices, the others as they are
+        assert {s.name for s in plan.sites if s.kind == "conv" and s.replaces_forward} == SmallMaps.dense
 
 
 @pytest.mark.parametrize("structured", [False, True])
