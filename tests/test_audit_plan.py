@@ -35,11 +35,15 @@ def test_the_command_line_prints_the_audit_plan_before_training_and_records_it(t
 
 def test_the_time_budget_decides_the_mode_on_the_audits_work(tmp_path, capsys):
     out = tmp_path / "audit"
+    # over the budget, but the projected mode would take longer on 60 examples: the exact one runs, and says why (a
+    # new user's --time-budget 0.01 had switched to a projected mode estimated 16 times longer, warning thrice)
     assert main(["audit", *SMALL, "--time-budget", "1e-9", "--memory-limit-gb", "2", "--output", str(out)]) == 0
-    assert "audit plan: projected NTK influence" in capsys.readouterr().out
+    assert "audit plan: exact NTK influence" in capsys.readouterr().out
     report = json.loads((out / "2l-relu" / "report.json").read_text())
     execution = report["execution"]
-    assert execution["mode"] == "projected" and "over exact_budget_s=1e-09 s" in execution["mode_reason"]
+    assert execution["mode"] == "exact" and "over exact_budget_s=1e-09 s" in execution["mode_reason"]
+    assert "the projected mode would take longer" in execution["mode_reason"]
+    assert not any("not affordable" in w for w in report["warnings"])
     assert execution["params"]["memory_limit_gb"] == 2.0
 
 
@@ -54,6 +58,26 @@ def test_budget_options_that_cannot_work_are_refused_before_any_data_is_read(tmp
     err = capsys.readouterr().err
     assert words in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("given", [[], ["--influence", "gradient"], ["--projection-dim", "64"],
+                                   ["--influence", "gradient", "--memory-limit-gb", "3"]])
+def test_every_option_the_plan_line_names_is_one_that_works_with_the_others(given):
+    # a new user: the plan of --influence gradient said "change with --time-budget, ...", then refused --time-budget
+    from art_malleability.cli import build_parser
+    from art_malleability.cli.audit import plan_options
+    from art_malleability.cli.checks import preflight
+
+    values = {"--time-budget": "60", "--memory-limit-gb": "2", "--projection-dim": "32", "--n-queries": "7"}
+    named = plan_options(build_parser().parse_args(["audit", *given])).replace(" or ", ", ").split(", ")
+    assert set(named) <= set(values) and "--n-queries" in named and "--memory-limit-gb" in named
+    assert ("--time-budget" in named) == (given == [])
+    assert ("--projection-dim" in named) == ("gradient" not in given)
+    for option in named:
+        preflight(build_parser().parse_args(["audit", *given, option, values[option]]))  # not refused
+    for option in set(values) - set(named):
+        with pytest.raises(Exception, match=f"{option} has no effect"):
+            preflight(build_parser().parse_args(["audit", *given, option, values[option]]))
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +100,8 @@ def test_the_estimate_is_the_same_every_time_changes_nothing_and_names_the_mode_
     assert report.execution["mode"] == first.mode == "exact"
     squeezed = MalleabilityEstimator(clf, n_queries=30, n_bootstrap=50, verbose=False, device="cpu",
                                      time_budget_s=first.seconds["influence"] / 2)
-    assert squeezed.estimate(data.x_train, data.x_test).mode == "projected"
+    over = squeezed.estimate(data.x_train, data.x_test)  # over the budget; the projected mode is longer still
+    assert over.mode == "exact" and "the projected mode would take longer" in over.reason
 
 
 @pytest.mark.parametrize("influence", ["gradient", "captum"])
@@ -120,10 +145,13 @@ def test_a_planned_projection_fits_its_second_seed_before_the_clean_fit(relu):
     """When "auto" will project (decided from fixed facts, so known before the fit), the noise model's second
     projection seed is fitted first and dropped before the clean fit: two fitted estimators never share the memory."""
     clf, data = relu
+    from art_malleability.influence import NTKInfluence
+
+    influence = NTKInfluence(device="cpu", max_exact_n=len(data.x_train) - 1)  # "auto" projects, known beforehand
     audit = MalleabilityEstimator(clf, attacks=["fgsm"], n_queries=20, n_bootstrap=50, control_draws=1,
-                                  verbose=False, device="cpu", time_budget_s=1e-9)
+                                  verbose=False, device="cpu", influence=influence)
     report = audit.evaluate(data.x_train, data.y_train, data.x_test, data.y_test)
-    assert report.execution["mode"] == "projected"
+    assert report.execution["mode"] == "projected" and "exceed max_exact_n" in report.execution["mode_reason"]
     order = list(report.seconds)
     assert order.index("influence_other_seeds") < order.index("influence_clean"), order
 
@@ -175,3 +203,22 @@ def test_the_peak_estimate_counts_what_is_kept_of_the_queries_between_passes(rel
     monkeypatch.setattr(cache, "QUERY_CACHE_BYTES", 2**30)
     assert audit.estimate(data.x_train, data.x_test).peak_bytes - capped == plan["cache_bytes"] - small
     assert plan["bytes"] > plan["cache_bytes"]  # the need the memory check asks for counts them too
+
+
+def test_a_memory_limit_no_query_count_fits_is_what_the_refusal_names():
+    # a new user's --memory-limit-gb 0.1 was told "pass at most about 0 queries", and blamed --n-queries
+    from art_malleability._utils.params import InvalidParameterError
+    from art_malleability.audit.params import check_query_budget
+    from art_malleability.metrics.accumulators import metrics_plan
+
+    cpu = torch.device("cpu")
+    fixed = metrics_plan(0, 20_000, 2_000, 1000, False)["memory_bytes"] / 2**30
+    with pytest.raises(InvalidParameterError) as tiny:
+        check_query_budget(300, 20_000, 2_000, 1000, False, fixed / 2, cpu)
+    assert tiny.value.param == "memory_limit_gb" and "raise it to at least" in str(tiny.value)
+    need = float(str(tiny.value).split("raise it to at least ")[1].split(" GiB")[0])
+    assert check_query_budget(2, 20_000, 2_000, 1000, False, need * 1.01, cpu)["memory_bytes"] <= need * 1.01 * 2**30
+    whole = metrics_plan(300, 20_000, 2_000, 1000, False)["memory_bytes"] / 2**30
+    with pytest.raises(InvalidParameterError) as some:  # room for some queries: the count is what to change
+        check_query_budget(300, 20_000, 2_000, 1000, False, (fixed + whole) / 2, cpu)
+    assert some.value.param == "n_queries" and "pass at most about" in str(some.value)

@@ -68,7 +68,7 @@ def test_audit_npz_dataset(tmp_path):
         # the estimator's own parameter check, before any training
         (["--eps", "inf"], "--eps must lie in (0, 1)"),
         (["--eps", "5"], "--eps must lie in (0, 1): an l-inf budget on inputs scaled to [0, 1]"),
-        (["--n-bootstrap", "0"], "--n-bootstrap (n_bootstrap) must be a positive integer"),
+        (["--n-bootstrap", "1"], "--n-bootstrap (n_bootstrap) must be an integer of at least 10"),
         (["--projection-dim", "3000000000"], "--projection-dim (projection_dim) must be a positive integer below"),
     ],
 )

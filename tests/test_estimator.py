@@ -265,6 +265,25 @@ def test_raw_module_and_ready_attack_and_function_form(relu_clf):
     assert rate == pytest.approx(report.results[0].flip_rate)
 
 
+def test_what_the_audit_takes_short_of_what_was_asked_is_said(relu_clf):
+    # a new user's --n-queries 100000 on 300 test points, and projection_dim=512 run with 496, said nowhere but in
+    # the numbers
+    data = digits()
+    report = MalleabilityEstimator(relu_clf, attacks=["fgsm"], **{**FAST, "n_queries": 1000, "projection_dim": 50},
+                                   controls=False).evaluate(data.x_train, data.y_train, data.x_test, data.y_test)
+    assert report.n_queries == len(data.x_test) and report.config["n_queries"] == 1000
+    held = f"n_queries=1000 asked for more queries than the test set holds: its {len(data.x_test)} points"
+    assert sum(held in w for w in report.warnings) == 1
+    assert report.execution["projection_dim"] == 49
+    assert sum(w.startswith("projection_dim=50 gave 49 dimensions") for w in report.warnings) == 1
+    reasons = report.to_dict()["null_reasons"]
+    assert "config.n_queries" not in reasons  # given, so not null
+    default = MalleabilityEstimator(relu_clf, attacks=["fgsm"], **{**FAST, "n_queries": None}, controls=False)
+    reasons = default.evaluate(data.x_train[:100], data.y_train[:100], data.x_test[:20],
+                               data.y_test[:20]).to_dict()["null_reasons"]
+    assert reasons["config.n_queries"].startswith("n_queries=None, the default: every test point is a query")
+
+
 def test_gradient_influence_through_the_estimator(relu_clf):
     data = digits()
     report = MalleabilityEstimator(relu_clf, attacks=["fgsm"], influence="gradient", **FAST).evaluate(
@@ -551,7 +570,10 @@ def test_steps_changed_after_construction_reach_the_iterative_attack(relu_clf):
 @pytest.mark.parametrize(
     ("change", "match"),
     [({"eps": -1.0}, "eps"), ({"ridge": "0.1"}, "ridge"), ({"attacks": ["cw"]}, "attacks"),
-     ({"nonsense": 1}, "nonsense"), ({"eps": 0.2, "top_fraction": 2.0}, "top_fraction")],
+     ({"nonsense": 1}, "nonsense"), ({"eps": 0.2, "top_fraction": 2.0}, "top_fraction"),
+     # refused when set, not when the audit runs: a budget covering the whole input range, intervals from 1 resample
+     ({"eps": 5}, r"eps must be smaller than the classifier's whole input range .*got 5;"),
+     ({"n_bootstrap": 1}, r"n_bootstrap must be an integer of at least 10 .*got 1")],
 )
 def test_an_invalid_change_is_named_and_changes_nothing(relu_clf, change, match):
     estimator = MalleabilityEstimator(relu_clf, **FAST)

@@ -81,8 +81,11 @@ def test_the_exact_budget_covers_the_planned_refits_and_queries(relu_data):
     heavy = NTKInfluence(device="cpu", planned_refits=8, planned_queries=10_000, exact_budget_s=budget)
     for est in (light, heavy):
         est.fit(clf.model, data.x_train, data.y_train)
-    assert light.mode_ == "exact" and heavy.mode_ == "projected"
+    assert light.mode_ == "exact" and "within exact_budget_s" in light.mode_reason_
+    assert "over exact_budget_s" in heavy.mode_reason_  # the planned work is what the budget is held against
     assert "8 refit(s) and the scores of 10000 queries" in heavy.mode_reason_
+    seconds = heavy.estimated_seconds_  # projected only where it is estimated shorter than the exact mode
+    assert heavy.mode_ == ("projected" if seconds["projected"] < seconds["exact"] else "exact")
     with pytest.raises(ValueError, match="planned_refits must be a non-negative integer"):
         NTKInfluence(planned_refits=-1)
 
@@ -120,7 +123,16 @@ def test_the_mode_rule_is_a_pure_function_of_sizes_options_and_facts():
     assert small.mode == "exact" and small.plan == (None, False) and small.kept_bytes == 1000 * 16_000
     assert small == choose_mode(1000, ModeOptions(), machine, model)  # the same facts, the same choice
     assert small.seconds["exact"] < 1800 and "within exact_budget_s=1800 s" in small.reason
-    slow = choose_mode(1000, ModeOptions(exact_budget_s=small.seconds["exact"] / 2), machine, model)
+    # over the budget, the projected mode runs only where it is estimated shorter (a new user's --time-budget 0.01
+    # had switched to a projected mode estimated at 16 s where the exact one was estimated at 1 s)
+    over = choose_mode(1000, ModeOptions(exact_budget_s=small.seconds["exact"] / 2), machine, model)
+    assert over.seconds["projected"] > over.seconds["exact"]
+    assert over.mode == "exact" and "over exact_budget_s" in over.reason and "would take longer" in over.reason
+    wide = ModelFacts(factor=2_000_000, example_bytes=16_000, batch_size=256, chunk_mb=64.0, panel=1000,
+                      example_seconds=1e-4)
+    large = choose_mode(20_000, ModeOptions(), machine, wide)
+    assert large.seconds["projected"] < large.seconds["exact"]
+    slow = choose_mode(20_000, ModeOptions(exact_budget_s=large.seconds["exact"] / 2), machine, wide)
     assert slow.mode == "projected" and "over exact_budget_s" in slow.reason and "projection_dim=None" in slow.note
     capped = choose_mode(1000, ModeOptions(max_exact_n=999), machine, model)
     assert capped.mode == "projected" and "exceed max_exact_n=999" in capped.reason

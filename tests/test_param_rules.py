@@ -56,7 +56,7 @@ def test_every_influence_estimators_get_params_rebuilds_an_equal_estimator(estim
 
 def test_the_audits_get_params_rebuilds_an_equal_estimator_verbose_included(clf):
     audit = MalleabilityEstimator(clf, attacks=["fgsm", "pgd"], eps=0.1, influence="ntk", top_fraction=0.2,
-                                  strategy="all", ridge="gcv", n_queries=7, rank_by="signed", n_bootstrap=9,
+                                  strategy="all", ridge="gcv", n_queries=7, rank_by="signed", n_bootstrap=11,
                                   confidence=0.9, attack_max_iter=3, batch_size=4, seed=2, device="cpu",
                                   verbose=False, projection_dim=None, distributed=False, controls=False,
                                   control_draws=2, memory_limit_gb=1.5, time_budget_s=30.0)

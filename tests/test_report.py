@@ -220,3 +220,12 @@ def test_saving_into_an_existing_file_is_named(tmp_path):
                                                  "an existing file"):
         _report().save(tmp_path / "taken")
     assert (tmp_path / "taken").read_text() == "a file"
+
+
+def test_a_trained_models_missing_weights_file_has_its_reason():
+    from art_malleability.audit._report_nulls import null_reasons
+
+    reasons = null_reasons({"config": {"n_queries": None, "model": {"name": "2l-relu", "weights": None}},
+                            "results": []})
+    assert reasons["config.model.weights"].startswith("no weights file was given (--weights)")
+    assert "not recorded" not in " ".join(reasons.values())

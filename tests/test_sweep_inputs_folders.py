@@ -253,6 +253,19 @@ def test_the_undecided_warning_is_said_once_naming_the_attacks(monkeypatch):
     assert report.to_markdown().count("standard error of zero") == 1
 
 
+def test_the_undecided_warning_calls_an_interval_wide_only_where_it_is():
+    # a new user's SmallCNN: the warning said "its interval is wide" of [0.0, 2.9] %
+    from art_malleability.audit.report import UNDECIDED_WIDTH, undecided_warning
+
+    text = undecided_warning({"fgsm": (0.6, (0.0, 0.029)), "pgd": (0.7, (0.0, UNDECIDED_WIDTH + 0.1)),
+                              "mim": (0.5, (float("nan"), float("nan")))})
+    assert "fgsm 60%, pgd 70%, mim 50%" in text
+    assert "its interval is wide or absent: pgd, mim;" in text
+    assert "accounts for them and still decides (fgsm [0.0, 2.9]%)" in text
+    only_narrow = undecided_warning({"fgsm": (0.6, (0.0, 0.029))})
+    assert "wide" not in only_narrow and "fgsm [0.0, 2.9]%" in only_narrow
+
+
 def test_a_noise_aware_cell_with_a_wide_interval_reads_undecided():
     from art_malleability.audit.report import UNDECIDED_WIDTH
 

@@ -264,7 +264,8 @@ def test_bad_settings_fail_before_any_training(settings, match):
         ({"loo_seeds": 2.0}, "loo_seeds must be a positive integer, got 2.0"),
         ({"seed": -1}, "seed must be a non-negative integer (numpy's seeds are), got -1"),  # numpy's seeds: refused now
         ({"seed": 1.5}, "seed must be a non-negative integer, got 1.5"),
-        ({"n_bootstrap": 0}, "n_bootstrap must be a positive integer, got 0"),  # checked before training now
+        ({"n_bootstrap": 1},
+         "n_bootstrap must be an integer of at least 10 (the resamples an interval is built from), got 1"),
         ({"confidence": 1.0}, "confidence must lie in (0, 1), got 1.0"),
         ({"outcome": "accuracy"}, "outcome must be one of ('loss', 'margin'), got 'accuracy'"),
         ({"loss": "l1"}, "loss must be one of ('cross_entropy', 'mse'), got 'l1'"),

@@ -121,14 +121,13 @@ PROBE_ROWS = 64
 def audit_inputs(est: Any, x: Any, y: Any, x_test: Any, y_test: Any) -> AuditInputs:
     """
     Check and convert what an audit is given, against the estimator's parameters and classifier, before any long
-    work: the budget's units, the inputs and labels, the model's outputs, the influential set's size, the process
+    work: the inputs and labels, the model's outputs, the influential set's size, the process
     group, a seeded sample of the queries and whether their metrics fit the memory.
 
     :param est: The :class:`~art_malleability.audit.estimator.MalleabilityEstimator`.
     :return: The checked :class:`AuditInputs`.
     """
     clf = est.classifier
-    check_eps_range(clf, est.attacks, est.eps)
     source, labels, warnings = training_examples(clf, x, y, est.batch_size)
     k = top_k_count(source.n, est.top_fraction)
     shard = _check_sizes(est, source.n, k, x_test, y_test)
@@ -145,6 +144,12 @@ def audit_inputs(est: Any, x: Any, y: Any, x_test: Any, y_test: Any) -> AuditInp
             )
         queries = source
         rows = self_pairs = np.sort(rng.choice(source.n, min(wanted, source.n), replace=False))
+    if est.n_queries is not None and len(rows) < est.n_queries:
+        message = (f"n_queries={est.n_queries} asked for more queries than the "
+                   f"{'test set' if x_test is not None else 'training set (x_test=None)'} holds: its {len(rows)} "
+                   "points are the queries")
+        logger.warning(message)
+        warnings.append(message)
     x_q, y_q = queries.take(rows, est.batch_size)
     limit = est.memory_limit_gb if est.memory_limit_gb is not None else getattr(est._influence, "memory_limit_gb", None)
     check_query_budget(len(x_q), source.n, k, est.n_bootstrap, self_pairs is not None, limit,
@@ -192,17 +197,6 @@ def example_source(classifier: PyTorchClassifier, x: Any, y: Any, name: str) -> 
     """
     return ExampleSource(x, y, input_shape=tuple(classifier.input_shape), nb_classes=int(classifier.nb_classes),
                          name=name, clip_values=classifier.clip_values)
-
-
-def check_eps_range(classifier: PyTorchClassifier, attacks: tuple, eps: float) -> None:
-    """An ℓ∞ budget that covers the whole valid input range is a unit mistake (8 meant as 8/255), not an audit."""
-    clip = classifier.clip_values
-    named = any(isinstance(a, str) for a in attacks)
-    if clip is not None and named and eps >= float(np.max(np.asarray(clip[1]) - np.asarray(clip[0]))):
-        raise ValueError(
-            f"eps must be smaller than the classifier's whole input range clip_values={tuple(map(float, clip))}, "
-            f"got {eps:g}; give eps in the input's units (e.g. 8/255, not 8)"
-        )
 
 
 def training_examples(classifier: PyTorchClassifier, x: Any, y: Any,

@@ -10,6 +10,8 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+from art_malleability.audit.params import DEFAULT_MAX_QUERIES
+
 #: Reasons of the fields that are ``null`` by what the run was given or how it ran.
 _FIELDS = {
     "dataset": "no data set name was given to evaluate (dataset=...)",
@@ -20,6 +22,11 @@ _FIELDS = {
     "execution.params.memory_limit_gb": "no memory limit was set: the estimator plans within 80 % of the device's "
     "total memory",
     "config.memory_limit_gb": "no memory limit was set: the audit plans within 80 % of the device's total memory",
+    "config.n_queries": f"n_queries=None, the default: every test point is a query (at most {DEFAULT_MAX_QUERIES:,}, "
+    "drawn with the seed beyond), or as many training examples when no test set was given; n_queries at the top "
+    "level is the number taken",
+    "config.model.weights": "no weights file was given (--weights): the command trained the model with the settings "
+    "beside it",
     "execution.params.max_exact_n": "no cap on the exact mode's training set size was set: its estimated time "
     "(exact_budget_s) decides",
     "execution.params.tile_folder": "no tile folder was set: an out-of-core exact solve would use the system's "

@@ -393,7 +393,9 @@ class AuditRun:
         )
         logger.info("%s: flip rate %.3f", label, metrics.flip_rate.value)
         if metrics.undecided_share > UNDECIDED_WARNING:
-            self.undecided[label] = metrics.undecided_share  # one warning for all of them (warnings)
+            # one warning for all of them (warnings), with each one's noise-aware interval
+            rate = metrics.noise_aware_flip_rate
+            self.undecided[label] = (metrics.undecided_share, (rate.low, rate.high))
         return result
 
     def _attack_rows(self, attack: EvasionAttack, perturbed: PerturbedRows) -> tuple[np.ndarray, int, float]:
@@ -448,6 +450,13 @@ class AuditRun:
             )
         if self.projected and getattr(self.influence, "auto_note_", None):
             found.append(self.influence.auto_note_)
+        asked = getattr(self.influence, "projection_dim", None)
+        if self.projected and isinstance(asked, int) and self.influence.projection_dim_ < asked:
+            found.append(
+                f"projection_dim={asked} gave {self.influence.projection_dim_} dimensions: each layer's share is "
+                "split into a product of an output and an input side (k_out x k_in), which can fall short of it; "
+                f"pass a larger projection_dim for at least {asked}"
+            )
         if self.projected:
             found.append(
                 f"influence from a {self.influence.projection_dim_}-dimensional random projection of the NTK "

@@ -14,6 +14,7 @@ from art.attacks import EvasionAttack
 from art.estimators.classification import PyTorchClassifier
 from torch.utils.data import DataLoader, Dataset
 
+from art_malleability._utils.params import MIN_BOOTSTRAP
 from art_malleability._utils.state import preserved
 from art_malleability.audit import _classifier as inputs
 from art_malleability.audit._estimate import AuditEstimate, estimate_audit
@@ -220,7 +221,7 @@ def influence_flip_rate(
             "attack=..., or use MalleabilityEstimator(classifier, attacks=[...]).evaluate(x, y) for several"
         )
     kwargs.setdefault("verbose", False)
-    kwargs.setdefault("n_bootstrap", 1)
+    kwargs.setdefault("n_bootstrap", MIN_BOOTSTRAP)  # the point alone is returned: the fewest resamples
     report = MalleabilityEstimator(classifier, attacks=(attack,), **kwargs).evaluate(x, y, x_test, y_test)
     rate = report.results[0].flip_rate
     return float("nan") if rate is None else rate

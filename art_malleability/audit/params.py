@@ -6,16 +6,19 @@ the attacks and the influence estimator built from them.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 from art.attacks import EvasionAttack
 
 from art_malleability._utils.checks import SignatureParams, loss_name
 from art_malleability._utils.params import (
     BOOL,
+    BOOTSTRAP_RESAMPLES,
     CONFIDENCE,
     DEVICE,
     DISTRIBUTED,
@@ -109,7 +112,7 @@ PARAMETER_RULES: RuleTable = {
     "strategy": one_of(STRATEGIES),
     "ridge": RIDGE,
     "rank_by": RANK_BY,
-    "n_bootstrap": POSITIVE_INT,
+    "n_bootstrap": BOOTSTRAP_RESAMPLES,
     "attack_max_iter": POSITIVE_INT,
     "batch_size": POSITIVE_INT,
     "control_draws": POSITIVE_INT,
@@ -135,10 +138,26 @@ def check_params(est: Any) -> None:
         value of the wrong type).
     """
     checked = check_values(PARAMETER_RULES, {name: getattr(est, name) for name in PARAMETER_RULES})
+    check_eps_range(est.classifier, checked["attacks"], checked["eps"])
     for name, value in checked.items():
         object.__setattr__(est, name, value)
     if isinstance(est.influence, NTKInfluence):
         adopt_influence_params(est, est.influence)
+
+
+def check_eps_range(classifier: Any, attacks: tuple, eps: float) -> None:
+    """
+    An ℓ∞ budget that covers the whole valid input range is a unit mistake (8 meant as 8/255), not an audit: refused
+    where the parameters are checked (construction, ``set_params``), so that an invalid ``eps`` changes nothing.
+
+    :raises InvalidParameterError: Naming ``eps``.
+    """
+    clip = classifier.clip_values
+    named = any(isinstance(a, str) for a in attacks)
+    if clip is not None and named and eps >= float(np.max(np.asarray(clip[1]) - np.asarray(clip[0]))):
+        raise InvalidParameterError(
+            "eps", f"be smaller than the classifier's whole input range clip_values={tuple(map(float, clip))}",
+            f"{eps:g}", "; give eps in the input's units (e.g. 8/255, not 8)")
 
 
 def adopt_influence_params(est: Any, influence: NTKInfluence) -> None:
@@ -250,7 +269,8 @@ def check_query_budget(
     :param memory_limit_gb: The influence's memory limit (GiB), or ``None``.
     :param device: The device of the metrics.
     :return: The plan.
-    :raises InvalidParameterError: Naming ``n_queries`` when it does not fit.
+    :raises InvalidParameterError: Naming ``n_queries`` when it does not fit, or ``memory_limit_gb`` when no number of
+        queries would fit the limit.
     """
     plan = metrics_plan(n_query, n_train, k, n_bootstrap, excluded_pairs)
     budget = float(memory_limit_gb) * 2**30 if memory_limit_gb is not None else MEMORY_SHARE * total_memory(device)
@@ -258,6 +278,13 @@ def check_query_budget(
         fixed = metrics_plan(0, n_train, k, n_bootstrap, excluded_pairs)["memory_bytes"]
         per_query = max((plan["memory_bytes"] - fixed) / max(n_query, 1), 1.0)
         fits = int(max(budget - fixed, 0) // per_query)
+        two = metrics_plan(2, n_train, k, n_bootstrap, excluded_pairs)["memory_bytes"]
+        if two > budget and memory_limit_gb is not None:  # no number of queries would do: the limit is what to change
+            raise InvalidParameterError(
+                "memory_limit_gb", "leave room for the metrics of at least two queries (every interval resamples "
+                "them)", f"{float(memory_limit_gb):g}", f": their fixed part alone needs {fixed / 2**30:.2f} GiB and "
+                f"each query {per_query / 2**30:.3g} GiB (n_train {n_train}, n_bootstrap {n_bootstrap}); raise it to "
+                f"at least {math.ceil(two / 2**30 * 100) / 100:.2f} GiB")  # rounded up: it fits
         raise InvalidParameterError(
             "n_queries", f"leave the audit's metrics within the memory budget of {budget / 2**30:.1f} GiB",
             f"{n_query} queries", f", whose metrics need {plan['memory_bytes'] / 2**30:.1f} GiB (n_train {n_train}, "

@@ -9,6 +9,7 @@ report``. The JSON says why each ``null`` is one (``null_reasons``).
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import asdict, dataclass, field, fields
 from functools import partial
 from typing import Any, ClassVar
@@ -39,20 +40,34 @@ PERCENT_METRICS = ("flip_rate", "per_query_flip_rate", "top_k_jaccard", "attack_
 UNDECIDED_WIDTH = 0.2
 
 
-def undecided_warning(shares: dict[str, float]) -> str:
+def undecided_warning(shares: dict[str, tuple[float, tuple[float, float] | None]]) -> str:
     """
-    The report's one warning on undecidable signs.
+    The report's one warning on undecidable signs; it calls a noise-aware interval wide only where it is (wider than
+    :data:`UNDECIDED_WIDTH`).
 
-    :param shares: The attacks it concerns, each with its ``undecided_share`` (a share of the influential set).
+    :param shares: The attacks it concerns, each with its ``undecided_share`` (a share of the influential set) and its
+        noise-aware flip rate's interval (``None`` or NaN bounds where there is none).
     :return: One sentence naming them, with their shares.
     """
-    which = ", ".join(f"{attack} {100 * share:.0f}%" for attack, share in shares.items())
+    which = ", ".join(f"{attack} {100 * share:.0f}%" for attack, (share, _) in shares.items())
+    wide, narrow = [], []
+    for attack, (_, interval) in shares.items():
+        low, high = interval if interval is not None else (float("nan"), float("nan"))
+        if not (math.isfinite(low) and math.isfinite(high)) or high - low > UNDECIDED_WIDTH:
+            wide.append(attack)
+        else:
+            narrow.append(f"{attack} [{100 * low:.1f}, {100 * high:.1f}]%")
+    parts = []
+    if wide:
+        parts.append(f"the noise-aware flip rate is then only partly identified (its interval is wide or absent: "
+                     f"{', '.join(wide)}; docs/metrics.md)")
+    if narrow:
+        parts.append(f"the noise-aware flip rate accounts for them and still decides ({', '.join(narrow)})")
     return (
         f"a large share of the influential set has a perturbed aggregate within one standard error of zero ({which}), "
-        "where the sign of the population aggregate can hardly be decided from these queries; the noise-aware flip "
-        "rate is then only partly identified (its interval is wide; docs/metrics.md) and the raw flip rate is mostly "
-        "noise (compare it with its 'by noise' value); the signed retention, a mean over the set, is the decided "
-        "reading; more queries (n_queries) decide more signs"
+        f"where the sign of the population aggregate can hardly be decided from these queries; {'; '.join(parts)}; "
+        "the raw flip rate is mostly noise (compare it with its 'by noise' value); the signed retention, a mean over "
+        "the set, is the decided reading; more queries (n_queries) decide more signs"
     )
 
 

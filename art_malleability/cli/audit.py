@@ -115,7 +115,14 @@ def add_audit(sub: argparse._SubParsersAction, run: Runner) -> None:
 
 
 #: How the audit plan's line says to change it (the options that set what it estimates).
-PLAN_OPTIONS = "--time-budget, --memory-limit-gb, --projection-dim or --n-queries"
+def plan_options(args: argparse.Namespace) -> str:
+    """The options the plan line names as changing it: only those that have an effect with the others given (the
+    time budget decides the NTK influence's mode only under ``--projection-dim auto``; the projection dimension is the
+    NTK influence's)."""
+    ntk = args.influence == "ntk"
+    options = (["--time-budget"] if ntk and args.projection_dim == "auto" else []) + ["--memory-limit-gb"]
+    options += (["--projection-dim"] if ntk else []) + ["--n-queries"]
+    return ", ".join(options[:-1]) + " or " + options[-1]
 
 
 def _add_distributed_options(audit: argparse.ArgumentParser) -> None:
@@ -192,7 +199,7 @@ def _audit_model(args: argparse.Namespace, name: str, data: Dataset, shard: Shar
                                   model_name=name)
     plan = audit.estimate(data.x_train, data.x_test)  # before the long work (training included), in every process
     if lead:
-        say(args, f"{name}: {plan.summary(PLAN_OPTIONS)}")
+        say(args, f"{name}: {plan.summary(plan_options(args))}")
     start = time.perf_counter()
     what = _train_or_load(args, name, module, data, shard, lead)
     trained = time.perf_counter() - start

@@ -187,7 +187,8 @@ def choose_mode(n: int, options: ModeOptions, machine: MachineFacts, model: Mode
     - ``None``: exact, in the cheapest form of its solve that fits the budget (a ``ValueError`` if none does);
     - ``"auto"``: exact when ``n ≤ max_exact_n``, its solve fits the budget and its estimated time for the planned
       work (the fit, ``planned_refits`` refits and ``planned_queries`` queries' scores after each, at the nominal
-      rate) is within ``exact_budget_s``; else projected, with a note that says why and what the others would cost.
+      rate) is within ``exact_budget_s`` or the projected mode's estimate is no shorter; else projected, with a note
+      that says why and what the others would cost.
 
     :param n: Training examples.
     :param options: The options.
@@ -247,6 +248,13 @@ def choose_mode(n: int, options: ModeOptions, machine: MachineFacts, model: Mode
         reason = f"{n} training examples exceed max_exact_n={options.max_exact_n}"
     elif plan is None:
         reason = f"its solve does not fit the {budget_text}, even with tiles on disk"
+    elif estimate > options.exact_budget_s and projected >= estimate:
+        # over the budget, but the projected mode would take longer still: the budget cannot be met either way
+        choice.mode = "exact"
+        choice.reason = (f"exact: projection_dim='auto'; the estimated {duration_text(estimate)} for {what} is over "
+                         f"exact_budget_s={options.exact_budget_s:g} s, but the projected mode would take longer "
+                         f"(about {duration_text(projected)}), so the exact one runs")
+        return choice
     elif estimate > options.exact_budget_s:
         reason = (f"it would take about {duration_text(estimate)} for {what}, over exact_budget_s="
                   f"{options.exact_budget_s:g} s ({n} examples, {model.factor} Jacobian factor elements each)")

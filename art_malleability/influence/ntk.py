@@ -27,8 +27,9 @@ solve fits the memory budget in one of its three forms and its estimated time fo
 ``planned_refits`` refits and the scores of ``planned_queries`` queries after each: the kernel, ``2 n² D``
 operations with ``D`` the size of an example's Jacobian factors, a few thousand for the reference
 models, about 50,000 for a small CNN, millions for a ResNet; the factorisations, ``4 n³ / 3``, and the updates;
-the queries' kernel rows and solves) stays below ``exact_budget_s`` (30 minutes); otherwise the projected mode with
-``k = DEFAULT_PROJECTION_DIM``, after a warning that says why and what the other options would cost. The choice
+the queries' kernel rows and solves) stays below ``exact_budget_s`` (30 minutes) or the projected mode's estimate
+is no shorter; otherwise the projected mode with ``k = DEFAULT_PROJECTION_DIM``, after a warning that says why and
+what the other options would cost. The choice
 depends only on the inputs, the options and fixed facts of the machine (the memory budget is ``memory_limit_gb`` or
 a share of the *total* memory; the time comes from counted operations at a nominal rate of the device's kind and
 threads, :func:`~art_malleability.influence.ntk_memory.nominal_gemm_rate`): the same command runs the same estimator

@@ -15,6 +15,7 @@ from art_malleability._utils.checks import near_chance_warnings
 from art_malleability._utils.io import progress_bar
 from art_malleability._utils.params import (
     ALPHA,
+    BOOTSTRAP_RESAMPLES,
     CONFIDENCE,
     LOSS,
     N_MODELS,
@@ -47,7 +48,7 @@ VALIDATE_RULES: RuleTable = {
     "loo_seeds": POSITIVE_INT,
     "seed": SEED,
     "loss": LOSS,
-    "n_bootstrap": POSITIVE_INT,
+    "n_bootstrap": BOOTSTRAP_RESAMPLES,
     "confidence": CONFIDENCE,
 }
 
