@@ -65,6 +65,27 @@ def test_pooling_over_seeds_is_a_t_interval_and_one_seed_keeps_its_own():
     assert gap == pytest.approx(4.0) and low < 4.0 < high and high - low < 10  # paired by seed: narrow
 
 
+def test_two_seeds_that_agree_by_chance_keep_their_own_query_noise():
+    # a new user's `reproduce` over 2 seeds pooled a noise-aware rate of 0 in both into "0.0 [0.0, 0.0]"
+    from scipy import stats
+
+    from art_malleability.metrics import z_value
+    from art_malleability.paper.common import fmt_ci, pooled
+
+    rows = [{"seed": s, "flip_rate_above_floor": 0.0, "flip_rate_above_floor_ci": [0.0, 0.15]} for s in (0, 1)]
+    mean, low, high = pooled(rows, "flip_rate_above_floor")
+    own = 0.15 / z_value(0.95)  # each seed's standard error over its queries (the unclipped side)
+    assert mean == 0.0 and low == 0.0 and high == pytest.approx(100 * stats.t.ppf(0.975, 1) * own / np.sqrt(2))
+    # seeds that differ more than their query noise keep the spread between them
+    apart = [{"seed": 0, "flip_rate": 0.2, "flip_rate_ci": [0.19, 0.21]},
+             {"seed": 1, "flip_rate": 0.4, "flip_rate_ci": [0.39, 0.41]}]
+    half = 100 * stats.t.ppf(0.975, 1) * np.std([0.2, 0.4], ddof=1) / np.sqrt(2)
+    assert pooled(apart, "flip_rate") == pytest.approx((30.0, max(30 - half, 0.0), min(30 + half, 100.0)))
+    # an interval that fills the statistic's whole range decides nothing and says so
+    assert fmt_ci(1.0, -250.0, 250.0, 1, (-200.0, 200.0)) == "1.0 [undecided: the whole range]"
+    assert fmt_ci(1.0, -5.0, 7.0, 1, (-200.0, 200.0)) == "1.0 [-5.0, 7.0]"
+
+
 def test_mean_ci_and_paper_numbers():
     mean, low, high = mean_ci([1.0, 2.0, 3.0])
     assert mean == 2.0 and low == pytest.approx(2.0 - 2.4841377, rel=1e-6) and high == pytest.approx(4.4841377)

@@ -5,6 +5,8 @@ resampled aggregates, the combination of a control's draws and an excess against
 tests/test_statistics.py.)
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 from helpers import metric_passes
@@ -157,3 +159,55 @@ def test_the_em_loops_run_on_one_thread_and_restore_the_settings():
     assert set(seen) == {1}
     assert torch.get_num_threads() == threads
     assert [pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"] == blas
+
+
+def test_a_retention_that_is_not_a_share_is_refused(rng):
+    """A denominator not decidedly positive (Fieller: the ratio's confidence set is then unbounded) or a clean
+    influence under a tenth of the perturbed one (a new user's audit without test points printed 56,463
+    [26,519, 86,407]) gives no retention, rather than a decided-looking interval."""
+    from art_malleability.metrics._retention import MAX_RETENTION
+
+    n_query, n_train = 60, 200
+    mu = np.where(np.arange(n_train) < 20, 0.8, 0.0)
+    before = mu + rng.standard_normal((n_query, n_train))
+    clean, _ = _passes(before, before)
+    basis = clean.retention_basis(True)
+    assert basis.identified(0.95) and basis.eb_variance > 0
+    # the denominator's relative standard error just over 1 / z at 95 % (z = 1.96) and under it at 90 % (1.645)
+    weak = dataclasses.replace(basis, eb_variance=1.01 / 1.959963984540054**2)
+    assert not weak.identified(0.95) and weak.identified(0.90)
+    assert not dataclasses.replace(basis, denominator=-basis.denominator).identified(0.5)
+    kept = PerturbedScores(clean)
+    kept.add(0.5 * mu + 0.7 * (before - mu) + 0.7 * rng.standard_normal((n_query, n_train)))
+    points, draws = replicated(kept, spearman=False)
+    assert 0.2 < points["signed_retention"] < 0.8 and np.isfinite(draws["signed_retention"]).all()
+    # the same set and clean scores, the perturbed influence thirty times the clean one: not a share kept
+    blown = PerturbedScores(clean)
+    blown.add(30 * mu + 0.7 * (before - mu) + 0.7 * rng.standard_normal((n_query, n_train)))
+    points, draws = replicated(blown, spearman=False)
+    assert np.isnan(points["signed_retention"]) and np.isnan(draws["signed_retention"]).all()
+    metrics = pass_metrics(blown)
+    assert np.isnan(metrics.signed_retention.value) and np.isnan(metrics.signed_retention.interval).all()
+    # just inside the bound: reported
+    inside = PerturbedScores(clean)
+    inside.add(0.9 * MAX_RETENTION * mu + 0.7 * (before - mu) + 0.7 * rng.standard_normal((n_query, n_train)))
+    assert np.isfinite(replicated(inside, spearman=False)[0]["signed_retention"])
+
+
+def test_an_audit_whose_queries_are_its_fitted_training_set_reports_no_retention():
+    from helpers import trained_classifier
+
+    from art_malleability import MalleabilityEstimator
+    from art_malleability.data import load_dataset
+
+    data = load_dataset("digits", n_train=300, n_test=60, seed=0)
+    report = MalleabilityEstimator(trained_classifier(epochs=200), verbose=False, attacks=["fgsm"], controls=False,
+                                   n_bootstrap=50).evaluate(data.x_train, data.y_train)
+    result = report.results[0]
+    assert result.signed_retention is None and result.signed_retention_ci == [None, None]
+    reasons = report.to_dict()["null_reasons"]
+    assert reasons["results[0].signed_retention"].startswith("not a share of influence kept here")
+    with_test = MalleabilityEstimator(trained_classifier(epochs=200), verbose=False, attacks=["fgsm"],
+                                      controls=False, n_bootstrap=50).evaluate(data.x_train, data.y_train,
+                                                                               data.x_test, data.y_test)
+    assert with_test.results[0].signed_retention is not None

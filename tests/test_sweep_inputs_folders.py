@@ -266,6 +266,41 @@ def test_the_undecided_warning_calls_an_interval_wide_only_where_it_is():
     assert "wide" not in only_narrow and "fgsm [0.0, 2.9]%" in only_narrow
 
 
+def test_the_figure_draws_no_bar_for_a_noise_aware_rate_the_table_reads_undecided():
+    # a new user's flip_rates.png drew noise-aware bars of 19 %, 7 % and 17 % where the table said "undecided"
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.colors import to_rgba
+
+    report = _report()
+    wide, narrow = report.results
+    wide.flip_rate_above_floor, wide.flip_rate_above_floor_ci = 0.19, [0.0, 0.5]
+    narrow.flip_rate_above_floor, narrow.flip_rate_above_floor_ci = 0.05, [0.02, 0.08]
+    ax = report.plot_flip_rates().axes[0]
+    orange = to_rgba("tab:orange")
+    filled = [p for p in ax.patches if p.get_fill() and p.get_facecolor()[:3] == orange[:3]]
+    hatched = [p for p in ax.patches if not p.get_fill() and p.get_hatch()]
+    assert [round(p.get_height(), 6) for p in filled] == [5.0]  # the decided one only
+    assert len(hatched) == 1 and hatched[0].get_y() == 0.0 and round(hatched[0].get_height(), 6) == 50.0
+    assert "undecided [0.0, 50.0]" in report.to_markdown()
+
+
+def test_the_scatters_scale_sits_in_its_labels_not_over_them():
+    # a new user's scatter: the x label overlapped the axis's offset text ("1e-5")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    report = _report()
+    report.scores_before = [1e-5 * v for v in report.scores_before]
+    report.results[0].scores_after = [1e-5 * v for v in report.results[0].scores_after]
+    ax = report.plot_influence_scatter("fgsm").axes[0]
+    for axis in (ax.xaxis, ax.yaxis):
+        assert not axis.get_offset_text().get_visible() and "1e" in axis.get_label_text(), axis.get_label_text()
+    plain = _report().plot_influence_scatter("fgsm").axes[0]  # unit scores: no scale, labels as they are
+    assert plain.xaxis.get_label_text() == "influence before (positive = helpful)"
+
+
 def test_a_noise_aware_cell_with_a_wide_interval_reads_undecided():
     from art_malleability.audit.report import UNDECIDED_WIDTH
 

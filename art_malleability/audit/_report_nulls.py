@@ -55,7 +55,10 @@ _STATISTICS = {
     "top_k_jaccard": "both influential sets are empty",
     "attack_success": "no training example was perturbed, so no prediction could change",
     "excess_flip_rate": "the attack's or the control's flip rate is undefined",
-    "signed_retention": "the influential set is empty, or its members' clean aggregates sum to zero with their signs",
+    "signed_retention": "not a share of influence kept here: the influential set's clean influence (corrected for "
+    "its selection) is not positive, not distinguishable from zero at the report's confidence (the ratio's interval "
+    "would be unbounded), or under a tenth of its perturbed influence (|retention| over 10: queries drawn from a "
+    "training set the model fits have clean scores near zero); docs/metrics.md",
     "excess_retention": "the attack's or the control's signed retention is undefined",
 }
 
@@ -106,6 +109,8 @@ def _reason(path: str, data: dict[str, Any]) -> str:
     interval = re.fullmatch(r"(\w+)_ci\[[01]\]", rest)
     if interval is not None:
         return _interval_reason(interval.group(1), result, data)
+    if rest in ("signed_retention", "excess_retention") and not data.get("top_k"):
+        return "the influential set is empty, so it has no influence to keep"
     return _STATISTICS.get(rest, "not recorded by this run")
 
 

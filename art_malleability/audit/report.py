@@ -390,7 +390,8 @@ class MalleabilityReport(SavedReport):
     def plot_flip_rates(self, ax: Any = None) -> Any:
         """
         Bar chart per attack: the raw flip rate (with a tick at its expectation by query noise alone), the
-        noise-aware flip rate and the random-sign control's flip rate, each with its interval.
+        noise-aware flip rate and the random-sign control's flip rate, each with its interval; a noise-aware rate the
+        table reads as undecided has no bar, only its interval (hatched).
 
         :param ax: Optional matplotlib axes.
         :return: The matplotlib figure.
@@ -414,7 +415,12 @@ class MalleabilityReport(SavedReport):
             point = np.array([nan_if_none(v) for v, _ in values]) * 100
             low = np.array([nan_if_none(ci[0]) for _, ci in values]) * 100
             high = np.array([nan_if_none(ci[1]) for _, ci in values]) * 100
-            ax.bar(x, np.nan_to_num(point), width, color=color, alpha=0.85, label=name)
+            # an undecided noise-aware rate (as the table reads it) gets no bar: its interval alone, hatched
+            open_ = np.array([j == 1 and undecided(v, ci) for v, ci in values], dtype=bool)
+            ax.bar(x[~open_], np.nan_to_num(point[~open_]), width, color=color, alpha=0.85, label=name)
+            if open_.any():
+                ax.bar(x[open_], (high - low)[open_], width, bottom=low[open_], fill=False, hatch="//",
+                       edgecolor=color, label=f"{name}: undecided (its interval)")
             ax.vlines(x, low, high, color="k", lw=1.0)
             if j == 0:
                 null = np.array([nan_if_none(r.flip_rate_null) for r in self.results]) * 100
@@ -460,6 +466,7 @@ class MalleabilityReport(SavedReport):
         ax.set_ylabel(f"influence after {attack}")
         ax.set_title(f"{self.model}, {attack}")
         ax.legend(fontsize=7, loc="best")
+        _scale_in_labels(ax)
         return ax.figure
 
     def _title(self) -> str:
@@ -532,9 +539,15 @@ def _row(r: AttackResult) -> list[str]:
     ]
 
 
+def undecided(v: float | None, ci: list[float | None]) -> bool:
+    """Whether a noise-aware flip rate reads undecided: its interval wider than :data:`UNDECIDED_WIDTH` (the tables,
+    the figure and the warning use this one rule)."""
+    return v is not None and None not in ci and ci[1] - ci[0] > UNDECIDED_WIDTH + 1e-12
+
+
 def _noise_aware(v: float | None, ci: list[float | None]) -> str:
     """The noise-aware flip rate [CI]; ``"undecided [CI]"`` when the interval is wider than ``UNDECIDED_WIDTH``."""
-    if v is not None and None not in ci and ci[1] - ci[0] > UNDECIDED_WIDTH + 1e-12:
+    if undecided(v, ci):
         return f"undecided [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]"
     return format_percent_ci(v, ci)
 
@@ -553,6 +566,18 @@ def _flip_and_excess(r: AttackResult) -> str:
 def _points_ci(v: float | None, ci: list[float | None]) -> str:
     """A difference of rates in percentage points, signed, with its interval."""
     return value_ci(v, ci, 100.0, "+.1f", " pts")
+
+
+def _scale_in_labels(ax: Any) -> None:
+    """Each axis's scale (matplotlib's offset text, such as ``1e-5``, drawn where the x label is) moved into its
+    label, so that the two never overlap."""
+    ax.figure.canvas.draw()
+    for axis in (ax.xaxis, ax.yaxis):
+        offset = axis.get_offset_text()
+        text = offset.get_text()
+        if text:
+            offset.set_visible(False)
+            axis.set_label_text(f"{axis.get_label_text()} (× {text.replace('×', '').strip()})")
 
 
 def _axes(ax: Any, size: tuple[float, float]) -> Any:

@@ -143,7 +143,8 @@ def t_interval(
 
 
 def seed_interval(
-    points: np.ndarray, confidence: float = 0.95, bounds: tuple[float, float] = (-np.inf, np.inf)
+    points: np.ndarray, confidence: float = 0.95, bounds: tuple[float, float] = (-np.inf, np.inf),
+    within: np.ndarray | None = None,
 ) -> tuple[float, tuple[float, float]]:
     """
     Mean of a statistic over independent runs (training seeds) with a Student-t interval over the runs. Each run's
@@ -151,16 +152,30 @@ def seed_interval(
     and then of queries within runs counts it twice); the estimand is the statistic's expected value over training
     seeds and query draws. With fewer than two runs the interval is undefined.
 
+    With ``within``, each run's own standard error over queries: the variance between runs is at least their mean
+    square, since each run's estimate varies by its query noise alone even where the runs' expectations agree. With few
+    runs the sample variance can fall far below it by chance (two seeds at a boundary, both 0, gave a zero-width
+    interval), so the interval takes the larger of the two.
+
     :param points: The statistic of each run (non-finite ones are ignored).
     :param confidence: Coverage.
     :param bounds: Range of the statistic.
+    :param within: Each run's standard error over its queries (non-finite ones are ignored), or ``None``.
     :return: ``(mean, (low, high))``.
     """
     points = np.asarray(points, dtype=np.float64)
-    finite = points[np.isfinite(points)]
+    keep = np.isfinite(points)
+    finite = points[keep]
     if finite.size == 0:
         return float("nan"), (float("nan"), float("nan"))
-    return float(finite.mean()), t_interval(finite, confidence, bounds)
+    mean = float(finite.mean())
+    if within is None or finite.size < 2:
+        return mean, t_interval(finite, confidence, bounds)
+    errors = np.asarray(within, dtype=np.float64)[keep]
+    floor = float(np.mean(errors[np.isfinite(errors)] ** 2)) if np.isfinite(errors).any() else 0.0
+    sd = float(np.sqrt(max(float(finite.var(ddof=1)), floor)))
+    half = float(student_t.ppf(0.5 + check_confidence(confidence) / 2.0, finite.size - 1)) * sd / np.sqrt(finite.size)
+    return mean, (float(max(mean - half, bounds[0])), float(min(mean + half, bounds[1])))
 
 
 def check_confidence(confidence: float) -> float:

@@ -35,6 +35,14 @@ Controls and excesses combine the same two parts (:func:`~._summary.combine_cont
 docs/metrics.md. Assumptions: normal aggregates (means over many queries), examples exchangeable given ``θ`` (one
 prior for all), the selection by clean aggregates only.
 
+When it is not reported (``NaN``, with the reason in the report's ``null_reasons``): a ratio is a share only where its
+denominator is decidedly positive and not negligible, so the retention is refused where ``D̂ ≤ 0``, where ``D̂`` is not
+distinguishable from zero at the report's confidence (its relative standard error, from the parametric bootstrap
+above, at least ``1 / z``: the ratio's confidence set is then unbounded, as Fieller's theorem says of any ratio), and
+where ``|R̂|`` exceeds :data:`MAX_RETENTION` (the set's clean influence is then under a tenth of what the perturbed
+influence holds, and the ratio measures how small the clean influence is rather than a share kept: queries drawn from
+a training set that the model fits, say, whose clean scores are near zero).
+
 Cost: ``O(N)`` for the prior (binned), ``O(EB_WORLDS · N)`` for the parametric bootstrap, ``O(B · k)`` per pass from
 sums the metrics accumulate anyway; nothing depends on the number of queries but those sums.
 """
@@ -44,6 +52,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from scipy.stats import norm
 
 from art_malleability._utils.torch_utils import single_thread
 from art_malleability.metrics._flip_posterior import PairedSums
@@ -52,6 +61,9 @@ from art_malleability.metrics._flip_posterior import PairedSums
 GRID_SIZE, EM_STEPS, BINS = 100, 500, 400
 #: Worlds of the parametric bootstrap of the empirical-Bayes error.
 EB_WORLDS = 40
+#: Largest ``|R̂|`` reported: beyond it the set's clean influence is under a tenth of its perturbed influence, and the
+#: ratio is no longer a share of influence kept (a new user's audit without test points printed 56,463).
+MAX_RETENTION = 10.0
 
 
 def _design(low: float, high: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -193,10 +205,17 @@ class RetentionBasis:
         variance = relative_error_variance(prior, se[usable], int(in_set), rank_by if selected else None, seed)
         return cls(signs, clean, corrected, denominator, w, variance)
 
+    def identified(self, confidence: float) -> bool:
+        """Whether the set's clean influence ``D̂`` is decidedly positive at ``confidence``: positive, with a relative
+        standard error below ``1 / z`` (else the ratio's confidence set is unbounded: Fieller)."""
+        z = float(norm.ppf(0.5 + confidence / 2.0))
+        return bool(np.isfinite(self.denominator) and self.denominator > 0 and np.isfinite(self.eb_variance)
+                    and z * z * self.eb_variance < 1.0)
+
     def retention(self, sums: PairedSums, perturbed: np.ndarray, resampled_clean: np.ndarray,
-                  resampled_perturbed: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
+                  resampled_perturbed: np.ndarray, confidence: float = 0.95) -> tuple[float, np.ndarray, np.ndarray]:
         """
-        One pass's retention.
+        One pass's retention (``NaN`` where it is not a share: see the module docstring).
 
         :param sums: The set's paired sums over all queries (one row; the slopes ``β`` are their covariance over the
             clean variance, :meth:`~._flip_posterior.PairedSums.moments`).
@@ -207,8 +226,8 @@ class RetentionBasis:
             queries)``; the loadings ``e`` of the empirical-Bayes error, ``√(Var_rel · w) (β − R̂)``, whose squares sum
             to its variance (linear in the slopes, so a control's mean over draws and an excess's difference follow).
         """
-        if self.denominator <= 0 or not np.isfinite(self.denominator):
-            nan = np.full(len(resampled_clean), np.nan)
+        nan = np.full(len(resampled_clean), np.nan)
+        if not self.identified(confidence):
             return float("nan"), nan, np.full(self.signs.size, np.nan)
         _, cov = sums.moments()
         clean_variance, covariance = cov[0, :, 0, 0], cov[0, :, 0, 1]
@@ -217,5 +236,7 @@ class RetentionBasis:
         residual = np.nansum(s * (perturbed - slope * self.clean)) / d
         point = float(residual + np.sum(s * slope * self.corrected) / d)
         replicates = np.nansum(s * (resampled_perturbed - slope * resampled_clean), axis=1) / d
+        if abs(point) > MAX_RETENTION:
+            return float("nan"), nan, np.full(self.signs.size, np.nan)
         loadings = np.sqrt(max(self.eb_variance, 0.0) * self.eb_weights) * (slope - point)
         return point, point + (replicates - residual), loadings

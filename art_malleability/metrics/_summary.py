@@ -100,7 +100,7 @@ def pass_metrics(
     :return: The metrics.
     """
     clean = perturbed.clean
-    points, draws = replicated(perturbed, selected=selected)
+    points, draws = replicated(perturbed, selected=selected, confidence=confidence)
     estimates = {
         name: Estimate.of(points[name], _interval(name, points[name], draws[name], confidence,
                                                   extra_variance=_eb_variance(name, draws)))
@@ -140,8 +140,8 @@ def _excesses(points: dict[str, float], draws: dict[str, np.ndarray], control: M
     return found
 
 
-def replicated(perturbed: PerturbedScores, spearman: bool = True,
-               selected: bool = True) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+def replicated(perturbed: PerturbedScores, spearman: bool = True, selected: bool = True,
+               confidence: float = 0.95) -> tuple[dict[str, float], dict[str, np.ndarray]]:
     """
     The statistics that have replicates, on all queries and on each resample (:data:`REPLICATED`): the raw flip rate,
     the top-k Jaccard, the signed retention (bootstrap) and Spearman's correlation (jackknife).
@@ -150,6 +150,8 @@ def replicated(perturbed: PerturbedScores, spearman: bool = True,
     :param spearman: Whether to compute Spearman's correlation (the simulations of the others leave it out).
     :param selected: Whether the set was chosen from these clean scores (the retention's prior then covers all
         examples).
+    :param confidence: The intervals' coverage (the retention is reported only where its denominator is decidedly
+        positive at it).
     :return: ``(points, replicates)``, both keyed by statistic; the replicates also hold the retention's
         empirical-Bayes loadings under :data:`EB_LOADINGS`.
     """
@@ -160,7 +162,8 @@ def replicated(perturbed: PerturbedScores, spearman: bool = True,
     b_top, a_top = clean.aggregates[top], agg_a[top]
     boot_b, boot_a = (t.cpu().numpy() for t in perturbed.resampled_top())
     if top.size:
-        retention = clean.retention_basis(selected).retention(perturbed.paired_sums(), a_top, boot_b, boot_a)
+        retention = clean.retention_basis(selected).retention(perturbed.paired_sums(), a_top, boot_b, boot_a,
+                                                              confidence)
     else:
         retention = (float("nan"), np.full(len(boot_b), np.nan), np.zeros(0))
     points = {

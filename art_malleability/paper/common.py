@@ -13,7 +13,7 @@ from art_malleability._utils.checks import near_chance_warnings
 from art_malleability._utils.io import progress_bar
 from art_malleability.audit.estimator import MalleabilityEstimator
 from art_malleability.data.datasets import Dataset
-from art_malleability.metrics import seed_interval
+from art_malleability.metrics import seed_interval, z_value
 from art_malleability.models.reference import build_reference_model
 from art_malleability.models.training import make_classifier, train_model
 
@@ -118,8 +118,19 @@ def pooled(rows: list[dict], stat: str) -> tuple[float, float, float]:
         as_float = [float("nan") if v is None else 100 * float(v) for v in (low, high)]
         return 100 * float(rows[0][stat]), as_float[0], as_float[1]
     bounds = (-1.0, 1.0) if stat in ("excess_flip_rate", "spearman") else (0.0, 1.0)
-    mean, (low, high) = seed_interval(np.array([r[stat] for r in rows], dtype=np.float64), 0.95, bounds)
+    points = np.array([r[stat] for r in rows], dtype=np.float64)
+    mean, (low, high) = seed_interval(points, 0.95, bounds, within=[_own_error(r, stat) for r in rows])
     return 100 * mean, 100 * low, 100 * high
+
+
+def _own_error(row: dict, stat: str) -> float:
+    """A seed's own standard error over its queries, from its 95 % interval: the wider side (the other may be clipped
+    at the statistic's range) over ``z``; ``NaN`` without one."""
+    interval = row.get(stat + "_ci") or (None, None)
+    if any(v is None for v in interval):
+        return float("nan")
+    low, high = (float(v) for v in interval)
+    return max(high - float(row[stat]), float(row[stat]) - low) / z_value(0.95)
 
 
 def paired_gap(first: list[dict], second: list[dict], stat: str) -> tuple[float, float, float]:
@@ -153,6 +164,8 @@ def fmt_ci(mean: float, low: float, high: float, digits: int, bounds: tuple[floa
     if not np.isfinite(low):
         return f"{mean:.{digits}f}"
     low, high = max(low, bounds[0]), min(high, bounds[1])
+    if low <= bounds[0] and high >= bounds[1]:  # the whole range: nothing is decided (two seeds' t has 1 freedom)
+        return f"{mean:.{digits}f} [undecided: the whole range]"
     return f"{mean:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}]"
 
 
