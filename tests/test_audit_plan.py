@@ -222,3 +222,15 @@ def test_a_memory_limit_no_query_count_fits_is_what_the_refusal_names():
     with pytest.raises(InvalidParameterError) as some:  # room for some queries: the count is what to change
         check_query_budget(300, 20_000, 2_000, 1000, False, (fixed + whole) / 2, cpu)
     assert some.value.param == "n_queries" and "pass at most about" in str(some.value)
+
+
+def test_a_memory_limit_below_the_plans_peak_is_refused_before_training(tmp_path, capsys):
+    # a new user's 40,000-image audit with --memory-limit-gb 6 planned 8.0 GB and ran (past 50 minutes)
+    out = tmp_path / "audit"
+    code = main(["audit", *SMALL, "--memory-limit-gb", "0.3", "--output", str(out)])
+    captured = capsys.readouterr()
+    assert code == 2 and "audit plan:" in captured.out and "trained" not in captured.out
+    words = "--memory-limit-gb must hold the audit's planned peak memory, got 0.3 (GiB), where the plan of 2l-relu"
+    assert words in captured.err and "raise it to at least" in captured.err and not out.exists()
+    need = float(captured.err.split("raise it to at least ")[1].split(",")[0])
+    assert main(["audit", *SMALL, "--memory-limit-gb", str(need), "--output", str(out)]) == 0  # the size it names

@@ -74,15 +74,17 @@ def test_matches_explicit_leave_one_out(loss: str) -> None:
     assert _rel(est.loo_predictions(xq), loo) < 1e-8
     expected = _loss_np(loo, yq[:, None], loss) - _loss_np(f, yq, loss)[:, None]
     assert _rel(scores, expected) < 1e-8
-    # chunking over queries gives the same numbers
+    # chunking over queries gives the same numbers (cross-entropy's path chunks; the mse one is a closed form with no
+    # (queries x n x C) block, so there is nothing to chunk: the check had returned the same numbers without a loop)
     import art_malleability.influence.ridge as ntk_module
 
-    chunk = ntk_module._CHUNK_ELEMENTS
-    try:
-        ntk_module._CHUNK_ELEMENTS = 30 * 3 * 2  # two queries per chunk
+    calls = []
+    losses = ntk_module.per_example_loss
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ntk_module, "_CHUNK_ELEMENTS", 30 * 3 * 2)  # two queries per chunk
+        patch.setattr(ntk_module, "per_example_loss", lambda *a: calls.append(1) or losses(*a))
         assert np.allclose(est.scores(xq, yq), scores, rtol=1e-12, atol=0)
-    finally:
-        ntk_module._CHUNK_ELEMENTS = chunk
+    assert len(calls) == (0 if loss == "mse" else 1 + 4)  # the base losses, then 7 queries in chunks of 2
 
 
 @pytest.mark.parametrize("loss", ["mse", "cross_entropy"])
@@ -272,8 +274,8 @@ def test_the_tiled_exact_solve_equals_the_dense_one(tmp_path, where):
 def test_tiles_from_kept_factors_compute_each_examples_factors_once(tmp_path):
     """Tiles whose budget also holds the training set's factors take them from the kept factors: each example's
     factors are computed once for the whole kernel (not per tile), and the scores and refits equal the dense solve's
-    (1e-8). (Tiles on disk take their tiles the same way; at a test's sizes their blocks fill the budget.)"""
-    where = "memory"
+    (1e-8). Tiles in memory only: tiles on disk take their tiles the same way, but at a test's sizes their blocks fill
+    the budget, so no plan keeps factors beside them (the branches for them here had never run)."""
     import art_malleability.influence.ntk_memory as memory
     from art_malleability.influence import NTKInfluence
     from art_malleability.ntk.empirical import JacobianGram
@@ -283,7 +285,6 @@ def test_tiles_from_kept_factors_compute_each_examples_factors_once(tmp_path):
     x, y, xq, yq = _data(n=n, d=6)
     dense = NTKInfluence(projection_dim=None, ridge=1e-2, device="cpu").fit(model, x, y)
     exact = memory.exact_bytes(n, reserve=_engine_reserve(model, x))
-    form = "tiles of" if where == "memory" else "on disk"
     for share in np.linspace(0.99, 0.01, 99):  # the largest budget under the dense solve's whose plan is as asked
         budget = share * exact
         try:
@@ -291,7 +292,7 @@ def test_tiles_from_kept_factors_compute_each_examples_factors_once(tmp_path):
                                 tile_folder=tmp_path).plan(model, x, n)
         except ValueError:  # nothing fits any more
             break
-        if form in plan["reason"] and (where == "disk" or "on disk" not in plan["reason"]) and plan["kept_bytes"]:
+        if "tiles of" in plan["reason"] and "on disk" not in plan["reason"] and plan["kept_bytes"]:
             break
     assert plan["mode"] == "exact" and plan["kept_bytes"] > 0, plan
     rows = []
@@ -306,7 +307,7 @@ def test_tiles_from_kept_factors_compute_each_examples_factors_once(tmp_path):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(JacobianGram, "features", counted)
         tiled.fit(model, x, y)
-    assert tiled.solver_.block is not None and (tiled.solver_.folder is not None) == (where == "disk")
+    assert tiled.solver_.block is not None and tiled.solver_.folder is None  # tiles in memory
     assert tiled._backend.kept is not None
     assert sum(rows) == n  # once per example, for every tile
     before = dense.scores(xq, yq)

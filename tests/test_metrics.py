@@ -292,9 +292,13 @@ def test_a_control_of_several_draws_adds_their_spread(rng):
     value = combined.flip_rate.value
     assert combined.flip_rate.interval == pytest.approx((value - half, value + half))
     attack = M.malleability_metrics(before, before + 2 * rng.normal(size=before.shape), n_bootstrap=100, seed=4,
-                                    control=combined)
-    paired = M.malleability_metrics(before, before, n_bootstrap=100, seed=4, keep_draws=True).replicates.flip_rate
+                                    control=combined, keep_draws=True)
     assert attack.excess_flip_rate.value == pytest.approx(attack.flip_rate.value - value)
+    # the excess's interval: the paired differences of the replicates (the same resamples) plus the draws' spread
+    paired = attack.replicates.flip_rate - mean_draws
+    excess = attack.excess_flip_rate.value
+    half = M.z_value(0.95) * np.sqrt(np.var(paired, ddof=1) + np.var(rates, ddof=1) / 4)
+    assert attack.excess_flip_rate.interval == pytest.approx((max(excess - half, -1.0), min(excess + half, 1.0)))
     other = M.malleability_metrics(before, before, n_bootstrap=100, seed=5, keep_draws=True)
     with pytest.raises(ValueError, match="the draws of one control must"):
         M.combine_controls([draws[0], other])
@@ -302,7 +306,6 @@ def test_a_control_of_several_draws_adds_their_spread(rng):
         M.combine_controls([M.malleability_metrics(before, before, n_bootstrap=100, seed=4)])
     with pytest.raises(TypeError, match="draws must hold the metrics of malleability_metrics"):
         M.combine_controls([draws[0].to_dict()])
-    assert paired.shape == mean_draws.shape
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -221,15 +221,37 @@ def test_a_single_class_npz_is_refused_at_load_time(tmp_path):
         load_dataset(tmp_path / "single.npz", n_train=10, n_test=10)
 
 
-def test_the_command_line_refuses_a_single_class_npz(tmp_path, capsys):
+@pytest.mark.parametrize(("arrays", "words"), [
+    ({"y": np.full(40, 3)}, "single class (3)"),
+    ({}, "--dataset must hold arrays 'x' and 'y', got ['x']"),
+    ({"y": np.arange(40) % 3, "nan": True}, "--dataset must hold finite values in x, got 1 NaN or infinite"),
+])
+def test_the_command_line_refuses_a_dataset_it_cannot_use_with_status_2(tmp_path, capsys, arrays, words):
+    # documented: a --dataset that cannot be used is status 2; a new user got 1 for each of these
     x = np.random.default_rng(0).random((40, 4)).astype(np.float32)
-    np.savez(tmp_path / "single.npz", x=x, y=np.full(40, 3))
+    if arrays.pop("nan", False):
+        x[0, 0] = np.nan
+    np.savez(tmp_path / "data.npz", x=x, **arrays)
     out = tmp_path / "audit"
-    code = main(["audit", *TINY, "--model", "2l-relu", "--dataset", str(tmp_path / "single.npz"), "--n-train", "20",
+    code = main(["audit", *TINY, "--model", "2l-relu", "--dataset", str(tmp_path / "data.npz"), "--n-train", "20",
                  "--n-test", "10", "--output", str(out)])
     err = capsys.readouterr().err
-    assert code != 0 and "single class (3)" in err
+    assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
     assert not out.exists() or leftovers(out) == []
+
+
+def test_a_weights_file_that_is_no_state_dict_and_a_one_example_spectrum_are_status_2(tmp_path, capsys):
+    import torch
+
+    torch.save({"a": 1}, tmp_path / "w.pt")
+    code = main(["audit", *TINY, "--model", "2l-relu", "--weights", str(tmp_path / "w.pt"),
+                 "--output", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 2 and "--weights must hold a state_dict (parameter names to tensors)" in err
+    assert "'a' is of type int" in err and not (tmp_path / "o").exists()
+    code = main(["spectrum", "--n-train", "1", "--output", str(tmp_path / "s")])
+    err = capsys.readouterr().err
+    assert code == 2 and "--n-train must be at least 2" in err and not (tmp_path / "s").exists()
 
 
 # ---------------------------------------------------------------------------------------------- 5. the report

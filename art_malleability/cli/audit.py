@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from art_malleability.audit.attacks import ATTACK_NAMES, STRATEGIES
 from art_malleability.cli.checks import (
+    as_typed,
     build_model,
     load_data,
     load_weights,
@@ -157,7 +158,9 @@ def run_audit(args: argparse.Namespace) -> int:
                   f"{data.nb_classes} classes ({time.perf_counter() - start:.1f} s)"
                   + (f"; {shard.world_size} processes ({shard.backend})" if shard.world_size > 1 else ""))
     _check_queries(args, data)
-    reports = [_audit_model(args, name, data, shard) for name in model_names(args)]
+    planned = [_planned(args, name, data, shard) for name in model_names(args)]  # every plan kept, before training
+    reports = [_audit_model(args, name, data, shard, *parts) for name, parts in zip(model_names(args), planned,
+                                                                                      strict=True)]
     if lead:
         table = comparison_table(reports)
         args.out.write("summary.md", f"# Influence malleability on {data.name}\n\n{table}\n")
@@ -184,10 +187,18 @@ def _check_queries(args: argparse.Namespace, data: Dataset) -> None:
         raise usage from err
 
 
-def _audit_model(args: argparse.Namespace, name: str, data: Dataset, shard: Shard) -> MalleabilityReport:
-    """Train (or load) one model, audit it, and on the lead process stage and print its report."""
-    from art_malleability._utils.report_base import slugify
+def _planned(args: argparse.Namespace, name: str, data: Dataset, shard: Shard) -> tuple:
+    """
+    One model built (untrained), its audit and the audit's plan, printed; a ``--memory-limit-gb`` that the plan's
+    peak exceeds is refused here, before any model is trained (a limit is kept or the command does not start).
+
+    :return: ``(module, audit, plan)``.
+    :raises UsageError: Naming ``--memory-limit-gb`` and the size that would hold the plan.
+    """
+    import math
+
     from art_malleability.audit.estimator import MalleabilityEstimator
+    from art_malleability.cli.checks import UsageError
     from art_malleability.models.training import make_classifier
 
     lead = shard.rank == 0
@@ -200,6 +211,24 @@ def _audit_model(args: argparse.Namespace, name: str, data: Dataset, shard: Shar
     plan = audit.estimate(data.x_train, data.x_test)  # before the long work (training included), in every process
     if lead:
         say(args, f"{name}: {plan.summary(plan_options(args))}")
+    limit = args.memory_limit_gb
+    if limit is not None and plan.peak_bytes > limit * 2**30:
+        need = math.ceil(plan.peak_bytes / 2**30 * 10) / 10
+        raise UsageError(
+            f"--memory-limit-gb must hold the audit's planned peak memory, got {as_typed(limit)} (GiB), where the "
+            f"plan of {name} needs about {plan.peak_bytes / 2**30:.1f} GiB; raise it to at least {need:.1f}, or "
+            "lower --n-train or --n-queries"
+        )
+    return module, audit, plan
+
+
+def _audit_model(args: argparse.Namespace, name: str, data: Dataset, shard: Shard, module: torch.nn.Module,
+                 audit: Any, plan: Any) -> MalleabilityReport:
+    """Train (or load) one planned model (:func:`_planned`), audit it, and on the lead process stage and print its
+    report."""
+    from art_malleability._utils.report_base import slugify
+
+    lead = shard.rank == 0
     start = time.perf_counter()
     what = _train_or_load(args, name, module, data, shard, lead)
     trained = time.perf_counter() - start

@@ -175,7 +175,9 @@ OPTION_RULES: dict[str, dict[str, tuple[Check, ...]]] = {
         **{option: _steps(VALIDATE_RULES[param]) for param, option in VALIDATE_OPTIONS.items()},  # validate()'s rules
     },
     "ntk-check": {**_DATA_RULES, **_through(CHECKER_RULES, NTK_CHECK_OPTIONS)},
-    "spectrum": {"--n-train": _DATA_RULES["--n-train"]},
+    "spectrum": {"--n-train": (*_DATA_RULES["--n-train"],
+                               _rule("be at least 2 (a spectrum of one example's kernel is one number)",
+                                     lambda v: v is None or v >= 2))},
     "reproduce": {**_DATA_RULES, **_through(REPRODUCTION_RULES, REPRODUCE_OPTIONS)},
 }
 
@@ -293,10 +295,15 @@ def load_data(args: argparse.Namespace) -> Dataset:
     """:return: The :class:`~art_malleability.data.datasets.Dataset` of the data options."""
     from art_malleability.data.datasets import load_dataset
 
-    return load_dataset(
-        args.dataset, root=args.data_root, n_train=args.n_train, n_test=args.n_test, classes=args.classes,
-        seed=args.seed,
-    )
+    try:
+        return load_dataset(
+            args.dataset, root=args.data_root, n_train=args.n_train, n_test=args.n_test, classes=args.classes,
+            seed=args.seed,
+        )
+    except InvalidParameterError as err:  # what the data holds cannot be used (one class, no labels, NaN): status 2
+        if err.param in DATA_OPTIONS:
+            raise UsageError(message_of(err)) from err
+        raise
 
 
 def model_names(args: argparse.Namespace) -> list[str]:
@@ -461,6 +468,10 @@ def read_weights(path: str) -> dict[str, torch.Tensor]:
         ) from err
     if not isinstance(state, dict):
         raise ValueError(f"--weights must hold a state_dict, got a {type(state).__name__} in {path!r}")
+    odd = next(((key, value) for key, value in state.items() if not isinstance(value, torch.Tensor)), None)
+    if odd is not None:
+        raise ValueError(f"--weights must hold a state_dict (parameter names to tensors), got {path!r}, whose "
+                         f"{odd[0]!r} is of type {type(odd[1]).__name__}; save torch.save(model.state_dict(), path)")
     for key, value in state.items():
         if isinstance(value, torch.Tensor) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
             bad = int((~torch.isfinite(value)).sum())
