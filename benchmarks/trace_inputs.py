@@ -352,7 +352,7 @@ class InputTracer:
 
 # ------------------------------------------------------------------------------------------------ the audit
 #: The tiny audit: one attack, few bootstrap resamples and control draws, quiet.
-TINY_AUDIT = {"attacks": ("fgsm",), "eps": 0.1, "n_queries": 12, "n_bootstrap": 8, "control_draws": 2,
+TINY_AUDIT = {"attacks": ("fgsm",), "eps": 0.1, "n_queries": 12, "n_bootstrap": 10, "control_draws": 2,
               "batch_size": 16, "seed": 0, "device": "cpu", "verbose": False}
 
 

@@ -5,7 +5,9 @@ power and false-positive rate (``tests/test_statistics_coverage.py``).
 A *population* of paired clean/perturbed scores: every training example ``j`` has population aggregates
 ``(μ_b[j], μ_a[j])`` (the means over infinitely many queries); ``n_influential`` of them sit ``lo``–``hi`` standard
 errors (of a mean over ``n_query`` queries) from zero with random signs, the others at 0. A share ``flips`` of the
-influential ones changes sign (``μ_a = -shrink · μ_b``), the others keep it (``μ_a = shrink · μ_b``). Per-query
+influential ones changes sign (``μ_a = -flip_shrink · μ_b``; ``flip_shrink=None``: ``shrink``), the others keep it
+(``μ_a = shrink · μ_b``: an attack shrinks the ones it does not flip towards zero, as attacks and random controls do,
+while those it flips may keep their size). Per-query
 scores are the population aggregates plus noise with unit variance (``student_df``: Student-t noise of that many
 degrees of freedom, scaled to unit variance; ``None``: normal), the perturbed noise correlated ``rho`` with the clean.
 """
@@ -28,6 +30,7 @@ class Planted:
     shrink: float = 1.0
     rho: float = 0.9
     student_df: float | None = None
+    flip_shrink: float | None = None
 
     def population(self, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         """:return: The population aggregates ``(μ_b, μ_a)``."""
@@ -38,7 +41,8 @@ class Planted:
         mu_b[chosen] = rng.uniform(self.lo, self.hi, self.n_influential) * se * signs
         mu_a = self.shrink * mu_b
         flipped = rng.choice(chosen, int(round(self.flips * self.n_influential)), replace=False)
-        mu_a[flipped] *= -1.0
+        scale = self.shrink if self.flip_shrink is None else self.flip_shrink
+        mu_a[flipped] = -scale * mu_b[flipped]
         return mu_b, mu_a
 
     def noise(self, rng: np.random.Generator, n_query: int | None = None) -> np.ndarray:

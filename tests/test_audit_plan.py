@@ -141,7 +141,7 @@ def test_a_transductive_model_is_estimated_with_its_training_set_as_context_and_
         model(torch.as_tensor(data.x_test[:2]))
 
 
-def test_a_planned_projection_fits_its_second_seed_before_the_clean_fit(relu):
+def test_a_planned_projection_fits_its_second_seed_before_the_clean_fit(relu, caplog):
     """When "auto" will project (decided from fixed facts, so known before the fit), the noise model's second
     projection seed is fitted first and dropped before the clean fit: two fitted estimators never share the memory."""
     clf, data = relu
@@ -150,8 +150,13 @@ def test_a_planned_projection_fits_its_second_seed_before_the_clean_fit(relu):
     influence = NTKInfluence(device="cpu", max_exact_n=len(data.x_train) - 1)  # "auto" projects, known beforehand
     audit = MalleabilityEstimator(clf, attacks=["fgsm"], n_queries=20, n_bootstrap=50, control_draws=1,
                                   verbose=False, device="cpu", influence=influence)
-    report = audit.evaluate(data.x_train, data.y_train, data.x_test, data.y_test)
+    with caplog.at_level("WARNING", logger="art_malleability"):
+        report = audit.evaluate(data.x_train, data.y_train, data.x_test, data.y_test)
     assert report.execution["mode"] == "projected" and "exceed max_exact_n" in report.execution["mode_reason"]
+    # why it projects is said once in the log (the second seed's twin runs the projection chosen, unwarned) and once
+    # in the report (a new user's --time-budget 0.01 had warned three times)
+    assert caplog.text.count("the exact NTK influence is not affordable here") == 1
+    assert sum("not affordable here" in w for w in report.warnings) == 1
     order = list(report.seconds)
     assert order.index("influence_other_seeds") < order.index("influence_clean"), order
 

@@ -733,16 +733,23 @@ def test_a_misspelt_parameter_is_refused_not_ignored(relu_clf):
     assert estimator.model_name == "renamed"
 
 
-def test_a_single_test_point_is_said_in_the_report(relu_clf, caplog):
+@pytest.mark.parametrize("points", [1, 2, 9])
+def test_too_few_test_points_for_an_interval_are_said_in_the_report(relu_clf, caplog, points):
+    # a new user's 2 queries printed a noise-aware "34.0 % [34.0, 34.0]", not marked undecided
     caplog.set_level("WARNING", logger="art_malleability")
     data = digits(100, 20)
     report = MalleabilityEstimator(relu_clf, attacks=["fgsm"], **{**FAST, "controls": False}).evaluate(
-        data.x_train, data.y_train, data.x_test[:1], data.y_test[:1]
+        data.x_train, data.y_train, data.x_test[:points], data.y_test[:points]
     )
-    assert report.n_queries == 1 and report.results[0].flip_rate_ci == [None, None]
-    assert any("single query point" in w for w in report.warnings) and "single query point" in caplog.text
+    result = report.results[0]
+    assert report.n_queries == points and result.flip_rate is not None and result.flip_rate_ci == [None, None]
+    assert result.flip_rate_above_floor is None and result.flip_rate_above_floor_ci == [None, None]
+    said = f"quer{'y' if points == 1 else 'ies'}: the intervals that resample the queries and the noise-aware"
+    assert sum(said in w for w in report.warnings) == 1 and said in caplog.text
     reasons = report.to_dict()["null_reasons"]
-    assert reasons["results[0].flip_rate_ci[0]"].startswith("a single query point")
+    lead = "a single query point" if points == 1 else f"{points} queries"
+    assert reasons["results[0].flip_rate_ci[0]"].startswith(f"{lead}: the interval resamples the queries and needs "
+                                                             "at least 10")
 
 
 def test_queries_whose_metrics_do_not_fit_the_memory_are_refused_before_any_work(relu_clf, monkeypatch):
@@ -757,8 +764,9 @@ def test_queries_whose_metrics_do_not_fit_the_memory_are_refused_before_any_work
     monkeypatch.setattr(NTKInfluence, "fit", lambda *a, **k: calls.append(1))
     audit = MalleabilityEstimator(relu_clf, attacks=["fgsm"], influence=tight, n_queries=None, n_bootstrap=50,
                                   verbose=False, device="cpu")
-    with pytest.raises(ValueError, match=r"n_queries must leave the audit's metrics within the memory budget of "
-                                         r"0\.1 GiB, got 40 queries, whose metrics need"):
+    # a limit below the metrics' fixed part: no number of queries would fit, so the limit is what is named
+    with pytest.raises(ValueError, match=r"memory_limit_gb must leave room for the metrics of at least two queries "
+                                         r".*got 0\.05: their fixed part alone needs"):
         audit.evaluate(x, y, xq, yq)
     assert not calls  # no influence was fitted
     for before, after in zip(copies, (x, y, xq, yq), strict=True):

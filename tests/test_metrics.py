@@ -351,3 +351,29 @@ def test_the_smallest_training_set_is_the_first_with_a_non_empty_influential_set
 
     n = smallest_training_set(fraction)
     assert top_k_count(n, fraction) >= 1 and (n == 1 or top_k_count(n - 1, fraction) == 0)
+
+
+def test_intervals_need_the_queries_that_keep_their_coverage_in_the_band():
+    """A normal interval with the bootstrap's standard error of a mean over n Gaussian queries covers
+    2 T_{n-1}(z sqrt((n-1)/n)) - 1: MIN_INTERVAL_QUERIES is the first n inside the 90-98 % band, and below it the
+    resampled intervals and the noise-aware rate are null (a new user's 2 queries printed 34.0 % [34.0, 34.0])."""
+    from scipy.stats import t
+
+    from art_malleability.metrics.accumulators import QueryResampling
+
+    def coverage(n):
+        return 2 * t.cdf(M.z_value(0.95) * np.sqrt((n - 1) / n), n - 1) - 1
+
+    n = M.MIN_INTERVAL_QUERIES
+    assert coverage(n) >= 0.90 > coverage(n - 1)
+    assert QueryResampling(n - 1, 50, 0).n_bootstrap == 0 and QueryResampling(n, 50, 0).n_bootstrap == 50
+    rng = np.random.default_rng(3)
+    mu = np.where(np.arange(60) < 6, 3.0, 0.0)
+    for queries, defined in ((n - 1, False), (n, True)):
+        before = mu + rng.normal(size=(queries, 60))
+        result = M.malleability_metrics(before, before + 0.3 * rng.normal(size=before.shape), n_bootstrap=50,
+                                        top_fraction=0.1)
+        assert np.isfinite(result.flip_rate.value)  # the point is reported either way
+        assert np.isfinite(result.flip_rate.interval).all() == defined
+        assert np.isfinite(result.noise_aware_flip_rate.value) == defined
+        assert np.isfinite(result.per_query_flip_rate.interval).all()  # Student-t over the queries: always

@@ -265,7 +265,7 @@ def test_the_undecided_warning_is_said_once_naming_the_attacks(monkeypatch):
 
     monkeypatch.setattr(run, "UNDECIDED_WARNING", -1.0)  # every attack above the threshold
     clf, data = trained_classifier("2l-relu", epochs=20), digits(60, 20)
-    report = MalleabilityEstimator(clf, attacks=["fgsm", "pgd"], n_queries=5, n_bootstrap=10, verbose=False,
+    report = MalleabilityEstimator(clf, attacks=["fgsm", "pgd"], n_queries=10, n_bootstrap=10, verbose=False,
                                    controls=False).evaluate(data.x_train, data.y_train, data.x_test, data.y_test)
     undecided = [w for w in report.warnings if "standard error of zero" in w]
     assert len(undecided) == 1, report.warnings

@@ -19,7 +19,7 @@ from art_malleability._utils.torch_utils import model_device_dtype, resolve_devi
 from art_malleability.audit.params import check_query_budget, default_queries
 from art_malleability.data.streaming import ExampleSource, is_torch_data
 from art_malleability.distributed import Shard, current_shard
-from art_malleability.metrics import smallest_training_set, top_k_count
+from art_malleability.metrics import MIN_INTERVAL_QUERIES, smallest_training_set, top_k_count
 from art_malleability.models.reference import is_transductive
 
 logger = logging.getLogger(__name__)
@@ -154,9 +154,10 @@ def audit_inputs(est: Any, x: Any, y: Any, x_test: Any, y_test: Any) -> AuditInp
     limit = est.memory_limit_gb if est.memory_limit_gb is not None else getattr(est._influence, "memory_limit_gb", None)
     check_query_budget(len(x_q), source.n, k, est.n_bootstrap, self_pairs is not None, limit,
                        resolve_device(est.device))
-    if len(x_q) < 2:
-        message = ("x_test holds a single query point: every interval resamples the queries and needs two or more, "
-                   "so the intervals are null; pass more test points")
+    if len(x_q) < MIN_INTERVAL_QUERIES:
+        message = (f"{len(x_q)} quer{'y' if len(x_q) == 1 else 'ies'}: the intervals that resample the queries and "
+                   f"the noise-aware flip rate need at least {MIN_INTERVAL_QUERIES} (fewer would under-cover), so they "
+                   "are null; pass more test points (or n_queries)")
         logger.warning(message)
         warnings.append(message)
     train = source.arrays(est.batch_size * 8)[0] if is_transductive(clf.model) else source.given

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from art_malleability.audit.params import DEFAULT_MAX_QUERIES
+from art_malleability.metrics import MIN_INTERVAL_QUERIES
 
 #: Reasons of the fields that are ``null`` by what the run was given or how it ran.
 _FIELDS = {
@@ -39,17 +40,17 @@ _FIELDS = {
     "its scores carry query noise only",
 }
 
+#: Why the noise-aware rate and what its deconvolution gives beside it are null.
+_NOISE_AWARE = (f"the influential set is empty, fewer than {MIN_INTERVAL_QUERIES} queries (the deconvolution of the "
+                "members' covariances would under-cover), or no member has finite scores before and after")
+
 #: Reasons of a ``null`` statistic, by name (the value itself; its interval has its own reasons).
 _STATISTICS = {
     "flip_rate": "the influential set is empty, or no member has a finite score before and after",
-    "flip_rate_above_floor": "the influential set is empty, fewer than two queries, or no member has finite "
-    "scores before and after",
-    "flip_rate_null": "the influential set is empty, fewer than two queries, or no member has finite scores before "
-    "and after",
-    "undecided_share": "the influential set is empty, fewer than two queries, or no member has finite scores before "
-    "and after",
-    "no_flip_statistic": "the influential set is empty, fewer than two queries, or no member has finite scores "
-    "before and after",
+    "flip_rate_above_floor": _NOISE_AWARE,
+    "flip_rate_null": _NOISE_AWARE,
+    "undecided_share": _NOISE_AWARE,
+    "no_flip_statistic": _NOISE_AWARE,
     "per_query_flip_rate": "no query has a non-empty influential set with finite scores",
     "spearman": "fewer than two finite score pairs, or the scores on one side are constant",
     "top_k_jaccard": "both influential sets are empty",
@@ -115,8 +116,10 @@ def _reason(path: str, data: dict[str, Any]) -> str:
 
 
 def _interval_reason(statistic: str, result: dict[str, Any], data: dict[str, Any]) -> str:
-    if data.get("n_queries", 2) < 2:
-        return "a single query point: the interval resamples the queries and needs two or more"
+    n = data.get("n_queries", MIN_INTERVAL_QUERIES)
+    if n < MIN_INTERVAL_QUERIES:
+        return (f"{'a single query point' if n == 1 else f'{n} queries'}: the interval resamples the queries and "
+                f"needs at least {MIN_INTERVAL_QUERIES} (fewer would under-cover)")
     if result.get(statistic) is None:
         return "the statistic itself is undefined (see its own reason), so it has no interval"
     return "fewer than two bootstrap resamples (or jackknife groups) of the queries gave the statistic a finite value"

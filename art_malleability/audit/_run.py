@@ -203,7 +203,10 @@ class AuditRun:
         """
         influence, found = self.influence, []
         for offset in range(1, PROJECTION_SEEDS):
-            twin = type(influence)(**{**influence.get_params(), "projection_seed": influence.projection_seed + offset})
+            params = {**influence.get_params(), "projection_seed": influence.projection_seed + offset}
+            if params.get("projection_dim") == "auto":  # the twin runs the projection "auto" chose (or will):
+                params["projection_dim"] = influence._dim()  # the same k, and its choice is not warned of again
+            twin = type(influence)(**params)
             self._fit_on(twin, x_train, y_train)
             if getattr(twin, "mode_", None) != "projected" or twin.projector_.is_exact:
                 return []

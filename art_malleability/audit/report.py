@@ -38,6 +38,9 @@ PERCENT_METRICS = ("flip_rate", "per_query_flip_rate", "top_k_jaccard", "attack_
 #: interval cannot tell a rate of a few percent (the paper's 2L-ReLU) from one of 20 to 40 % (its MLP-Attn), so its
 #: point value says nothing. The interval itself is shown; the JSON keeps every number.
 UNDECIDED_WIDTH = 0.2
+#: A noise-aware flip rate whose influential set has more than this share of undecidable perturbed signs (the
+#: ``undecided_share``) also reads "undecided": placeholder until measured (1: no such rule).
+UNDECIDED_SHARE_LIMIT = 1.0
 
 
 def undecided_warning(shares: dict[str, tuple[float, tuple[float, float] | None]]) -> str:

@@ -52,6 +52,7 @@ one of them, as when the metrics were a dict.
 from __future__ import annotations
 
 from art_malleability.metrics._bootstrap import (
+    MIN_INTERVAL_QUERIES,
     TIE_VARIANCE_RATIO,
     check_confidence,
     jackknife_interval,
@@ -98,6 +99,7 @@ from art_malleability.metrics._summary import (
 from art_malleability.metrics.accumulators import QueryResampling, top_masks
 
 __all__ = [
+    "MIN_INTERVAL_QUERIES",
     "RANK_BY",
     "smallest_training_set",
     "top_k_count",

@@ -14,7 +14,13 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike
 
-from art_malleability.metrics._bootstrap import TIE_VARIANCE_RATIO, jackknife_interval, normal_interval, t_interval
+from art_malleability.metrics._bootstrap import (
+    MIN_INTERVAL_QUERIES,
+    TIE_VARIANCE_RATIO,
+    jackknife_interval,
+    normal_interval,
+    t_interval,
+)
 from art_malleability.metrics._flip_posterior import FlipPosterior
 from art_malleability.metrics._matrices import aggregate_jaccard
 from art_malleability.metrics._results import (
@@ -187,7 +193,7 @@ def _noise_aware(perturbed: PerturbedScores, threshold: float | None, noise: tup
     """The noise-aware flip rate and what its deconvolution gives beside it, by :class:`MalleabilityMetrics` field."""
     clean = perturbed.clean
     nan = float("nan")
-    if clean.top.size == 0 or clean.n_query < 2:
+    if clean.top.size == 0 or clean.n_query < MIN_INTERVAL_QUERIES:
         return {"noise_aware_flip_rate": Estimate.undefined(), "flip_rate_null": nan, "no_flip_statistic": nan,
                 "undecided_share": nan, "counted_flips": ()}
     posterior = FlipPosterior(perturbed.paired_sums(), threshold, clean.rank_by, noise)

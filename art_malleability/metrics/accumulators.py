@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from art_malleability._utils.params import RANK_BY
-from art_malleability.metrics._bootstrap import resample_rows
+from art_malleability.metrics._bootstrap import MIN_INTERVAL_QUERIES, resample_rows
 from art_malleability.metrics._flip_posterior import GRID_SIZE, PROFILE_SHARES, PairedSums
 from art_malleability.metrics._results import ResamplingIdentity
 from art_malleability.metrics._retention import RetentionBasis
@@ -58,7 +58,8 @@ class QueryResampling:
     paired on them): :func:`~art_malleability.metrics.resample_rows` turned into count weights.
 
     :param n_query: Queries.
-    :param n_bootstrap: Resamples (none with fewer than two queries).
+    :param n_bootstrap: Resamples (none with fewer than :data:`~._bootstrap.MIN_INTERVAL_QUERIES` queries: their
+        intervals would under-cover).
     :param seed: Seed of the resampling.
     :param device: Device of the weights (that of the scores).
     """
@@ -66,7 +67,7 @@ class QueryResampling:
     def __init__(self, n_query: int, n_bootstrap: int, seed: int, device: torch.device | str | None = None) -> None:
         self.n_query, self.seed = int(n_query), int(seed)
         self.device = torch.device("cpu") if device is None else torch.device(device)
-        rows = resample_rows(n_query, n_bootstrap, seed) if n_query >= 2 else None
+        rows = resample_rows(n_query, n_bootstrap, seed) if n_query >= MIN_INTERVAL_QUERIES else None
         self.identity = resampling_identity(seed, rows)
         b = 0 if rows is None else len(rows)
         flat = (rows + n_query * np.arange(b)[:, None]).ravel() if rows is not None else np.zeros(0, dtype=np.int64)
