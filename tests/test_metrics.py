@@ -1,5 +1,6 @@
 """Malleability metrics: hand-computed cases, edge cases, and the streamed statistics against their slow twins."""
 
+import json
 from dataclasses import replace
 
 import numpy as np
@@ -145,7 +146,9 @@ def test_a_single_query_has_statistics_but_no_intervals(rng):
 def test_bootstrap_is_deterministic_and_validated(rng):
     before = rng.normal(size=(10, 30))
     after = before + rng.normal(size=before.shape)
-    assert M.malleability_metrics(before, after, seed=3) == M.malleability_metrics(before, after, seed=3)
+    first, again = (json.dumps(M.malleability_metrics(before, after, seed=3).to_dict(), sort_keys=True, default=str)
+                    for _ in range(2))
+    assert first == again  # NaN included (pure noise: no retention is a share here)
     with pytest.raises(ValueError, match="confidence"):
         M.normal_interval(0.0, np.zeros(10), confidence=1.0)
     with pytest.raises(ValueError, match="confidence"):
@@ -212,7 +215,7 @@ def test_a_given_perturbed_set_is_the_one_measured(rng):
 @pytest.mark.parametrize("ties", [False, True])
 def test_streamed_resamples_equal_one_at_a_time(rng, ties):
     """The streamed bootstrap statistics give the values of the one-resample definitions, block by block."""
-    before = rng.normal(size=(9, 40))
+    before = rng.normal(size=(11, 40))  # resampled from 10 queries on (MIN_INTERVAL_QUERIES)
     after = before + rng.normal(size=before.shape)
     if ties:
         before, after = np.round(before), np.round(after)
@@ -223,8 +226,8 @@ def test_streamed_resamples_equal_one_at_a_time(rng, ties):
     assert list(top) == list(M.top_indices(M.aggregate_scores(before), 6))
     boot_b, boot_a = (t.numpy() for t in perturbed.resampled_top())
     jaccards = perturbed.resampled_jaccard().numpy()
-    for i, r in enumerate(M.resample_rows(9, 25, 0)):
-        w = np.bincount(r, minlength=9).astype(float)
+    for i, r in enumerate(M.resample_rows(11, 25, 0)):
+        w = np.bincount(r, minlength=11).astype(float)
         agg_b, agg_a = M.aggregate_scores(before, w), M.aggregate_scores(after, w)
         np.testing.assert_allclose(boot_b[i], agg_b[top], rtol=1e-12)
         np.testing.assert_allclose(boot_a[i], agg_a[top], rtol=1e-12)

@@ -276,16 +276,19 @@ def test_the_undecided_warning_is_said_once_naming_the_attacks(monkeypatch):
 
 
 def test_the_undecided_warning_calls_an_interval_wide_only_where_it_is():
-    # a new user's SmallCNN: the warning said "its interval is wide" of [0.0, 2.9] %
-    from art_malleability.audit.report import UNDECIDED_WIDTH, undecided_warning
+    # a new user's SmallCNN: the warning said "its interval is wide" of [0.0, 2.9] %; the table and the warning now
+    # share one rule, and a narrow interval with many undecidable signs is read at its upper end
+    from art_malleability.audit.report import UNDECIDED_WIDTH, undecided, undecided_warning
 
     text = undecided_warning({"fgsm": (0.6, (0.0, 0.029)), "pgd": (0.7, (0.0, UNDECIDED_WIDTH + 0.1)),
                               "mim": (0.5, (float("nan"), float("nan")))})
     assert "fgsm 60%, pgd 70%, mim 50%" in text
-    assert "its interval is wide or absent: pgd, mim;" in text
-    assert "accounts for them and still decides (fgsm [0.0, 2.9]%)" in text
+    assert "its interval is wide or absent (pgd, mim)" in text
+    assert "its low end can stand above the truth, so only its upper end is read (fgsm [0.0, 2.9]%)" in text
     only_narrow = undecided_warning({"fgsm": (0.6, (0.0, 0.029))})
     assert "wide" not in only_narrow and "fgsm [0.0, 2.9]%" in only_narrow
+    assert undecided(0.01, [0.0, 0.029], 0.6) and not undecided(0.01, [0.0, 0.029], 0.1)
+    assert not undecided(0.01, [0.0, 0.029]) and undecided(0.1, [0.0, UNDECIDED_WIDTH + 0.01], 0.0)
 
 
 def test_the_figure_draws_no_bar_for_a_noise_aware_rate_the_table_reads_undecided():
@@ -321,6 +324,25 @@ def test_the_scatters_scale_sits_in_its_labels_not_over_them():
         assert not axis.get_offset_text().get_visible() and "1e" in axis.get_label_text(), axis.get_label_text()
     plain = _report().plot_influence_scatter("fgsm").axes[0]  # unit scores: no scale, labels as they are
     assert plain.xaxis.get_label_text() == "influence before (positive = helpful)"
+
+
+def test_a_narrow_noise_aware_interval_over_many_undecidable_signs_reads_undecided():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from art_malleability.audit.report import UNDECIDED_SHARE_LIMIT
+
+    report = _report()
+    many, few = report.results
+    many.flip_rate_above_floor, many.flip_rate_above_floor_ci = 0.08, [0.04, 0.12]
+    many.undecided_share = UNDECIDED_SHARE_LIMIT + 0.05
+    few.flip_rate_above_floor, few.flip_rate_above_floor_ci = 0.08, [0.04, 0.12]
+    few.undecided_share = UNDECIDED_SHARE_LIMIT - 0.05
+    markdown = report.to_markdown()
+    assert markdown.count("undecided [4.0, 12.0]") == 1 and "8.0% [4.0, 12.0]" in markdown
+    assert f"more than {100 * UNDECIDED_SHARE_LIMIT:.0f} % undecidable signs" in markdown  # the legend's rule
+    ax = report.plot_flip_rates().axes[0]
+    assert len([p for p in ax.patches if not p.get_fill() and p.get_hatch()]) == 1
 
 
 def test_a_noise_aware_cell_with_a_wide_interval_reads_undecided():

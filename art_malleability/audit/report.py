@@ -39,14 +39,19 @@ PERCENT_METRICS = ("flip_rate", "per_query_flip_rate", "top_k_jaccard", "attack_
 #: point value says nothing. The interval itself is shown; the JSON keeps every number.
 UNDECIDED_WIDTH = 0.2
 #: A noise-aware flip rate whose influential set has more than this share of undecidable perturbed signs (the
-#: ``undecided_share``) also reads "undecided": placeholder until measured (1: no such rule).
-UNDECIDED_SHARE_LIMIT = 1.0
+#: ``undecided_share``: perturbed aggregates within a standard error of zero, as attacks leave the members they do
+#: not flip) also reads "undecided". There the deconvolution's estimate leans upward and its interval's low end can
+#: stand above the truth: in the planted grid (``benchmarks/noise_aware_grid.py``, docs/metrics.md) the intervals no
+#: wider than ``UNDECIDED_WIDTH`` covered 0.88-1.00 in every design once those with a share above 0.15 were set
+#: aside, where 11 of the 40 narrow intervals above it missed (each one above the truth).
+UNDECIDED_SHARE_LIMIT = 0.15
 
 
 def undecided_warning(shares: dict[str, tuple[float, tuple[float, float] | None]]) -> str:
     """
-    The report's one warning on undecidable signs; it calls a noise-aware interval wide only where it is (wider than
-    :data:`UNDECIDED_WIDTH`).
+    The report's one warning on undecidable signs, for attacks whose set has more than ``UNDECIDED_WARNING`` of them
+    (more than :data:`UNDECIDED_SHARE_LIMIT`, so their noise-aware rate reads undecided): it says why for each, an
+    interval that is wide, or one whose low end this many undecidable signs make unreliable (its upper end is read).
 
     :param shares: The attacks it concerns, each with its ``undecided_share`` (a share of the influential set) and its
         noise-aware flip rate's interval (``None`` or NaN bounds where there is none).
@@ -62,15 +67,16 @@ def undecided_warning(shares: dict[str, tuple[float, tuple[float, float] | None]
             narrow.append(f"{attack} [{100 * low:.1f}, {100 * high:.1f}]%")
     parts = []
     if wide:
-        parts.append(f"the noise-aware flip rate is then only partly identified (its interval is wide or absent: "
-                     f"{', '.join(wide)}; docs/metrics.md)")
+        parts.append(f"its interval is wide or absent ({', '.join(wide)})")
     if narrow:
-        parts.append(f"the noise-aware flip rate accounts for them and still decides ({', '.join(narrow)})")
+        parts.append(f"with this many undecidable signs its low end can stand above the truth, so only its upper "
+                     f"end is read ({', '.join(narrow)})")
     return (
         f"a large share of the influential set has a perturbed aggregate within one standard error of zero ({which}), "
-        f"where the sign of the population aggregate can hardly be decided from these queries; {'; '.join(parts)}; "
-        "the raw flip rate is mostly noise (compare it with its 'by noise' value); the signed retention, a mean over "
-        "the set, is the decided reading; more queries (n_queries) decide more signs"
+        "where the sign of the population aggregate can hardly be decided from these queries; the noise-aware flip "
+        f"rate reads undecided there: {'; '.join(parts)} (docs/metrics.md); the raw flip rate is mostly noise "
+        "(compare it with its 'by noise' value); the signed retention, a mean over the set, is the decided reading; "
+        "more queries (n_queries) decide more signs"
     )
 
 
@@ -338,7 +344,8 @@ class MalleabilityReport(SavedReport):
             "Spearman: delete-a-group jackknife over queries; noise-aware: profile likelihood of the deconvolution. "
             "A noise-aware rate whose interval is wider than "
             f"{100 * UNDECIDED_WIDTH:.0f} percentage points reads *undecided*: such an interval cannot tell a rate of "
-            "a few percent from one of 20 to 40 %.",
+            "a few percent from one of 20 to 40 %; so does one whose set has more than "
+            f"{100 * UNDECIDED_SHARE_LIMIT:.0f} % undecidable signs, where its low end can stand above the truth.",
             "",
             markdown_table(header, [_row(r) for r in self.results]),
         ]
@@ -419,7 +426,8 @@ class MalleabilityReport(SavedReport):
             low = np.array([nan_if_none(ci[0]) for _, ci in values]) * 100
             high = np.array([nan_if_none(ci[1]) for _, ci in values]) * 100
             # an undecided noise-aware rate (as the table reads it) gets no bar: its interval alone, hatched
-            open_ = np.array([j == 1 and undecided(v, ci) for v, ci in values], dtype=bool)
+            open_ = np.array([j == 1 and undecided(v, ci, r.undecided_share)
+                              for (v, ci), r in zip(values, self.results, strict=True)], dtype=bool)
             ax.bar(x[~open_], np.nan_to_num(point[~open_]), width, color=color, alpha=0.85, label=name)
             if open_.any():
                 ax.bar(x[open_], (high - low)[open_], width, bottom=low[open_], fill=False, hatch="//",
@@ -533,7 +541,7 @@ def _row(r: AttackResult) -> list[str]:
         value_ci(r.excess_retention, r.excess_retention_ci, 1.0, "+.3f", ""),
         format_percent_ci(r.flip_rate, r.flip_rate_ci),
         format_percent(r.flip_rate_null),
-        _noise_aware(r.flip_rate_above_floor, r.flip_rate_above_floor_ci),
+        _noise_aware(r.flip_rate_above_floor, r.flip_rate_above_floor_ci, r.undecided_share),
         "n/a" if r.control is None else format_percent(r.control["flip_rate"]),
         _points_ci(r.excess_flip_rate, r.excess_flip_rate_ci),
         format_number_ci(r.spearman, r.spearman_ci),
@@ -542,15 +550,24 @@ def _row(r: AttackResult) -> list[str]:
     ]
 
 
-def undecided(v: float | None, ci: list[float | None]) -> bool:
-    """Whether a noise-aware flip rate reads undecided: its interval wider than :data:`UNDECIDED_WIDTH` (the tables,
-    the figure and the warning use this one rule)."""
-    return v is not None and None not in ci and ci[1] - ci[0] > UNDECIDED_WIDTH + 1e-12
+def undecided(v: float | None, ci: list[float | None], share: float | None = None) -> bool:
+    """
+    Whether a noise-aware flip rate reads undecided (the tables, the figure and the warning use this one rule): its
+    interval wider than :data:`UNDECIDED_WIDTH`, or more than :data:`UNDECIDED_SHARE_LIMIT` of its set undecidable.
+
+    :param v: The rate.
+    :param ci: Its interval.
+    :param share: The set's ``undecided_share`` (``None``: not known, as for a control's mean over draws).
+    """
+    if v is None or None in ci:
+        return False
+    wide = ci[1] - ci[0] > UNDECIDED_WIDTH + 1e-12
+    return wide or (share is not None and math.isfinite(share) and share > UNDECIDED_SHARE_LIMIT)
 
 
-def _noise_aware(v: float | None, ci: list[float | None]) -> str:
-    """The noise-aware flip rate [CI]; ``"undecided [CI]"`` when the interval is wider than ``UNDECIDED_WIDTH``."""
-    if undecided(v, ci):
+def _noise_aware(v: float | None, ci: list[float | None], share: float | None = None) -> str:
+    """The noise-aware flip rate [CI]; ``"undecided [CI]"`` where :func:`undecided` says so."""
+    if undecided(v, ci, share):
         return f"undecided [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]"
     return format_percent_ci(v, ci)
 
