@@ -79,7 +79,7 @@ def test_audit_bad_input_exits_2(tmp_path, capsys, args, message):
 
 def test_wrong_npz_arrays_are_a_data_error(tmp_path, capsys):
     np.savez(tmp_path / "bad.npz", images=np.zeros((4, 2, 2)))
-    assert main(["audit", *TINY, "--dataset", str(tmp_path / "bad.npz"), "--output", str(tmp_path)]) == 1
+    assert main(["audit", *TINY, "--dataset", str(tmp_path / "bad.npz"), "--output", str(tmp_path)]) == 2  # unusable: 2
     err = capsys.readouterr().err
     assert "x" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
@@ -122,7 +122,7 @@ def test_version_and_verbose_traceback(tmp_path, capsys):
         main(["--version"])
     assert done.value.code == 0 and __version__ in capsys.readouterr().out
     np.savez(tmp_path / "bad.npz", images=np.zeros((4, 2, 2)))
-    assert main(["audit", "-v", "--dataset", str(tmp_path / "bad.npz"), "--output", str(tmp_path / "o")]) == 1
+    assert main(["audit", "-v", "--dataset", str(tmp_path / "bad.npz"), "--output", str(tmp_path / "o")]) == 2
     assert "Traceback" in capsys.readouterr().err
 
 

@@ -54,6 +54,11 @@ class InvalidParameterError(ValueError):
         return type(self), (self.param, self.must, self.got, self.note)
 
 
+class DataContentError(InvalidParameterError):
+    """A data file that was read but whose contents cannot be used (its arrays' names, shapes, labels or values): the
+    command line's status 2, as an option it cannot use, where a file that cannot be read is a failure (1)."""
+
+
 class InvalidParameterTypeError(InvalidParameterError, TypeError):
     """An :class:`InvalidParameterError` for a value of the wrong type (also a ``TypeError``, as before)."""
 

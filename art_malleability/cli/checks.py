@@ -25,6 +25,7 @@ from art_malleability._utils.params import (
     POSITIVE_SECONDS,
     SEED,
     Check,
+    DataContentError,
     InvalidParameterError,
     Rule,
     RuleTable,
@@ -300,10 +301,8 @@ def load_data(args: argparse.Namespace) -> Dataset:
             args.dataset, root=args.data_root, n_train=args.n_train, n_test=args.n_test, classes=args.classes,
             seed=args.seed,
         )
-    except InvalidParameterError as err:  # what the data holds cannot be used (one class, no labels, NaN): status 2
-        if err.param in DATA_OPTIONS:
-            raise UsageError(message_of(err)) from err
-        raise
+    except DataContentError as err:  # read, but what it holds cannot be used (one class, no labels, NaN): status 2
+        raise UsageError(message_of(err)) from err
 
 
 def model_names(args: argparse.Namespace) -> list[str]:

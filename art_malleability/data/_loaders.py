@@ -17,7 +17,12 @@ from pathlib import Path
 
 import numpy as np
 
-from art_malleability._utils.params import InvalidParameterError, InvalidParameterPathError, invalid, invalid_path
+from art_malleability._utils.params import (
+    DataContentError,
+    InvalidParameterPathError,
+    invalid,
+    invalid_path,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -248,9 +253,9 @@ def check_npz(path: Path) -> None:
         raise invalid("name_or_path", _NPZ_ARCHIVE, str(path), f", which {what}")
 
 
-def _bad_npz(must: str, got: str, path: Path, note: str = "") -> InvalidParameterError:
+def _bad_npz(must: str, got: str, path: Path, note: str = "") -> DataContentError:
     """:return: The error of an ``.npz`` file's arrays: ``name_or_path must <must>, got <got> in '<path>'<note>``."""
-    return InvalidParameterError("name_or_path", must, got, f" in {str(path)!r}{note}")
+    return DataContentError("name_or_path", must, got, f" in {str(path)!r}{note}")
 
 
 def _is_npy(path: Path) -> bool:
