@@ -83,8 +83,8 @@ def main() -> None:
            **{f"flip_rate_{r.attack}": r.flip_rate for r in report.results},
            **{f"excess_flip_rate_{r.attack}": r.excess_flip_rate for r in report.results}}
     print(f"{'metric':<28} value")
-    for name, value in row.items():
-        print(f"{name:<28} {value:.3f}")
+    for name, value in row.items():  # a statistic the audit does not report is None (report.json says why)
+        print(f"{name:<28} {'n/a (null_reasons)' if value is None else f'{value:.3f}'}")
     print("\n" + report.summary())
     Path(args.output).write_text(json.dumps({"robustness": row, "malleability": report.to_dict()}, indent=1))
     print(f"\nwritten to {args.output}")
