@@ -28,11 +28,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-from planted import Planted, true_flip_share  # noqa: E402
+from planted import Planted  # noqa: E402
+from statistics_harness import noise_aware_draw  # noqa: E402
 
-from art_malleability import metrics as M  # noqa: E402
 from art_malleability.audit.report import UNDECIDED_SHARE_LIMIT, UNDECIDED_WIDTH  # noqa: E402
-from art_malleability.metrics._flip_posterior import FlipPosterior  # noqa: E402
 
 SHRINKS = (1.0, 0.5, 0.2, 0.1)
 FLIPS = (0.0, 0.1, 0.3, 0.5)
@@ -61,14 +60,7 @@ def run(args: tuple) -> dict:
     (shrink, flips, rho, noise), draws, seed = args
     planted = design(shrink, flips, rho, noise)
     rng = np.random.default_rng([seed, int(1000 * shrink), int(100 * flips), int(100 * rho), NOISES.index(noise)])
-    rows = []
-    for _ in range(draws):
-        mu_b, mu_a = planted.population(rng)
-        before, after = planted.sample(rng, mu_b, mu_a)
-        top = M.top_indices(M.aggregate_scores(before), planted.n_influential)
-        posterior = FlipPosterior.from_scores(before, after, top, M.selection_threshold(before, top))
-        low, high = posterior.interval(0.95)
-        rows.append((true_flip_share(mu_b, mu_a, top), posterior.estimate(), low, high, posterior.undecided_share()))
+    rows = [noise_aware_draw(planted, rng) for _ in range(draws)]
     return {"design": (shrink, flips, rho, noise), "rows": np.array(rows)}
 
 

@@ -79,6 +79,21 @@ def replicates(before: np.ndarray, afters: list[np.ndarray], top: np.ndarray | N
     return out
 
 
+def noise_aware_draw(design: Planted, rng: np.random.Generator) -> tuple[float, float, float, float, float]:
+    """
+    One draw of a planted design, the set selected from the noisy clean aggregates as the audit selects it.
+
+    :return: The true flip share of the set, the noise-aware estimate, its 95 % interval's ends and the set's
+        undecided share.
+    """
+    mu_b, mu_a = design.population(rng)
+    before, after = design.sample(rng, mu_b, mu_a)
+    top = M.top_indices(M.aggregate_scores(before), design.n_influential)
+    posterior = FlipPosterior.from_scores(before, after, top, M.selection_threshold(before, top))
+    low, high = posterior.interval(0.95)
+    return true_flip_share(mu_b, mu_a, top), posterior.estimate(), low, high, posterior.undecided_share()
+
+
 def noise_aware(design: Planted, reps: int, selected: bool, seed: int = 0) -> dict:
     """
     The noise-aware flip rate on planted populations: its estimate and interval against the true share of the set
