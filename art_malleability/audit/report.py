@@ -75,7 +75,8 @@ def undecided_warning(shares: dict[str, tuple[float, tuple[float, float] | None]
         f"a large share of the influential set has a perturbed aggregate within one standard error of zero ({which}), "
         "where the sign of the population aggregate can hardly be decided from these queries; the noise-aware flip "
         f"rate reads undecided there: {'; '.join(parts)} (docs/metrics.md); the raw flip rate is mostly noise "
-        "(compare it with its 'by noise' value); the signed retention, a mean over the set, is the decided reading; "
+        "(compare it with its 'by noise' value); the signed retention, a mean over the set, is the decided reading "
+        "where it is reported; "
         "more queries (n_queries) decide more signs"
     )
 
