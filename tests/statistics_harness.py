@@ -79,6 +79,22 @@ def replicates(before: np.ndarray, afters: list[np.ndarray], top: np.ndarray | N
     return out
 
 
+def _posterior_draw(design: Planted, rng: np.random.Generator, selected: bool = True) -> tuple:
+    """One draw of a planted design and the noise-aware posterior of its set, chosen from the noisy clean aggregates
+    as the audit chooses it (``selected``) or the planted influential examples themselves.
+
+    :return: ``(mu_b, mu_a, before, after, top, posterior)``.
+    """
+    mu_b, mu_a = design.population(rng)
+    before, after = design.sample(rng, mu_b, mu_a)
+    if selected:
+        top = M.top_indices(M.aggregate_scores(before), design.n_influential)
+        threshold = M.selection_threshold(before, top)
+    else:
+        top, threshold = np.flatnonzero(mu_b), None
+    return mu_b, mu_a, before, after, top, FlipPosterior.from_scores(before, after, top, threshold)
+
+
 def noise_aware_draw(design: Planted, rng: np.random.Generator) -> tuple[float, float, float, float, float]:
     """
     One draw of a planted design, the set selected from the noisy clean aggregates as the audit selects it.
@@ -86,10 +102,7 @@ def noise_aware_draw(design: Planted, rng: np.random.Generator) -> tuple[float, 
     :return: The true flip share of the set, the noise-aware estimate, its 95 % interval's ends and the set's
         undecided share.
     """
-    mu_b, mu_a = design.population(rng)
-    before, after = design.sample(rng, mu_b, mu_a)
-    top = M.top_indices(M.aggregate_scores(before), design.n_influential)
-    posterior = FlipPosterior.from_scores(before, after, top, M.selection_threshold(before, top))
+    mu_b, mu_a, _, _, top, posterior = _posterior_draw(design, rng)
     low, high = posterior.interval(0.95)
     return true_flip_share(mu_b, mu_a, top), posterior.estimate(), low, high, posterior.undecided_share()
 
@@ -105,14 +118,7 @@ def noise_aware(design: Planted, reps: int, selected: bool, seed: int = 0) -> di
     rng = np.random.default_rng(seed)
     out = {"aware": Coverage("noise-aware flip rate"), "raw": [], "null": [], "lr": []}
     for _ in range(reps):
-        mu_b, mu_a = design.population(rng)
-        before, after = design.sample(rng, mu_b, mu_a)
-        if selected:
-            top = M.top_indices(M.aggregate_scores(before), design.n_influential)
-            threshold = M.selection_threshold(before, top)
-        else:
-            top, threshold = np.flatnonzero(mu_b), None
-        posterior = FlipPosterior.from_scores(before, after, top, threshold)
+        mu_b, mu_a, before, after, top, posterior = _posterior_draw(design, rng, selected)
         interval = posterior.interval(0.95)
         out["aware"].add(true_flip_share(mu_b, mu_a, top), posterior.estimate(), interval)
         out["raw"].append(M.flip_rate(before, after, top=top))

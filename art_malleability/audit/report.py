@@ -61,7 +61,7 @@ def undecided_warning(shares: dict[str, tuple[float, tuple[float, float] | None]
     wide, narrow = [], []
     for attack, (_, interval) in shares.items():
         low, high = interval if interval is not None else (float("nan"), float("nan"))
-        if not (math.isfinite(low) and math.isfinite(high)) or high - low > UNDECIDED_WIDTH:
+        if not (math.isfinite(low) and math.isfinite(high)) or _wide([low, high]):
             wide.append(attack)
         else:
             narrow.append(f"{attack} [{100 * low:.1f}, {100 * high:.1f}]%")
@@ -562,8 +562,12 @@ def undecided(v: float | None, ci: list[float | None], share: float | None = Non
     """
     if v is None or None in ci:
         return False
-    wide = ci[1] - ci[0] > UNDECIDED_WIDTH + 1e-12
-    return wide or (share is not None and math.isfinite(share) and share > UNDECIDED_SHARE_LIMIT)
+    return _wide(ci) or (share is not None and math.isfinite(share) and share > UNDECIDED_SHARE_LIMIT)
+
+
+def _wide(ci: list[float]) -> bool:
+    """Whether an interval is wider than :data:`UNDECIDED_WIDTH` (the one comparison of the width rule)."""
+    return ci[1] - ci[0] > UNDECIDED_WIDTH + 1e-12
 
 
 def _noise_aware(v: float | None, ci: list[float | None], share: float | None = None) -> str:

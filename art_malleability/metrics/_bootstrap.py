@@ -127,7 +127,8 @@ def jackknife_interval(
 
 
 def t_interval(
-    values: np.ndarray, confidence: float = 0.95, bounds: tuple[float, float] = (-np.inf, np.inf)
+    values: np.ndarray, confidence: float = 0.95, bounds: tuple[float, float] = (-np.inf, np.inf),
+    min_sd: float = 0.0,
 ) -> tuple[float, float]:
     """
     Student-t interval of a mean over independent units (queries, training seeds): ``mean ± t · sd / sqrt(n)``,
@@ -136,6 +137,7 @@ def t_interval(
     :param values: One value per unit (non-finite ones are ignored).
     :param confidence: Coverage, in (0, 1).
     :param bounds: Range of the statistic.
+    :param min_sd: A floor on the units' standard deviation (a spread they are known to have at least).
     :return: ``(low, high)``; ``(NaN, NaN)`` with fewer than two finite values.
     """
     check_confidence(confidence)
@@ -145,7 +147,7 @@ def t_interval(
         return float("nan"), float("nan")
     mean = float(values.mean())
     quantile = float(student_t.ppf(0.5 + confidence / 2.0, values.size - 1))
-    half = quantile * float(values.std(ddof=1)) / np.sqrt(values.size)
+    half = quantile * max(float(values.std(ddof=1)), min_sd) / np.sqrt(values.size)
     return float(max(mean - half, bounds[0])), float(min(mean + half, bounds[1]))
 
 
@@ -175,14 +177,9 @@ def seed_interval(
     finite = points[keep]
     if finite.size == 0:
         return float("nan"), (float("nan"), float("nan"))
-    mean = float(finite.mean())
-    if within is None or finite.size < 2:
-        return mean, t_interval(finite, confidence, bounds)
-    errors = np.asarray(within, dtype=np.float64)[keep]
-    floor = float(np.mean(errors[np.isfinite(errors)] ** 2)) if np.isfinite(errors).any() else 0.0
-    sd = float(np.sqrt(max(float(finite.var(ddof=1)), floor)))
-    half = float(student_t.ppf(0.5 + check_confidence(confidence) / 2.0, finite.size - 1)) * sd / np.sqrt(finite.size)
-    return mean, (float(max(mean - half, bounds[0])), float(min(mean + half, bounds[1])))
+    errors = np.asarray(within if within is not None else np.full(points.size, np.nan), dtype=np.float64)[keep]
+    floor = float(np.sqrt(np.mean(errors[np.isfinite(errors)] ** 2))) if np.isfinite(errors).any() else 0.0
+    return float(finite.mean()), t_interval(finite, confidence, bounds, min_sd=floor)
 
 
 def check_confidence(confidence: float) -> float:

@@ -226,17 +226,17 @@ class RetentionBasis:
             queries)``; the loadings ``e`` of the empirical-Bayes error, ``√(Var_rel · w) (β − R̂)``, whose squares sum
             to its variance (linear in the slopes, so a control's mean over draws and an excess's difference follow).
         """
-        nan = np.full(len(resampled_clean), np.nan)
+        undefined = float("nan"), np.full(len(resampled_clean), np.nan), np.full(self.signs.size, np.nan)
         if not self.identified(confidence):
-            return float("nan"), nan, np.full(self.signs.size, np.nan)
+            return undefined
         _, cov = sums.moments()
         clean_variance, covariance = cov[0, :, 0, 0], cov[0, :, 0, 1]
         slope = np.where(clean_variance > 0, covariance / np.where(clean_variance > 0, clean_variance, 1.0), 0.0)
         s, d = self.signs, self.denominator
         residual = np.nansum(s * (perturbed - slope * self.clean)) / d
         point = float(residual + np.sum(s * slope * self.corrected) / d)
-        replicates = np.nansum(s * (resampled_perturbed - slope * resampled_clean), axis=1) / d
         if abs(point) > MAX_RETENTION:
-            return float("nan"), nan, np.full(self.signs.size, np.nan)
+            return undefined
+        replicates = np.nansum(s * (resampled_perturbed - slope * resampled_clean), axis=1) / d
         loadings = np.sqrt(max(self.eb_variance, 0.0) * self.eb_weights) * (slope - point)
         return point, point + (replicates - residual), loadings

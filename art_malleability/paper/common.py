@@ -157,6 +157,15 @@ def mean_ci(values: list[float]) -> tuple[float, float, float]:
     return mean, mean - half, mean + half
 
 
+#: How an interval that fills its statistic's whole range reads: nothing is decided (two seeds' t has 1 freedom).
+WHOLE_RANGE = "undecided: the whole range"
+
+
+def whole_range(low: float, high: float, bounds: tuple[float, float]) -> bool:
+    """Whether ``[low, high]`` covers the statistic's whole range ``bounds``."""
+    return bool(np.isfinite(low) and low <= bounds[0] and high >= bounds[1])
+
+
 def fmt_ci(mean: float, low: float, high: float, digits: int, bounds: tuple[float, float] = (0.0, 100.0)) -> str:
     """Mean [interval]; the t-interval is clipped to the metric's range (a share cannot leave 0–100 %)."""
     if not np.isfinite(mean):
@@ -164,8 +173,8 @@ def fmt_ci(mean: float, low: float, high: float, digits: int, bounds: tuple[floa
     if not np.isfinite(low):
         return f"{mean:.{digits}f}"
     low, high = max(low, bounds[0]), min(high, bounds[1])
-    if low <= bounds[0] and high >= bounds[1]:  # the whole range: nothing is decided (two seeds' t has 1 freedom)
-        return f"{mean:.{digits}f} [undecided: the whole range]"
+    if whole_range(low, high, bounds):
+        return f"{mean:.{digits}f} [{WHOLE_RANGE}]"
     return f"{mean:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}]"
 
 
@@ -180,6 +189,8 @@ __all__ = [
     "audit",
     "flip_rows",
     "fmt_ci",
+    "whole_range",
+    "WHOLE_RANGE",
     "held_out_accuracy",
     "mean_ci",
     "pooled",

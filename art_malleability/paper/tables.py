@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from art_malleability._utils.report_base import markdown_table
-from art_malleability.paper.common import ATTACKS, fmt_ci, paired_gap, pooled
+from art_malleability.paper.common import ATTACKS, WHOLE_RANGE, fmt_ci, paired_gap, pooled, whole_range
 
 
 def flip_table(title: str, rows: list[dict], models, paper: dict, family: str) -> str:
@@ -46,8 +46,7 @@ def flip_table(title: str, rows: list[dict], models, paper: dict, family: str) -
             pick = [[r for r in rows if r["model"] == m and r["attack"] == attack] for m in ("mlp-attn", "2l-relu")]
             gap, low, high = paired_gap(*pick, "excess_flip_rate")
             if np.isfinite(gap):
-                whole = np.isfinite(low) and low <= -200.0 and high >= 200.0  # two seeds' t: 1 degree of freedom
-                interval = " [undecided: the whole range]" if whole else (
+                interval = f" [{WHOLE_RANGE}]" if whole_range(low, high, (-200.0, 200.0)) else (
                     f" [{low:+.1f}, {high:+.1f}]" if np.isfinite(low) else "")
                 gaps.append(f"{attack}: {gap:+.1f} pts{interval}")
         lines += ["", "Ratio MLP-Attn / 2L-ReLU of the flip rates: " + "; ".join(ratios)]
