@@ -309,6 +309,10 @@ def test_the_figure_draws_no_bar_for_a_noise_aware_rate_the_table_reads_undecide
     assert [round(p.get_height(), 6) for p in filled] == [5.0]  # the decided one only
     assert len(hatched) == 1 and hatched[0].get_y() == 0.0 and round(hatched[0].get_height(), 6) == 50.0
     assert "undecided [0.0, 50.0]" in report.to_markdown()
+    # every noise-aware rate undecided: the legend names the hatched intervals only, not an empty series of bars
+    narrow.flip_rate_above_floor_ci = [0.0, 0.5]
+    labels = report.plot_flip_rates().axes[0].get_legend_handles_labels()[1]
+    assert "noise-aware: undecided (its interval)" in labels and "noise-aware" not in labels
 
 
 def test_the_scatters_scale_sits_in_its_labels_not_over_them():

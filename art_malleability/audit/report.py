@@ -429,7 +429,8 @@ class MalleabilityReport(SavedReport):
             # an undecided noise-aware rate (as the table reads it) gets no bar: its interval alone, hatched
             open_ = np.array([j == 1 and undecided(v, ci, r.undecided_share)
                               for (v, ci), r in zip(values, self.results, strict=True)], dtype=bool)
-            ax.bar(x[~open_], np.nan_to_num(point[~open_]), width, color=color, alpha=0.85, label=name)
+            if not open_.all():  # an empty call would still put the series in the legend, in a colour of its own
+                ax.bar(x[~open_], np.nan_to_num(point[~open_]), width, color=color, alpha=0.85, label=name)
             if open_.any():
                 ax.bar(x[open_], (high - low)[open_], width, bottom=low[open_], fill=False, hatch="//",
                        edgecolor=color, label=f"{name}: undecided (its interval)")
