@@ -264,3 +264,20 @@ def test_auto_counts_its_work_on_the_kernels_own_first_sub_batch(width: int, mon
     assert engine.path == ("structured" if width == 4096 else "batched")
     monkeypatch.setattr(_passes, "probed_pass", real)
     assert torch.equal(k, empirical_ntk(model, x, method=engine.path, batch_size=64))
+
+
+@pytest.mark.parametrize(("n", "classes", "width"), [(64, 10, 512), (3, 2, 7)])
+def test_the_rank_one_checks_counted_work_is_what_the_counter_counts(n: int, classes: int, width: int) -> None:
+    # "auto" prices the check by its formula (run under the counter it would cost more than the check itself): the
+    # formula is the counter's own count of a check whose directions are set
+    from art_malleability.ntk._rank_one import ClassDirections
+    from art_malleability.ntk.cost import count
+
+    gen = _gen(16)
+    d = torch.randn(n, 1, 1, generator=gen, dtype=torch.float64) * torch.randn(1, classes, width, generator=gen,
+                                                                                dtype=torch.float64)
+    directions = ClassDirections.fresh(1)
+    assert directions.factor(0, d) is not None  # sets the directions
+    _, flops, writes, calls = count(directions.factor, 0, d)
+    assert (flops, writes, calls) == (0.0, *ClassDirections.check_work(n, classes, width))
+

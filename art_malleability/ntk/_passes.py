@@ -119,13 +119,19 @@ class FeaturePasses:
             self._finish()
         classes = ClassDirections.fresh(len(self._structured))
 
-        def check() -> list[bool]:
+        def rank_one_check() -> list[bool]:
             return [c > 1 and b.positions == 1 and classes.factor(k, f[1][:, 0]) is not None
                     for k, (b, f) in enumerate(zip(self._structured, features.blocks, strict=True))]
 
-        rank_one = check()  # sets the class directions: what is counted next is a sub-batch's check once they are
-        _, check_flops, check_writes, check_calls = count(check)
-        self._rank_one_blocks = rank_one
+        # the check also sets the class directions; its work is a sub-batch's check once they are set, counted by its
+        # formula (run under the counter, its dispatch would cost more than the check itself)
+        rank_one = self._rank_one_blocks = rank_one_check()
+        check_flops = check_writes = check_calls = 0.0
+        for b in self._structured:
+            if c > 1 and b.positions == 1:
+                written, calls_made = ClassDirections.check_work(probe, c, b.d_out)
+                check_writes += written
+                check_calls += calls_made
 
         def pair(compressed: list[bool]) -> float:
             total = 2.0 * c * self._explicit_numel()

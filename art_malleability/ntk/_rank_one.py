@@ -25,6 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
+#: Operators one :meth:`ClassDirections.factor` call dispatches once its directions are set.
+CHECK_CALLS = 11
+
 
 class RankChange(Exception):
     """A layer's output gradients turned out not to be rank one over the classes: recompute."""
@@ -59,6 +62,18 @@ class ClassDirections:
             buf = self.scratch[k] = None  # release before allocating
             buf = self.scratch[k] = torch.empty(shape, dtype=like.dtype, device=like.device)
         return buf[: shape[0]]
+
+    @staticmethod
+    def check_work(n: int, classes: int, width: int) -> tuple[float, int]:
+        """
+        The work of one :meth:`factor` call on ``(n, classes, width)`` gradients once the directions are set, as
+        :func:`~art_malleability.ntk.cost.count` counts it (elementwise work only: no counted operations): the
+        numbers its operators write (the squares and the products, ``C`` times over, five ``(n, width)`` results
+        and two booleans) and its operator calls.
+
+        :return: Numbers written and operator calls.
+        """
+        return float(n * width * (2 * classes + 5) + 2), CHECK_CALLS
 
     def factor(self, k: int, d: torch.Tensor) -> torch.Tensor | None:
         """
