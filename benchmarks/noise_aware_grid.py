@@ -28,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-from planted import Planted  # noqa: E402
+from planted import DominantQueries, Planted  # noqa: E402
 from statistics_harness import noise_aware_draw  # noqa: E402
 
 from art_malleability.audit.report import UNDECIDED_SHARE_LIMIT, UNDECIDED_WIDTH  # noqa: E402
@@ -39,15 +39,6 @@ NOISES = ("gaussian", "t3", "dominant")
 #: Before/after noise correlation and query noise of each condition of the grid (the default three; a fourth,
 #: ``0.9:dominant``, on request).
 CONDITIONS = ("0.9:gaussian", "0.5:gaussian", "0.9:t3")
-
-
-class DominantQueries(Planted):
-    """Planted scores where 5 % of the queries carry ten times the others' spread (a few queries dominate)."""
-
-    def noise(self, rng: np.random.Generator, n_query: int | None = None) -> np.ndarray:
-        n = self.n_query if n_query is None else n_query
-        scale = np.where(np.arange(n) < max(1, n // 20), 10.0, 1.0)[:, None]
-        return rng.standard_normal((n, self.n_train)) * scale / np.sqrt(np.mean(scale**2))
 
 
 def design(shrink: float, flips: float, rho: float, noise: str) -> Planted:

@@ -62,3 +62,12 @@ class Planted:
 def true_flip_share(mu_b: np.ndarray, mu_a: np.ndarray, top: np.ndarray) -> float:
     """The estimand: the share of the set whose population aggregates have strictly opposite signs."""
     return float(np.mean(mu_b[top] * mu_a[top] < 0))
+
+
+class DominantQueries(Planted):
+    """Planted scores where 5 % of the queries carry ten times the others' spread (a few queries dominate)."""
+
+    def noise(self, rng: np.random.Generator, n_query: int | None = None) -> np.ndarray:
+        n = self.n_query if n_query is None else n_query
+        scale = np.where(np.arange(n) < max(1, n // 20), 10.0, 1.0)[:, None]
+        return rng.standard_normal((n, self.n_train)) * scale / np.sqrt(np.mean(scale**2))

@@ -56,25 +56,47 @@ def test_the_measured_flip_probability_equals_monte_carlo(rng, selection):
         assert exact[i] == pytest.approx(flipped.mean(), abs=4e-3)
 
 
-def test_the_likelihood_is_the_bivariate_normal_density_over_the_selection_probability(rng):
-    before, after = rng.normal(size=(30, 40)), rng.normal(size=(30, 40))
+@pytest.mark.parametrize("heavy", [False, True])
+def test_the_likelihood_is_the_bivariate_t_density_over_the_selection_probability(rng, heavy):
+    # standardised aggregates are bivariate Student-t with the degrees of freedom the scores' kurtosis gives (n - 1 for
+    # normal scores): the density from scipy, over the selection probability of its clean marginal
+    from scipy.stats import multivariate_t
+    from scipy.stats import t as student
+
+    draw = (lambda size: rng.standard_t(3, size=size)) if heavy else (lambda size: rng.normal(size=size))
+    before, after = draw((30, 40)), draw((30, 40))
     before[:, :5] += 3.0
     top = np.arange(5)
     threshold = 0.4
     posterior = F.FlipPosterior.from_scores(before, after, top, threshold)
+    nu = posterior.dof
+    assert (nu < 20) if heavy else (nu == 29)
     means, cov = F.paired_moments(before, after, top)
     j, atom = 2, 100
     scale = np.sqrt(cov[0, j, 0, 0])
     x = means[0, j] / scale
     standardised = cov[0, j] / scale**2
-    density = multivariate_normal([posterior.u[atom], posterior.v[atom]], standardised).logpdf(x)
+    density = multivariate_t([posterior.u[atom], posterior.v[atom]], standardised, df=nu).logpdf(x)
     t = threshold / scale
     sd = np.sqrt(standardised[0, 0])
     u = posterior.u[atom]
-    from scipy.stats import norm
-
-    selected = norm.sf((t - u) / sd) + norm.cdf((-t - u) / sd)
+    selected = student.sf((t - u) / sd, nu) + student.cdf((-t - u) / sd, nu)
     assert posterior.loglik[j, atom] == pytest.approx(density - np.log(selected), rel=1e-10)
+
+
+def test_the_noise_degrees_of_freedom_follow_the_scores_kurtosis(rng):
+    # nu = 2 (n - 1) / (kappa - 1), kappa the set's mean sample kurtosis (the larger side's), at most n - 1
+    from scipy.stats import kurtosis
+
+    n = 60
+    before, after = rng.standard_t(3, size=(n, 8)), rng.normal(size=(n, 8))
+    after[:, 3] = np.nan  # a pair excluded on one side drops out of both sides' sums
+    sums = F.PairedSums.of(before, after, np.arange(8))
+    kept = np.isfinite(after).all(0)
+    kappa = max(kurtosis(before[:, kept], fisher=False).mean(), kurtosis(after[:, kept], fisher=False).mean())
+    assert sums.noise_dof() == pytest.approx(min(n - 1, 2 * (n - 1) / (kappa - 1)), rel=1e-9)
+    assert F.PairedSums.of(after[:, :3], after[:, :3], np.arange(3)).noise_dof() == n - 1  # normal: Student's own
+    assert F.PairedSums.of(before[:3], after[:3], np.arange(8)).noise_dof() == np.inf  # fewer than four queries
 
 
 def test_em_finds_the_mixing_weights_and_never_lowers_the_likelihood(rng):
@@ -113,6 +135,8 @@ def test_the_projection_noise_model_follows_the_spread_between_seeds(rng):
 
 
 def test_projection_noise_enters_the_covariance_of_the_likelihood(rng):
+    from scipy.stats import multivariate_t
+
     before, after = rng.normal(size=(30, 40)), rng.normal(size=(30, 40))
     before[:, :5] += 3.0
     top = np.arange(5)
@@ -122,7 +146,8 @@ def test_projection_noise_enters_the_covariance_of_the_likelihood(rng):
     extra = (0.3 + 0.2 * np.abs(means[0, j])) ** 2
     total = cov[0, j] + np.diag(extra)
     scale = np.sqrt(total[0, 0])
-    density = multivariate_normal([posterior.u[atom], posterior.v[atom]], total / scale**2).logpdf(means[0, j] / scale)
+    density = multivariate_t([posterior.u[atom], posterior.v[atom]], total / scale**2,
+                             df=posterior.dof).logpdf(means[0, j] / scale)
     assert posterior.loglik[j, atom] == pytest.approx(density, rel=1e-10)
 
 

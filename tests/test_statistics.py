@@ -67,6 +67,28 @@ def test_the_noise_aware_interval_holds_where_signs_are_hard_to_decide(design):
     assert runs["aware"].coverage >= 0.9
 
 
+@pytest.mark.parametrize("noise", ["student-t(3)", "dominant queries"])
+def test_the_noise_aware_interval_holds_with_heavy_tailed_query_noise(noise, monkeypatch):
+    """Query noise that is not normal (Student-t with 3 degrees of freedom; 5 of 100 queries with ten times the spread)
+    makes each member's estimated standard error noisy, and its standardised aggregate heavier-tailed than a normal:
+    the likelihood takes it as Student-t with the degrees of freedom the scores' kurtosis gives. Unflipped members
+    shrunk to a half, 30 % flipped at full size: on the same draws, the normal likelihood's interval covers 0.77 and
+    0.73 (the grid of docs/metrics.md: 0.78-0.81 over 200 draws)."""
+    import math
+
+    from planted import DominantQueries
+
+    from art_malleability.metrics._flip_posterior import PairedSums
+
+    design = {**ISSUE, "lo": 2.5, "hi": 3.2, "flips": 0.3, "shrink": 0.5, "flip_shrink": 1.0}
+    planted = Planted(**design, student_df=3.0) if noise == "student-t(3)" else DominantQueries(**design)
+    runs = H.noise_aware(planted, reps=30, selected=True, seed=7)["aware"]
+    monkeypatch.setattr(PairedSums, "noise_dof", lambda self: math.inf)  # the normal likelihood, for comparison
+    normal = H.noise_aware(planted, reps=30, selected=True, seed=7)["aware"]
+    print(noise, runs.line(), "| normal likelihood:", normal.line())
+    assert runs.coverage >= 0.9 and runs.coverage >= normal.coverage + 0.1 and abs(runs.bias) <= 0.03
+
+
 @pytest.mark.xfail(strict=True, reason="the noise-aware interval covers the weakly identified range of flip shares, "
                    "so it overshoots 0.98 where the truth lies inside it (docs/metrics.md, measured coverage)")
 def test_the_noise_aware_interval_stays_below_the_bands_upper_end_where_signs_are_hard_to_decide():

@@ -370,8 +370,9 @@ class PerturbedScores:
         b, a = clean.top_scores[start:stop], block[:, clean.top_t]
         pair = torch.isfinite(b) & torch.isfinite(a)
         b, a = torch.where(pair, b, 0.0), torch.where(pair, a, 0.0)
-        for name, values in (("count", pair.to(torch.float64)), ("b", b), ("a", a), ("bb", b * b), ("aa", a * a),
-                             ("ab", a * b)):
+        bb, aa = b * b, a * a
+        for name, values in (("count", pair.to(torch.float64)), ("b", b), ("a", a), ("bb", bb), ("aa", aa),
+                             ("ab", a * b), ("bbb", bb * b), ("aaa", aa * a), ("bbbb", bb * bb), ("aaaa", aa * aa)):
             self.paired[name] += values.sum(0)
         self.per_query[start:stop] = clean.query_tops.flip_rates(start, block)
         self.pair_values.append(clean.pairs.perturbed_values(start, block))
