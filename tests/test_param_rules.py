@@ -94,7 +94,7 @@ BAD_AUDIT = {
     "attacks": ["cw"], "eps": -1.0, "influence": "tracin", "top_fraction": 1.5, "strategy": "some", "ridge": 0.0,
     "rank_by": "first", "n_bootstrap": 0, "attack_max_iter": 0, "batch_size": 0, "control_draws": 0, "n_queries": 1,
     "confidence": 1.0, "seed": -1, "device": "tpu9", "projection_dim": 0, "distributed": "maybe",
-    "controls": "yes", "memory_limit_gb": 0.0, "time_budget_s": float("inf"),
+    "controls": "yes", "memory_limit_gb": 0.0, "time_budget_s": float("inf"), "work_dir": 3,
 }
 
 
@@ -172,7 +172,8 @@ BAD_OPTIONS = {
 def test_every_audit_option_that_sets_a_parameter_has_a_bad_value_here():
     options = set(AUDIT_OPTIONS.values()) - {"--no-controls"}
     assert set(BAD_OPTIONS) == options
-    assert set(AUDIT_OPTIONS) == set(PARAMETER_RULES) - {"confidence", "distributed"}
+    # --work-dir sets work_dir per model (a subfolder each, see test_work_folder.py)
+    assert set(AUDIT_OPTIONS) == set(PARAMETER_RULES) - {"confidence", "distributed", "work_dir"}
 
 
 @pytest.mark.parametrize("option", sorted(BAD_OPTIONS))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -269,6 +270,9 @@ DISTRIBUTED = one_of(("auto", True, False), "be 'auto', True or False")
 POSITIVE_NUMBER = (number_type("be a positive number"), POSITIVE)
 #: The memory (GiB) the large matrices may take; ``None``: a share of the device's total memory.
 MEMORY_LIMIT_GB = optional(POSITIVE_NUMBER)
+
+WORK_DIR = optional(Rule("be a folder path (a str or os.PathLike)",
+                         lambda v: isinstance(v, (str, os.PathLike)) and str(v) != "", type_error=True))
 #: The size of a subset of the data (``n_train``, ``n_test``): a positive integer; ``None``: the default size.
 SIZE = optional((
     Rule("be an int or None", is_int, type_error=True, show=lambda v: type(v).__name__),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import gc
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -23,6 +24,7 @@ from art_malleability._utils.checks import near_chance_warnings, one_hot
 from art_malleability._utils.io import progress_bar
 from art_malleability._utils.provenance import library_versions
 from art_malleability._utils.torch_utils import numpy_dtype, release_freed_memory, resolve_device
+from art_malleability._utils.work_folder import WorkFolder, module_digest, value_digest
 from art_malleability.audit._classifier import AuditInputs, PerturbedRows
 from art_malleability.audit.attacks import (
     CONTROL_LABEL,
@@ -91,8 +93,11 @@ def run_audit(est: Any, given: AuditInputs, dataset: str | None) -> Malleability
     control_metrics = run.run_controls(perturbed)
     results = [run.run_attack(attack, control_metrics, perturbed) for attack in est._attacks]
     run.steps.close()
+    config = est.get_params()
+    if config.get("work_dir") is not None:
+        config["work_dir"] = os.fspath(config["work_dir"])
     return MalleabilityReport(
-        model=est.model_name, config=est.get_params(), n_train=run.n, n_queries=len(run.x_q),
+        model=est.model_name, config=config, n_train=run.n, n_queries=len(run.x_q),
         query_source=query_source, top_k=given.k, top_indices=run.top, clean_accuracy=accuracy,
         scores_before=run.agg_before, results=results, seconds=run.seconds, versions=library_versions(),
         dataset=dataset, warnings=warnings + run.warnings(), execution=run.execution(), noise_model=run.noise_model(),
@@ -139,6 +144,8 @@ class AuditRun:
         self.undecided: dict[str, float] = {}
         self.plan = metrics_plan(len(self.x_q), self.n, 0, est.n_bootstrap, self.self_pairs is not None)
         self.metrics_device = resolve_device(est.device)
+        self.work_folder = None if est.work_dir is None else WorkFolder(est.work_dir)
+        self.reused: dict[str, int] = {}
 
     # ------------------------------------------------------------------ influence
     def _score_blocks(self, estimator: InfluenceEstimator) -> Iterator[np.ndarray]:
@@ -416,15 +423,40 @@ class AuditRun:
         bar = progress_bar(total=len(x), desc=f"attack {attack_label(attack)}", unit="ex", leave=False,
                            verbose=est.verbose and len(x) > chunk)
         dtype = numpy_dtype(est.classifier.model)  # predictions in the model's dtype (a float64 model's included)
+        model = None if self.work_folder is None else module_digest(est.classifier.model)
+        versions, found = library_versions(), 0
+
+        def chunk_rows(xb: np.ndarray, yb: np.ndarray, seed: int) -> tuple[np.ndarray, int]:
+            adv = perturb_training_set(attack, xb, yb, np.arange(len(xb)), seed=seed)
+            success = compute_success_array(est.classifier, xb.astype(dtype, copy=False), yb,
+                                            adv.astype(dtype, copy=False), batch_size=est.batch_size)
+            return adv, int(np.sum(success))
+
         for s in range(0, len(x), chunk):
             xb, yb = x[s : s + chunk], labels[s : s + chunk]
-            adv = perturb_training_set(attack, xb, yb, np.arange(len(xb)), seed=est.seed + s)
+            if self.work_folder is None:
+                adv, hits = chunk_rows(xb, yb, est.seed + s)
+            else:  # a finished chunk is kept, keyed by all it depends on
+                key = {"versions": versions, "model": model,
+                       "attack": type(attack).__name__, "params": attack_config(attack), "seed": est.seed + s,
+                       "rows": value_digest([xb, yb]), "dtype": str(dtype), "batch_size": est.batch_size,
+                       "clip_values": None if est.classifier.clip_values is None
+                       else np.asarray(est.classifier.clip_values, dtype=np.float64),
+                       "device": est.classifier.device.type}
+                (adv, hits), reused = self.work_folder.cached(
+                    "attack", key, lambda xb=xb, yb=yb, s=s: chunk_rows(xb, yb, est.seed + s), ("x_adv", "changed"))
+                hits = int(hits)
+                found += int(reused)
             x_adv[s : s + len(xb)] = adv
-            changed += int(np.sum(compute_success_array(est.classifier, xb.astype(dtype, copy=False), yb,
-                                                        adv.astype(dtype, copy=False), batch_size=est.batch_size)))
+            changed += hits
             linf = max(linf, float(np.max(np.abs(adv - xb))) if len(xb) else 0.0)
             bar.update(len(xb))
         bar.close()
+        if self.work_folder is not None:
+            chunks = -(-len(x) // chunk)
+            self.reused["attack chunks"] = self.reused.get("attack chunks", 0) + found
+            logger.info("%s: %d of %d chunks of perturbed inputs reused from the work folder, %d computed",
+                        attack_label(attack), found, chunks, chunks - found)
         return x_adv, changed, linf
 
     def _control_rows(self, perturbed: PerturbedRows, eps: float, draw: int) -> np.ndarray:
@@ -503,6 +535,8 @@ class AuditRun:
             details["projection_seed"] = influence.projection_seed
             details["projection_groups"] = influence.projector_.describe()
         details["world_size"], details["backend"] = shard.world_size, shard.backend
+        if self.work_folder is not None:
+            details["work_folder"] = {"path": str(self.work_folder.path), "reused": dict(self.reused)}
         return details
 
 

@@ -5,6 +5,7 @@ The audit: influence on clean training data, ART attacks on that data, influence
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -96,6 +97,11 @@ class MalleabilityEstimator(AuditParams):
         of the device's total memory (a fixed fact, so the same command runs the same way).
     :param time_budget_s: The NTK influence's ``exact_budget_s`` for the audit's work (the fit, a refit per attack and
         control draw, the queries' scores after each); :meth:`estimate` gives the whole audit's.
+    :param work_dir: A work folder of finished stages (:mod:`art_malleability._utils.work_folder`): each attack's
+        perturbed inputs are kept there, chunk by chunk, keyed by the model's weights and architecture, the rows,
+        the attack's parameters, the seed, the dtype and the package's version, so that rerunning the same audit
+        after an interruption reuses what was finished (the report is the same number for number). ``None``: nothing
+        is kept. The folder is created where missing; an existing one must be empty or one the package created.
     """
 
     #: ART's estimator check (``EstimatorError`` otherwise); a raw ``torch.nn.Module`` is wrapped into one.
@@ -130,6 +136,7 @@ class MalleabilityEstimator(AuditParams):
         control_draws: int = 5,
         memory_limit_gb: float | None = None,
         time_budget_s: float = 1800.0,
+        work_dir: str | os.PathLike | None = None,
     ) -> None:
         self.classifier = inputs.as_classifier(classifier, input_shape, nb_classes, loss, clip_values, device,
                                                type(self))

@@ -30,6 +30,7 @@ from art_malleability._utils.params import (
     RANK_BY,
     SEED,
     TOP_FRACTION,
+    WORK_DIR,
     InvalidParameterError,
     Rule,
     RuleTable,
@@ -125,6 +126,7 @@ PARAMETER_RULES: RuleTable = {
     "controls": BOOL,
     "memory_limit_gb": MEMORY_LIMIT_GB,
     "time_budget_s": POSITIVE_NUMBER,
+    "work_dir": WORK_DIR,
 }
 
 

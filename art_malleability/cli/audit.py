@@ -33,6 +33,7 @@ from art_malleability.influence import INFLUENCE_NAMES
 from art_malleability.metrics import RANK_BY
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
     from art_malleability.audit.report import MalleabilityReport
@@ -112,7 +113,41 @@ def add_audit(sub: argparse._SubParsersAction, run: Runner) -> None:
         "then states its estimator's LDS against retraining (from <folder>/<model>/validation.json)",
     )
     add_run_options(audit, "malleability-audit")
+    work = audit.add_argument_group("work folder")
+    work.add_argument(
+        "--work-dir", default=None, metavar="DIR",
+        help="folder of finished stages (each model's trained weights, each attack's perturbed inputs chunk by "
+        "chunk), so that the same command rerun after an interruption redoes only what was not finished; default: "
+        "<output>.work beside the report folder",
+    )
+    work.add_argument("--no-work-dir", action="store_true", help="keep no finished stages")
     _add_distributed_options(audit)
+
+
+def _open_work_dirs(args: argparse.Namespace) -> None:
+    """Every model's work folder opened (created where missing) before any data is read: one the package did not
+    create is refused, naming ``--work-dir``."""
+    from art_malleability._utils.work_folder import WorkFolder
+    from art_malleability.cli.checks import UsageError
+
+    for name in model_names(args):
+        folder = work_dir(args, name)
+        if folder is not None:
+            try:
+                WorkFolder(folder)
+            except ValueError as err:
+                raise UsageError(f"--work-dir {str(err).removeprefix('work_dir ')}") from None
+
+
+def work_dir(args: argparse.Namespace, name: str) -> Path | None:
+    """:return: The work folder of model ``name`` (``--work-dir`` or ``<output>.work``, one subfolder per model), or
+    ``None`` with ``--no-work-dir``."""
+    from art_malleability._utils.report_base import slugify
+
+    if args.no_work_dir:
+        return None
+    root = Path(args.work_dir) if args.work_dir is not None else Path(f"{Path(args.output)}.work")
+    return root / slugify(name)
 
 
 #: How the audit plan's line says to change it (the options that set what it estimates).
@@ -151,6 +186,8 @@ def run_audit(args: argparse.Namespace) -> int:
     shard = init_from_env(args.dist_backend, args.dist_timeout)
     lead = shard.rank == 0
     note_replaced(args)
+    if lead:
+        _open_work_dirs(args)
     start = time.perf_counter()
     data = load_data(args)
     if lead:
@@ -207,7 +244,7 @@ def _planned(args: argparse.Namespace, name: str, data: Dataset, shard: Shard) -
         module, data.input_shape, data.nb_classes, loss=args.loss, clip_values=data.clip_values, device=args.device
     )
     audit = MalleabilityEstimator(classifier, **estimator_params(args), verbose=lead and not args.quiet,
-                                  model_name=name)
+                                  model_name=name, work_dir=work_dir(args, name))
     plan = audit.estimate(data.x_train, data.x_test)  # before the long work (training included), in every process
     if lead:
         say(args, f"{name}: {plan.summary(plan_options(args))}")
@@ -274,11 +311,33 @@ def _train_or_load(
     if args.weights is not None:
         load_weights(module, args.weights, name)
         return f"loaded {args.weights}"
-    if lead:  # in place
+    def train() -> dict[str, np.ndarray]:
         train_model(
             module, data.x_train, data.y_train, loss=args.loss, epochs=args.epochs, batch_size=args.batch_size,
             lr=args.lr, weight_decay=args.weight_decay, seed=args.seed, device=args.device, verbose=not args.quiet,
         )
+        return {k: v.detach().cpu().numpy() for k, v in module.state_dict().items()}
+
+    done = f"trained {args.epochs} epochs"
+    folder = work_dir(args, name)
+    if lead and folder is None:  # in place
+        train()
+    elif lead:  # the trained weights are a stage, keyed by the untrained model, the data and the training settings
+        import torch
+
+        from art_malleability._utils.provenance import library_versions
+        from art_malleability._utils.work_folder import WorkFolder, module_digest, value_digest
+
+        store = WorkFolder(folder)
+        key = {"versions": library_versions(), "model": module_digest(module), "data": value_digest(
+            [data.x_train, data.y_train]), "settings": _model_settings(args, name), "seed": args.seed,
+            "device": str(args.device)}
+        kept = store.load("weights", key)
+        if kept is None:
+            store.save("weights", key, train())
+        else:
+            module.load_state_dict({k: torch.from_numpy(v) for k, v in kept.items()})
+            done = f"trained {args.epochs} epochs (weights reused from the work folder {folder})"
     if shard.world_size > 1:  # every process audits rank 0's weights
         module.load_state_dict(shard.broadcast_object({k: v.cpu() for k, v in module.state_dict().items()}))
-    return f"trained {args.epochs} epochs"
+    return done

@@ -1,0 +1,208 @@
+"""
+A work folder of finished stages: what a long audit has finished, kept on disk so that a rerun of the same work after
+an interruption (SIGTERM, SIGINT, ``kill -9``, an exception) redoes only what was not finished.
+
+Each stage is a set of named arrays (``<stage>-<key>.npz``) beside its record (``<stage>-<key>.json``): the stage's
+name, the digest of its *key* (everything its result depends on: the model's weights and architecture, its input
+rows, every parameter, the package's version, the dtype) and the SHA-256 digest of the array file. A stage is used
+only when its record names the key asked for and the array file still has the recorded digest; anything else (a key
+that differs, a truncated or altered file, a record or array file this package did not write) is not trusted: the
+stage is computed again, said once per kind in the log, and written anew. Both files are written atomically (a new
+file beside the old one, flushed, then one rename; the array file first), so that a stage whose writing was
+interrupted is never read. There is no index shared between writers: the processes of a sharded run write their own
+stages into one folder.
+
+The folder holds only what the package wrote: it is created with a marker file (``.art-malleability-work``); an
+existing folder without the marker is used only while it is empty, and nothing else in it is read, changed or removed.
+Arrays are loaded with ``allow_pickle=False``: a stage holds numbers, never code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import secrets
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from art_malleability._utils.output_folder import _write_json, file_digest
+from art_malleability._utils.provenance import weights_digest
+
+logger = logging.getLogger(__name__)
+
+#: The marker file of a work folder this package created.
+MARKER_NAME = ".art-malleability-work"
+_FORMAT = "art-malleability work folder"
+_RECORD_FORMAT = "art-malleability stage"
+_STAGE_NAME = re.compile(r"^[a-z0-9][a-z0-9_.=-]{0,80}$")
+
+
+def value_digest(value: Any) -> str:
+    """
+    The SHA-256 digest of a key's value: arrays and tensors by dtype, shape and bytes; mappings, sequences and
+    scalars through their canonical JSON.
+
+    :param value: Numbers, strings, ``None``, arrays, tensors, and dicts, lists and tuples of them.
+    :return: Hex digest.
+    """
+    digest = hashlib.sha256()
+    _update(digest, value)
+    return digest.hexdigest()
+
+
+def _update(digest: Any, value: Any) -> None:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().contiguous().numpy()
+    if isinstance(value, np.ndarray):
+        array = np.ascontiguousarray(value)
+        digest.update(f"array {array.dtype.str} {array.shape}|".encode())
+        digest.update(memoryview(array).cast("B"))
+    elif isinstance(value, dict):
+        digest.update(b"dict|")
+        for name in sorted(value, key=str):
+            digest.update(json.dumps(str(name)).encode() + b":")
+            _update(digest, value[name])
+    elif isinstance(value, (list, tuple)):
+        digest.update(f"list {len(value)}|".encode())
+        for item in value:
+            _update(digest, item)
+    elif isinstance(value, (np.integer, np.floating, np.bool_)):
+        _update(digest, value.item())
+    elif value is None or isinstance(value, (bool, int, float, str)):
+        digest.update(json.dumps(value).encode() + b"|")
+    else:
+        raise TypeError(f"value must be numbers, strings, arrays or containers of them, got {type(value).__name__}")
+
+
+def module_digest(model: Any) -> str:
+    """
+    :param model: A ``torch.nn.Module``.
+    :return: The digest of its architecture (its printed form) and its weights
+        (:func:`~art_malleability._utils.provenance.weights_digest`: every parameter and buffer by name).
+    """
+    return value_digest({"architecture": repr(model), "weights": weights_digest(model)})
+
+
+class WorkFolder:
+    """
+    A folder of finished stages (see the module's docstring).
+
+    :param path: The folder; created (with its parents) where missing.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self._said: set[str] = set()
+        marker = self.path / MARKER_NAME
+        if self.path.exists() and not self.path.is_dir():
+            raise ValueError(f"work_dir must be a folder, got the file {str(self.path)!r}")
+        if marker.exists():
+            try:
+                ok = json.loads(marker.read_text(encoding="utf-8")).get("format") == _FORMAT
+            except (OSError, ValueError, AttributeError):
+                ok = False
+            if not ok:
+                raise ValueError(f"work_dir must be a work folder this package created, got {str(self.path)!r} whose "
+                                 f"{MARKER_NAME} it did not write; choose another folder")
+        elif self.path.exists() and any(not p.name.startswith(MARKER_NAME) for p in self.path.iterdir()):
+            # (the marker's own temporary file is another process of the run creating the folder at the same time)
+            raise ValueError(f"work_dir must be a new or empty folder or one this package created, got "
+                             f"{str(self.path)!r}, which holds other files; choose another folder")
+        else:
+            self.path.mkdir(parents=True, exist_ok=True)
+            _write_json(marker, {"format": _FORMAT})
+
+    def _files(self, stage: str, key: dict) -> tuple[Path, Path, str]:
+        if not _STAGE_NAME.match(stage):
+            raise ValueError(f"stage must be a short lower-case name of letters, digits and _.=-, got {stage!r}")
+        key_digest = value_digest(key)
+        base = f"{stage}-{key_digest[:20]}"
+        return self.path / f"{base}.npz", self.path / f"{base}.json", key_digest
+
+    def load(self, stage: str, key: dict) -> dict[str, np.ndarray] | None:
+        """
+        :param stage: The stage's name.
+        :param key: Everything its result depends on (see :func:`value_digest` for the values allowed).
+        :return: Its arrays, or ``None`` where the stage was not finished with this key or its files are not the
+            ones recorded (said once per kind in the log).
+        """
+        arrays_path, record_path, key_digest = self._files(stage, key)
+        if not record_path.exists():
+            return None
+        try:
+            record = json.loads(record_path.read_text(encoding="utf-8"))
+            if record.get("format") != _RECORD_FORMAT or record.get("stage") != stage:
+                return self._distrust(stage, "its record was not written by this package")
+            if record.get("key") != key_digest:
+                return self._distrust(stage, "it was computed for other inputs or parameters")
+            if not arrays_path.exists() or file_digest(arrays_path) != record.get("sha256"):
+                return self._distrust(stage, "its array file is missing, truncated or altered")
+            with np.load(arrays_path, allow_pickle=False) as data:
+                return {name: data[name] for name in data.files}
+        except (OSError, ValueError, KeyError, AttributeError, EOFError) as err:
+            return self._distrust(stage, f"it cannot be read ({type(err).__name__})")
+
+    def _distrust(self, stage: str, why: str) -> None:
+        kind = stage.split("-")[0] + why
+        if kind not in self._said:
+            self._said.add(kind)
+            logger.warning("work folder %s: stage %r is not used and is computed again: %s", self.path, stage, why)
+        return None
+
+    def save(self, stage: str, key: dict, arrays: dict[str, np.ndarray]) -> None:
+        """
+        Keep a finished stage: its arrays, then its record, each written atomically.
+
+        :param stage: The stage's name.
+        :param key: Everything its result depends on.
+        :param arrays: Its result, by name (numeric arrays).
+        """
+        arrays_path, record_path, key_digest = self._files(stage, key)
+        tmp = arrays_path.with_name(f"{arrays_path.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            with open(tmp, "wb") as handle:
+                np.savez(handle, **{name: np.asarray(a) for name, a in arrays.items()})
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, arrays_path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+        _write_json(record_path, {"format": _RECORD_FORMAT, "stage": stage, "key": key_digest,
+                                  "sha256": file_digest(arrays_path), "bytes": arrays_path.stat().st_size})
+
+    def stages(self) -> list[dict]:
+        """:return: The finished stages' records (name, key digest, bytes), read from the folder."""
+        out = []
+        for record_path in sorted(self.path.glob("*.json")):
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                record = json.loads(record_path.read_text(encoding="utf-8"))
+                if record.get("format") == _RECORD_FORMAT:
+                    out.append({"stage": record["stage"], "key": record["key"], "bytes": record["bytes"],
+                                "file": record_path.with_suffix(".npz").name})
+        return out
+
+    def cached(self, stage: str, key: dict, compute: Any, names: Iterable[str]) -> tuple[tuple, bool]:
+        """
+        The stage's arrays from the folder, or computed (``compute()`` returning them in the order of ``names``) and
+        kept.
+
+        :return: The arrays in the order of ``names``, and whether they were reused.
+        """
+        names = tuple(names)
+        found = self.load(stage, key)
+        if found is not None and set(found) == set(names):
+            return tuple(found[n] for n in names), True
+        values = compute()
+        self.save(stage, key, dict(zip(names, values, strict=True)))
+        return tuple(values), False

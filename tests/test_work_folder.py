@@ -1,0 +1,189 @@
+"""The work folder of finished stages: kept, reused, never trusted when it does not match, and resumed after a kill."""
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from art_malleability._utils.work_folder import MARKER_NAME, WorkFolder, module_digest, value_digest
+
+KEY = {"model": "abc", "seed": 3, "eps": 0.3}
+
+
+@pytest.fixture(scope="module")
+def digits_classifier():
+    from helpers import digits, trained_classifier
+
+    data = digits()
+    return trained_classifier("2l-relu", epochs=50), data.x_train, data.y_train
+
+
+def test_a_stage_is_kept_and_read_back(tmp_path):
+    folder = WorkFolder(tmp_path / "work")
+    assert folder.load("attack", KEY) is None
+    arrays = {"x_adv": np.arange(12.0).reshape(3, 4), "changed": np.array(2)}
+    folder.save("attack", KEY, arrays)
+    again = WorkFolder(tmp_path / "work").load("attack", dict(reversed(KEY.items())))  # key order does not matter
+    assert set(again) == {"x_adv", "changed"}
+    assert np.array_equal(again["x_adv"], arrays["x_adv"]) and int(again["changed"]) == 2
+    assert [s["stage"] for s in WorkFolder(tmp_path / "work").stages()] == ["attack"]
+    assert not list((tmp_path / "work").glob("*.tmp"))
+
+
+def test_a_stage_of_another_key_is_not_used(tmp_path):
+    folder = WorkFolder(tmp_path)
+    folder.save("attack", KEY, {"x": np.zeros(3)})
+    assert folder.load("attack", {**KEY, "eps": 0.1}) is None
+    assert folder.load("control", KEY) is None
+
+
+@pytest.mark.parametrize("damage", ["truncated", "altered", "record", "foreign record"])
+def test_a_damaged_stage_is_detected_said_once_and_computed_again(tmp_path, caplog, damage):
+    folder = WorkFolder(tmp_path)
+    folder.save("attack", KEY, {"x": np.arange(1000.0)})
+    arrays = next(tmp_path.glob("attack-*.npz"))
+    record = arrays.with_suffix(".json")
+    if damage == "truncated":
+        arrays.write_bytes(arrays.read_bytes()[:300])
+    elif damage == "altered":
+        data = bytearray(arrays.read_bytes())
+        data[-200] ^= 0xFF
+        arrays.write_bytes(bytes(data))
+    elif damage == "record":
+        record.write_text("{not json")
+    else:
+        record.write_text(json.dumps({"format": "something else", "stage": "attack"}))
+    with caplog.at_level(logging.WARNING, logger="art_malleability._utils.work_folder"):
+        assert folder.load("attack", KEY) is None
+        assert folder.load("attack", KEY) is None
+    assert len(caplog.records) == 1 and "computed again" in caplog.text
+    (values,), reused = folder.cached("attack", KEY, lambda: (np.ones(2),), ("x",))
+    assert not reused and np.array_equal(values, np.ones(2))
+    assert np.array_equal(folder.load("attack", KEY)["x"], np.ones(2))  # written anew, trusted again
+
+
+def test_a_folder_the_package_did_not_create_is_refused_and_left_alone(tmp_path):
+    (tmp_path / "theirs.txt").write_text("keep me")
+    with pytest.raises(ValueError, match="work_dir must be a new or empty folder"):
+        WorkFolder(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["theirs.txt"]
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / MARKER_NAME).write_text("not ours")
+    with pytest.raises(ValueError, match="did not write"):
+        WorkFolder(other)
+    with pytest.raises(ValueError, match="must be a folder"):
+        WorkFolder(tmp_path / "theirs.txt")
+    with pytest.raises(ValueError, match="stage must be"):
+        WorkFolder(tmp_path / "new").save("../escape", KEY, {})
+
+
+def test_digests_tell_apart_what_a_stage_depends_on():
+    a = np.arange(6, dtype=np.float32)
+    assert value_digest(a) != value_digest(a.astype(np.float64))
+    assert value_digest(a) != value_digest(a.reshape(2, 3))
+    assert value_digest({"a": 1}) != value_digest({"a": 1.5}) and value_digest([1, 2]) != value_digest([2, 1])
+    assert value_digest(torch.from_numpy(a)) == value_digest(a)
+    with pytest.raises(TypeError, match="value must be"):
+        value_digest(object())
+    model = torch.nn.Linear(3, 2)
+    before = module_digest(model)
+    with torch.no_grad():
+        model.weight[0, 0] += 1e-6
+    assert module_digest(model) != before
+
+
+def test_the_estimator_reuses_finished_attacks_and_reports_the_same(tmp_path, monkeypatch, digits_classifier):
+    from art_malleability.audit import _run
+    from art_malleability.audit.estimator import MalleabilityEstimator
+
+    clf, x, y = digits_classifier
+    calls = []
+    real = _run.perturb_training_set
+    monkeypatch.setattr(_run, "perturb_training_set", lambda *a, **k: calls.append(1) or real(*a, **k))
+    params = {"attacks": ("fgsm", "pgd"), "attack_max_iter": 3, "n_bootstrap": 50, "verbose": False,
+              "control_draws": 2, "n_queries": 15, "device": "cpu", "work_dir": tmp_path / "work"}
+    first = MalleabilityEstimator(clf, **params).evaluate(x, y)
+    assert len(calls) == 2
+    second = MalleabilityEstimator(clf, **params).evaluate(x, y)
+    assert len(calls) == 2  # nothing attacked again
+    assert second.execution["work_folder"]["reused"] == {"attack chunks": 2}
+    plain = MalleabilityEstimator(clf, **{**params, "work_dir": None}).evaluate(x, y)
+    def numbers(report):
+        return [{k: v for k, v in r.items() if k != "seconds"} for r in report.to_dict()["results"]]
+
+    assert numbers(first) == numbers(second) == numbers(plain)
+
+
+def test_work_dir_is_checked_and_a_refusal_changes_nothing(digits_classifier):
+    from art_malleability._utils.params import InvalidParameterError
+    from art_malleability.audit.estimator import MalleabilityEstimator
+
+    clf, _, _ = digits_classifier
+    est = MalleabilityEstimator(clf, verbose=False)
+    with pytest.raises(InvalidParameterError, match="work_dir must be a folder path"):
+        est.set_params(work_dir=3, seed=5)
+    assert est.work_dir is None and est.seed == 0
+
+
+def _report_numbers(path: Path) -> dict:
+    data = json.loads(path.read_text())
+    return {"results": [{k: v for k, v in r.items() if k != "seconds"} for r in data["results"]],
+            "top": data.get("top_indices"), "accuracy": data.get("clean_accuracy")}
+
+
+@pytest.mark.slow
+def test_a_killed_audit_resumes_to_the_same_report(tmp_path):
+    # the command is killed (SIGKILL) as soon as its first attack's perturbed inputs are kept; the same command
+    # rerun reuses the weights and that attack, computes the rest, and its report equals an uninterrupted run's
+    command = [sys.executable, "-m", "art_malleability.cli", "audit", "--n-train", "300", "--n-test", "80", "--model",
+               "2l-relu", "--epochs", "3", "--attack-max-iter", "5", "--n-bootstrap", "50", "--control-draws", "2",
+               "--quiet"]
+    env = {**os.environ, "HOME": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    whole = subprocess.run([*command, "--output", "whole", "--no-work-dir"], cwd=tmp_path, env=env, timeout=600,
+                           capture_output=True, text=True)
+    assert whole.returncode == 0, whole.stderr
+    work = tmp_path / "killed.work" / "2l-relu"
+    proc = subprocess.Popen([*command, "--output", "killed"], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 600
+    while not list(work.glob("attack-*.json")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, "the audit finished before it could be killed"
+    assert not (tmp_path / "killed" / "2l-relu" / "report.json").exists()
+    kept = {s["stage"] for s in WorkFolder(work).stages()}
+    assert kept == {"weights", "attack"}
+    resumed = subprocess.run([*command, "--output", "killed"], cwd=tmp_path, env=env, timeout=600,
+                             capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    report = json.loads((tmp_path / "killed" / "2l-relu" / "report.json").read_text())
+    assert report["execution"]["work_folder"]["reused"]["attack chunks"] >= 1
+    assert _report_numbers(tmp_path / "killed" / "2l-relu" / "report.json") == _report_numbers(
+        tmp_path / "whole" / "2l-relu" / "report.json")
+
+
+def test_the_command_refuses_a_work_dir_it_did_not_create_before_reading_data(tmp_path, capsys, monkeypatch):
+    import art_malleability.cli.audit as cli_audit
+    from art_malleability.cli import main
+
+    def never(*args, **kwargs):
+        raise AssertionError("the data was read before the work folder was checked")
+
+    monkeypatch.setattr(cli_audit, "load_data", never)
+    theirs = tmp_path / "theirs"
+    (theirs / "2l-relu").mkdir(parents=True)
+    (theirs / "2l-relu" / "notes.txt").write_text("keep me")
+    code = main(["audit", "--output", str(tmp_path / "out"), "--model", "2l-relu", "--work-dir", str(theirs)])
+    err = capsys.readouterr().err
+    assert code == 2 and "error: --work-dir must be a new or empty folder" in err, err
+    assert [p.name for p in (theirs / "2l-relu").iterdir()] == ["notes.txt"]
