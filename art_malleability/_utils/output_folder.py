@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path, PurePosixPath
 from types import TracebackType
+from typing import Any
 
 try:  # POSIX; elsewhere the lock is an exclusively created file with the holder's process id
     import fcntl
@@ -107,12 +108,13 @@ def read_manifest(folder: Path) -> dict:
         ) from err
 
 
-def _write_json(path: Path, data: dict) -> None:
-    """Write JSON atomically (a new file beside it, flushed, then one rename)."""
+def atomic_write(path: Path, write: Callable[[Any], None], binary: bool = False) -> None:
+    """Write a file atomically: ``write(handle)`` into a new file beside it, flushed to disk, then one rename (a reader
+    sees the old file or the whole new one, never a part)."""
     tmp = path.with_name(f"{path.name}.{secrets.token_hex(6)}.tmp")
     try:
-        with open(tmp, "w", encoding="utf-8") as handle:
-            json.dump(data, handle, indent=1, sort_keys=True)
+        with open(tmp, "wb") if binary else open(tmp, "w", encoding="utf-8") as handle:
+            write(handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
@@ -120,6 +122,11 @@ def _write_json(path: Path, data: dict) -> None:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
+
+
+def _write_json(path: Path, data: dict) -> None:
+    """Write JSON atomically (:func:`atomic_write`)."""
+    atomic_write(path, lambda handle: json.dump(data, handle, indent=1, sort_keys=True))
 
 
 def is_ours(path: Path) -> bool:

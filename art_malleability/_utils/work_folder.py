@@ -25,14 +25,13 @@ import json
 import logging
 import os
 import re
-import secrets
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from art_malleability._utils.output_folder import _write_json, file_digest
+from art_malleability._utils.output_folder import _write_json, atomic_write, file_digest
 from art_malleability._utils.provenance import weights_digest
 
 logger = logging.getLogger(__name__)
@@ -167,17 +166,8 @@ class WorkFolder:
         :param arrays: Its result, by name (numeric arrays).
         """
         arrays_path, record_path, key_digest = self._files(stage, key)
-        tmp = arrays_path.with_name(f"{arrays_path.name}.{secrets.token_hex(6)}.tmp")
-        try:
-            with open(tmp, "wb") as handle:
-                np.savez(handle, **{name: np.asarray(a) for name, a in arrays.items()})
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, arrays_path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise
+        atomic_write(arrays_path, lambda handle: np.savez(handle, **{n: np.asarray(a) for n, a in arrays.items()}),
+                     binary=True)
         _write_json(record_path, {"format": _RECORD_FORMAT, "stage": stage, "key": key_digest,
                                   "sha256": file_digest(arrays_path), "bytes": arrays_path.stat().st_size})
 
