@@ -23,6 +23,7 @@ _FIELDS = {
     "execution.params.memory_limit_gb": "no memory limit was set: the estimator plans within 80 % of the device's "
     "total memory",
     "config.memory_limit_gb": "no memory limit was set: the audit plans within 80 % of the device's total memory",
+    "config.work_dir": "no work folder was set (work_dir=None, --no-work-dir): no finished stage was kept for a rerun",
     "config.n_queries": f"n_queries=None, the default: every test point is a query (at most {DEFAULT_MAX_QUERIES:,}, "
     "drawn with the seed beyond), or as many training examples when no test set was given; n_queries at the top "
     "level is the number taken",
