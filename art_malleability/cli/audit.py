@@ -337,7 +337,7 @@ def _train_or_load(
             store.save("weights", key, train())
         else:
             module.load_state_dict({k: torch.from_numpy(v) for k, v in kept.items()})
-            done = f"trained {args.epochs} epochs (weights reused from the work folder {folder})"
+            done = f"reused its weights of {args.epochs} epochs' training from the work folder {folder}"
     if shard.world_size > 1:  # every process audits rank 0's weights
         module.load_state_dict(shard.broadcast_object({k: v.cpu() for k, v in module.state_dict().items()}))
     return done
