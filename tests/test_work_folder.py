@@ -116,11 +116,18 @@ def test_the_estimator_reuses_finished_attacks_and_reports_the_same(tmp_path, mo
     second = MalleabilityEstimator(clf, **params).evaluate(x, y)
     assert len(calls) == 2  # nothing attacked again
     assert second.execution["work_folder"]["reused"] == {"attack chunks": 2}
+    assert not any("work folder" in w for w in second.warnings)
+    for stage in (tmp_path / "work").glob("attack-*.npz"):  # altered on disk: detected, recomputed, said in the report
+        stage.write_bytes(stage.read_bytes()[:-10])
+    third = MalleabilityEstimator(clf, **params).evaluate(x, y)
+    assert len(calls) == 4 and third.execution["work_folder"]["reused"] == {"attack chunks": 0}
+    said = [w for w in third.warnings if "work folder" in w]
+    assert len(said) == 1 and "truncated or altered" in said[0], third.warnings
     plain = MalleabilityEstimator(clf, **{**params, "work_dir": None}).evaluate(x, y)
     def numbers(report):
         return [{k: v for k, v in r.items() if k != "seconds"} for r in report.to_dict()["results"]]
 
-    assert numbers(first) == numbers(second) == numbers(plain)
+    assert numbers(first) == numbers(second) == numbers(third) == numbers(plain)
 
 
 def test_work_dir_is_checked_and_a_refusal_changes_nothing(digits_classifier):

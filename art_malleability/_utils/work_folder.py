@@ -100,7 +100,8 @@ class WorkFolder:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
-        self._said: set[str] = set()
+        #: What was not trusted, once per stage and reason (the report's warnings).
+        self.distrusted: list[str] = []
         marker = self.path / MARKER_NAME
         if self.path.exists() and not self.path.is_dir():
             raise ValueError(f"work_dir must be a folder, got the file {str(self.path)!r}")
@@ -151,10 +152,10 @@ class WorkFolder:
             return self._distrust(stage, f"it cannot be read ({type(err).__name__})")
 
     def _distrust(self, stage: str, why: str) -> None:
-        kind = stage.split("-")[0] + why
-        if kind not in self._said:
-            self._said.add(kind)
-            logger.warning("work folder %s: stage %r is not used and is computed again: %s", self.path, stage, why)
+        message = f"work folder {self.path}: a kept {stage!r} stage was not used and was computed again: {why}"
+        if message not in self.distrusted:
+            self.distrusted.append(message)
+            logger.warning("%s", message)
         return None
 
     def save(self, stage: str, key: dict, arrays: dict[str, np.ndarray]) -> None:

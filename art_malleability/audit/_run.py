@@ -478,6 +478,8 @@ class AuditRun:
     def warnings(self) -> list[str]:
         """:return: Warnings on the run: undecidable signs, attacks without a control, and a projected influence."""
         found = [undecided_warning(self.undecided)] if self.undecided else []
+        if self.work_folder is not None:
+            found.extend(self.work_folder.distrusted)
         missing = [attack_label(a) for a in self.est._attacks if a not in self.controls]
         if self.est.controls and missing:
             found.append(
