@@ -194,3 +194,17 @@ def test_the_command_refuses_a_work_dir_it_did_not_create_before_reading_data(tm
     err = capsys.readouterr().err
     assert code == 2 and "error: --work-dir must be a new or empty folder" in err, err
     assert [p.name for p in (theirs / "2l-relu").iterdir()] == ["notes.txt"]
+
+
+def test_the_default_work_folder_is_beside_the_output_folder(tmp_path, monkeypatch):
+    from art_malleability.cli import build_parser
+    from art_malleability.cli.audit import work_dir
+
+    monkeypatch.chdir(tmp_path)
+    parse = build_parser().parse_args
+    assert work_dir(parse(["audit", "--output", "out"]), "2l-relu") == tmp_path / "out.work" / "2l-relu"
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    assert work_dir(parse(["audit", "--output", "."]), "cnn") == tmp_path / "here.work" / "cnn"
+    assert work_dir(parse(["audit", "--work-dir", "w"]), "cnn") == Path("w") / "cnn"
+    assert work_dir(parse(["audit", "--no-work-dir"]), "cnn") is None

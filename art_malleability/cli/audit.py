@@ -146,7 +146,8 @@ def work_dir(args: argparse.Namespace, name: str) -> Path | None:
 
     if args.no_work_dir:
         return None
-    root = Path(args.work_dir) if args.work_dir is not None else Path(f"{Path(args.output)}.work")
+    out = Path(args.output).resolve()  # beside it, also for --output . (the folder's own name, not ".")
+    root = Path(args.work_dir) if args.work_dir is not None else out.parent / f"{out.name}.work"
     return root / slugify(name)
 
 
