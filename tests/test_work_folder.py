@@ -147,36 +147,71 @@ def _report_numbers(path: Path) -> dict:
             "top": data.get("top_indices"), "accuracy": data.get("clean_accuracy")}
 
 
+COMMAND = [sys.executable, "-m", "art_malleability.cli", "audit", "--n-train", "300", "--n-test", "80", "--model",
+           "2l-relu", "--epochs", "3", "--attack-max-iter", "5", "--n-bootstrap", "50", "--control-draws", "2",
+           "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The report of the command run once without a work folder."""
+    where = tmp_path_factory.mktemp("whole")
+    env = {**os.environ, "HOME": str(where), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([*COMMAND, "--output", "whole", "--no-work-dir"], cwd=where, env=env, timeout=600,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return _report_numbers(where / "whole" / "2l-relu" / "report.json")
+
+
 @pytest.mark.slow
-def test_a_killed_audit_resumes_to_the_same_report(tmp_path):
-    # the command is killed (SIGKILL) as soon as its first attack's perturbed inputs are kept; the same command
-    # rerun reuses the weights and that attack, computes the rest, and its report equals an uninterrupted run's
-    command = [sys.executable, "-m", "art_malleability.cli", "audit", "--n-train", "300", "--n-test", "80", "--model",
-               "2l-relu", "--epochs", "3", "--attack-max-iter", "5", "--n-bootstrap", "50", "--control-draws", "2",
-               "--quiet"]
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_a_killed_audit_resumes_to_the_same_report(tmp_path, uninterrupted, sig):
+    # the command is killed as soon as its first attack's perturbed inputs are kept (SIGKILL: nothing of Python runs;
+    # SIGTERM: it exits with 143 through its cleanup); the same command rerun reuses the weights and that attack,
+    # computes the rest, and its report equals an uninterrupted run's
     env = {**os.environ, "HOME": str(tmp_path), "OMP_NUM_THREADS": "1"}
-    whole = subprocess.run([*command, "--output", "whole", "--no-work-dir"], cwd=tmp_path, env=env, timeout=600,
-                           capture_output=True, text=True)
-    assert whole.returncode == 0, whole.stderr
     work = tmp_path / "killed.work" / "2l-relu"
-    proc = subprocess.Popen([*command, "--output", "killed"], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen([*COMMAND, "--output", "killed"], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 600
     while not list(work.glob("attack-*.json")) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=60)
-    assert proc.returncode == -signal.SIGKILL, "the audit finished before it could be killed"
+    proc.send_signal(sig)
+    proc.wait(timeout=120)
+    assert proc.returncode == (-signal.SIGKILL if sig == signal.SIGKILL else 143), "not killed while it ran"
     assert not (tmp_path / "killed" / "2l-relu" / "report.json").exists()
     kept = {s["stage"] for s in WorkFolder(work).stages()}
     assert kept == {"weights", "attack"}
-    resumed = subprocess.run([*command, "--output", "killed"], cwd=tmp_path, env=env, timeout=600,
+    resumed = subprocess.run([*COMMAND, "--output", "killed"], cwd=tmp_path, env=env, timeout=600,
                              capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr
     report = json.loads((tmp_path / "killed" / "2l-relu" / "report.json").read_text())
     assert report["execution"]["work_folder"]["reused"]["attack chunks"] >= 1
-    assert _report_numbers(tmp_path / "killed" / "2l-relu" / "report.json") == _report_numbers(
-        tmp_path / "whole" / "2l-relu" / "report.json")
+    assert _report_numbers(tmp_path / "killed" / "2l-relu" / "report.json") == uninterrupted
+
+
+def test_an_audit_that_failed_in_one_attack_reuses_the_finished_ones(tmp_path, monkeypatch, digits_classifier):
+    from art.attacks.evasion import FastGradientMethod
+
+    from art_malleability.audit import _run
+    from art_malleability.audit.estimator import MalleabilityEstimator
+
+    clf, x, y = digits_classifier
+
+    class Failing(FastGradientMethod):
+        def generate(self, x, y=None, **kwargs):
+            raise RuntimeError("out of memory, say")
+
+    params = {"attack_max_iter": 3, "n_bootstrap": 50, "verbose": False, "control_draws": 2, "n_queries": 15,
+              "device": "cpu", "work_dir": tmp_path / "work"}
+    with pytest.raises(RuntimeError, match="out of memory"):
+        MalleabilityEstimator(clf, attacks=("fgsm", Failing(clf, eps=0.3)), **params).evaluate(x, y)
+    calls = []
+    real = _run.perturb_training_set
+    monkeypatch.setattr(_run, "perturb_training_set", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    again = MalleabilityEstimator(clf, attacks=("fgsm", "pgd"), **params).evaluate(x, y)
+    assert [type(a).__name__ for a in calls] == ["ProjectedGradientDescent"]  # FGSM's inputs were kept
+    assert again.execution["work_folder"]["reused"] == {"attack chunks": 1}
 
 
 def test_the_command_refuses_a_work_dir_it_did_not_create_before_reading_data(tmp_path, capsys, monkeypatch):
