@@ -243,3 +243,25 @@ def test_the_default_work_folder_is_beside_the_output_folder(tmp_path, monkeypat
     assert work_dir(parse(["audit", "--output", "."]), "cnn") == tmp_path / "here.work" / "cnn"
     assert work_dir(parse(["audit", "--work-dir", "w"]), "cnn") == Path("w") / "cnn"
     assert work_dir(parse(["audit", "--no-work-dir"]), "cnn") is None
+
+
+def test_prune_removes_the_oldest_stages_it_can_prove_it_wrote(tmp_path):
+    folder = WorkFolder(tmp_path)
+    for i in range(4):
+        folder.save("attack", {"i": i}, {"x": np.zeros(1000) + i})
+        time.sleep(0.01)
+    files = [r["file"] for r in folder.stages()]  # oldest first
+    size = folder.stages()[0]["bytes"]
+    (tmp_path / files[0]).write_bytes(b"changed by someone")  # not provably ours any more: left alone
+    removed = folder.prune(2.5 * size)
+    assert removed == files[1:3] and (tmp_path / files[0]).exists()
+    assert [folder.load("attack", {"i": i}) is None for i in (1, 2, 3)] == [True, True, False]
+    assert folder.prune(1e12) == []
+
+
+def test_the_work_folders_size_cap_is_checked_before_any_work(tmp_path, capsys):
+    from art_malleability.cli import main
+
+    code = main(["audit", "--output", str(tmp_path / "out"), "--work-dir-max-gb", "0"])
+    assert code == 2 and "--work-dir-max-gb must" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.work").exists()

@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import re
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -170,18 +171,48 @@ class WorkFolder:
         atomic_write(arrays_path, lambda handle: np.savez(handle, **{n: np.asarray(a) for n, a in arrays.items()}),
                      binary=True)
         _write_json(record_path, {"format": _RECORD_FORMAT, "stage": stage, "key": key_digest,
-                                  "sha256": file_digest(arrays_path), "bytes": arrays_path.stat().st_size})
+                                  "sha256": file_digest(arrays_path), "bytes": arrays_path.stat().st_size,
+                                  "written": time.time()})
 
     def stages(self) -> list[dict]:
-        """:return: The finished stages' records (name, key digest, bytes), read from the folder."""
+        """:return: The finished stages' records, oldest first: name, key digest, bytes, the time written and the
+            array file's name."""
         out = []
-        for record_path in sorted(self.path.glob("*.json")):
-            with contextlib.suppress(OSError, ValueError, AttributeError):
+        for record_path in self.path.glob("*.json"):
+            with contextlib.suppress(OSError, ValueError, AttributeError, KeyError):
                 record = json.loads(record_path.read_text(encoding="utf-8"))
                 if record.get("format") == _RECORD_FORMAT:
-                    out.append({"stage": record["stage"], "key": record["key"], "bytes": record["bytes"],
-                                "file": record_path.with_suffix(".npz").name})
-        return out
+                    out.append({"stage": record["stage"], "key": record["key"], "bytes": int(record["bytes"]),
+                                "written": float(record.get("written", record_path.stat().st_mtime)),
+                                "file": record_path.with_suffix(".npz").name, "sha256": record["sha256"]})
+        return sorted(out, key=lambda r: (r["written"], r["file"]))
+
+    def prune(self, max_bytes: float) -> list[str]:
+        """
+        Remove the oldest stages until the stages' array files take at most ``max_bytes``. A stage is removed only
+        where its array file still has the digest its record gives (what the package cannot prove it wrote is
+        left, and counted).
+
+        :return: The array files removed.
+        """
+        stages = self.stages()
+        total = sum(r["bytes"] for r in stages)
+        removed = []
+        for record in stages:
+            if total <= max_bytes:
+                break
+            arrays = self.path / record["file"]
+            with contextlib.suppress(OSError):
+                if arrays.exists() and file_digest(arrays) != record["sha256"]:
+                    continue
+                arrays.unlink(missing_ok=True)
+                arrays.with_suffix(".json").unlink()
+                removed.append(record["file"])
+                total -= record["bytes"]
+        if removed:
+            logger.info("work folder %s: %d oldest stage(s) removed to stay within %.3g GB", self.path, len(removed),
+                        max_bytes / 1e9)
+        return removed
 
     def cached(self, stage: str, key: dict, compute: Any, names: Iterable[str]) -> tuple[tuple, bool]:
         """

@@ -121,6 +121,11 @@ def add_audit(sub: argparse._SubParsersAction, run: Runner) -> None:
         "<output>.work beside the report folder",
     )
     work.add_argument("--no-work-dir", action="store_true", help="keep no finished stages")
+    work.add_argument(
+        "--work-dir-max-gb", type=float, default=None, metavar="GB",
+        help="the most each model's work folder keeps: after its audit the oldest stages are removed until its "
+        "stages fit (default: no limit)",
+    )
     _add_distributed_options(audit)
 
 
@@ -276,6 +281,11 @@ def _audit_model(args: argparse.Namespace, name: str, data: Dataset, shard: Shar
     report.config["estimate"] = plan.to_dict()
     report.seconds["train"] = trained
     report.config["model"] = _model_settings(args, name)
+    folder = work_dir(args, name)
+    if lead and folder is not None and args.work_dir_max_gb is not None:
+        from art_malleability._utils.work_folder import WorkFolder
+
+        WorkFolder(folder).prune(args.work_dir_max_gb * 1e9)
     if lead:
         report.stage(args.out, slugify(name))
         say(args, f"\n{name}: {what} in {trained:.1f} s, audited in {time.perf_counter() - start:.1f} s -> "

@@ -20,6 +20,7 @@ import torch
 
 from art_malleability._utils.params import (
     DEVICE,
+    MEMORY_LIMIT_GB,
     N_QUERIES,
     POSITIVE_INT,
     POSITIVE_SECONDS,
@@ -170,7 +171,7 @@ _BUDGET_RULES = _through(PARAMETER_RULES, {p: AUDIT_OPTIONS[p] for p in ("time_b
 #: the option tables (:data:`~art_malleability.cli.options.VALIDATE_OPTIONS`, ``NTK_CHECK_OPTIONS``,
 #: ``REPRODUCE_OPTIONS``).
 OPTION_RULES: dict[str, dict[str, tuple[Check, ...]]] = {
-    "audit": {**_DATA_RULES, **_TRAINING_RULES, **_BUDGET_RULES},
+    "audit": {**_DATA_RULES, **_TRAINING_RULES, **_BUDGET_RULES, "--work-dir-max-gb": (MEMORY_LIMIT_GB,)},
     "validate": {
         **_DATA_RULES, **_TRAINING_RULES,
         **{option: _steps(VALIDATE_RULES[param]) for param, option in VALIDATE_OPTIONS.items()},  # validate()'s rules
