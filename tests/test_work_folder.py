@@ -265,3 +265,25 @@ def test_the_work_folders_size_cap_is_checked_before_any_work(tmp_path, capsys):
     code = main(["audit", "--output", str(tmp_path / "out"), "--work-dir-max-gb", "0"])
     assert code == 2 and "--work-dir-max-gb must" in capsys.readouterr().err
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.work").exists()
+
+
+def test_an_attack_on_another_model_is_not_taken_for_one_on_the_audited_model(tmp_path, monkeypatch,
+                                                                               digits_classifier):
+    from art.attacks.evasion import FastGradientMethod
+    from helpers import trained_classifier
+
+    from art_malleability.audit import _run
+    from art_malleability.audit.estimator import MalleabilityEstimator
+
+    clf, x, y = digits_classifier
+    surrogate = trained_classifier("2l-relu", epochs=5)
+    calls = []
+    real = _run.perturb_training_set
+    monkeypatch.setattr(_run, "perturb_training_set", lambda *a, **k: calls.append(1) or real(*a, **k))
+    params = {"n_bootstrap": 50, "verbose": False, "control_draws": 2, "n_queries": 15, "device": "cpu",
+              "controls": False, "work_dir": tmp_path / "work"}
+    MalleabilityEstimator(clf, attacks=(FastGradientMethod(clf, eps=0.3),), **params).evaluate(x, y)
+    MalleabilityEstimator(clf, attacks=(FastGradientMethod(surrogate, eps=0.3),), **params).evaluate(x, y)
+    assert len(calls) == 2  # a transfer attack from the surrogate is computed, not read from the direct one's stage
+    MalleabilityEstimator(clf, attacks=(FastGradientMethod(surrogate, eps=0.3),), **params).evaluate(x, y)
+    assert len(calls) == 2

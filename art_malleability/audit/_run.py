@@ -424,6 +424,10 @@ class AuditRun:
                            verbose=est.verbose and len(x) > chunk)
         dtype = numpy_dtype(est.classifier.model)  # predictions in the model's dtype (a float64 model's included)
         model = None if self.work_folder is None else module_digest(est.classifier.model)
+        # an attack given ready-made may run on another model than the audited one: its own is in the key too
+        attacked = getattr(getattr(attack, "estimator", None), "model", None)
+        if model is not None and isinstance(attacked, torch.nn.Module) and attacked is not est.classifier.model:
+            model = value_digest([model, module_digest(attacked)])
         versions, found = library_versions(), 0
 
         def chunk_rows(xb: np.ndarray, yb: np.ndarray, seed: int) -> tuple[np.ndarray, int]:
