@@ -288,7 +288,9 @@ def _audit_model(args: argparse.Namespace, name: str, data: Dataset, shard: Shar
         WorkFolder(folder).prune(args.work_dir_max_gb * 1e9)
     if lead:
         report.stage(args.out, slugify(name))
-        say(args, f"\n{name}: {what} in {trained:.1f} s, audited in {time.perf_counter() - start:.1f} s -> "
+        kept = report.execution.get("work_folder", {}).get("reused", {}).get("attack chunks", 0)
+        reused = f" ({kept} chunk(s) of attacked inputs reused from the work folder)" if kept else ""
+        say(args, f"\n{name}: {what} in {trained:.1f} s, audited in {time.perf_counter() - start:.1f} s{reused} -> "
                   f"{Path(args.output) / slugify(name)}", report.summary())
     return report
 
