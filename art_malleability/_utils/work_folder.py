@@ -7,7 +7,8 @@ name, the digest of its *key* (everything its result depends on: the model's wei
 rows, every parameter, the package's version, the dtype) and the SHA-256 digest of the array file. A stage is used
 only when its record names the key asked for and the array file still has the recorded digest; anything else (a key
 that differs, a truncated or altered file, a record or array file this package did not write) is not trusted: the
-stage is computed again, said once per kind in the log, and written anew. Both files are written atomically (a new
+stage is computed again, said once per stage and reason (in the log and in :attr:`WorkFolder.distrusted`, which the
+audit's report lists among its warnings), and written anew. Both files are written atomically (a new
 file beside the old one, flushed, then one rename; the array file first), so that a stage whose writing was
 interrupted is never read. There is no index shared between writers: the processes of a sharded run write their own
 stages into one folder.
@@ -134,7 +135,7 @@ class WorkFolder:
         :param stage: The stage's name.
         :param key: Everything its result depends on (see :func:`value_digest` for the values allowed).
         :return: Its arrays, or ``None`` where the stage was not finished with this key or its files are not the
-            ones recorded (said once per kind in the log).
+            ones recorded (said once per stage and reason).
         """
         arrays_path, record_path, key_digest = self._files(stage, key)
         if not record_path.exists():

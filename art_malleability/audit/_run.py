@@ -423,12 +423,18 @@ class AuditRun:
         bar = progress_bar(total=len(x), desc=f"attack {attack_label(attack)}", unit="ex", leave=False,
                            verbose=est.verbose and len(x) > chunk)
         dtype = numpy_dtype(est.classifier.model)  # predictions in the model's dtype (a float64 model's included)
-        model = None if self.work_folder is None else module_digest(est.classifier.model)
-        # an attack given ready-made may run on another model than the audited one: its own is in the key too
-        attacked = getattr(getattr(attack, "estimator", None), "model", None)
-        if model is not None and isinstance(attacked, torch.nn.Module) and attacked is not est.classifier.model:
-            model = value_digest([model, module_digest(attacked)])
-        versions, found = library_versions(), 0
+        found, base = 0, None  # base: what every chunk's stage depends on (with a work folder)
+        if self.work_folder is not None:
+            model = module_digest(est.classifier.model)
+            # an attack given ready-made may run on another model than the audited one: its own is in the key too
+            attacked = getattr(getattr(attack, "estimator", None), "model", None)
+            if isinstance(attacked, torch.nn.Module) and attacked is not est.classifier.model:
+                model = value_digest([model, module_digest(attacked)])
+            clip = est.classifier.clip_values
+            base = {"versions": library_versions(), "model": model, "attack": type(attack).__name__,
+                    "params": attack_config(attack), "dtype": str(dtype), "batch_size": est.batch_size,
+                    "clip_values": None if clip is None else np.asarray(clip, dtype=np.float64),
+                    "device": est.classifier.device.type}
 
         def chunk_rows(xb: np.ndarray, yb: np.ndarray, seed: int) -> tuple[np.ndarray, int]:
             adv = perturb_training_set(attack, xb, yb, np.arange(len(xb)), seed=seed)
@@ -438,15 +444,10 @@ class AuditRun:
 
         for s in range(0, len(x), chunk):
             xb, yb = x[s : s + chunk], labels[s : s + chunk]
-            if self.work_folder is None:
+            if base is None:
                 adv, hits = chunk_rows(xb, yb, est.seed + s)
             else:  # a finished chunk is kept, keyed by all it depends on
-                key = {"versions": versions, "model": model,
-                       "attack": type(attack).__name__, "params": attack_config(attack), "seed": est.seed + s,
-                       "rows": value_digest([xb, yb]), "dtype": str(dtype), "batch_size": est.batch_size,
-                       "clip_values": None if est.classifier.clip_values is None
-                       else np.asarray(est.classifier.clip_values, dtype=np.float64),
-                       "device": est.classifier.device.type}
+                key = {**base, "seed": est.seed + s, "rows": value_digest([xb, yb])}
                 (adv, hits), reused = self.work_folder.cached(
                     "attack", key, lambda xb=xb, yb=yb, s=s: chunk_rows(xb, yb, est.seed + s), ("x_adv", "changed"))
                 hits = int(hits)

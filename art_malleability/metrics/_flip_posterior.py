@@ -10,7 +10,7 @@ paired per-query scores (variances and their covariance over ``n``), plus, for a
 projection's own variance (:func:`projection_noise`). As that covariance is itself estimated, from per-query scores
 that may be heavy-tailed (a few queries that dominate), the standardised aggregates are taken as bivariate Student-t
 rather than normal, with the degrees of freedom the per-query scores' kurtosis gives (:meth:`PairedSums.noise_dof`:
-``n − 1`` for normal scores, about 15 for Student-t(3) scores over 100 queries, about 5 where 5 of 100 queries carry
+``n − 1`` for normal scores, about 15 for Student-t(3) scores over 100 queries, about 7 where 5 of 100 queries carry
 most of the spread). Every quantity is standardised by the clean standard
 error ``se_b,j``, so one prior ``G`` on standardised means serves examples of any scale. ``G`` is the distribution
 of ``θ`` *among the members of the set*: the set was chosen by the clean aggregates (the ``k`` largest
@@ -110,7 +110,6 @@ class PairedSums:
         means[count < 2] = np.nan
         return means, cov
 
-
     def noise_dof(self) -> float:
         """
         Degrees of freedom of the standardised aggregates' noise (the first row's): a member's aggregate is divided by
@@ -125,11 +124,11 @@ class PairedSums:
         count = self.count[0]
         safe = np.maximum(count, 1.0)
         kurtosis = []
-        for s1, s2, s3, s4 in ((self.b, self.bb, self.bbb, self.bbbb), (self.a, self.aa, self.aaa, self.aaaa)):
-            m = s1[0] / safe
-            var = s2[0] / safe - m * m
-            fourth = s4[0] / safe - 4 * m * s3[0] / safe + 6 * m * m * s2[0] / safe - 3 * m**4
-            ok = (count >= 4) & (var > 1e-12 * np.maximum(s2[0] / safe, 1e-300))
+        for sums in ((self.b, self.bb, self.bbb, self.bbbb), (self.a, self.aa, self.aaa, self.aaaa)):
+            m, m2, m3, m4 = (s[0] / safe for s in sums)  # raw moments per member
+            var = m2 - m * m
+            fourth = m4 - 4 * m * m3 + 6 * m * m * m2 - 3 * m**4
+            ok = (count >= 4) & (var > 1e-12 * np.maximum(m2, 1e-300))
             if ok.any():
                 kurtosis.append(float(np.mean(fourth[ok] / var[ok] ** 2)))
         if not kurtosis:

@@ -124,14 +124,11 @@ class FeaturePasses:
                     for k, (b, f) in enumerate(zip(self._structured, features.blocks, strict=True))]
 
         # the check also sets the class directions; its work is a sub-batch's check once they are set, counted by its
-        # formula (run under the counter, its dispatch would cost more than the check itself)
+        # formula (run under the counter, its dispatch would cost more than the check itself; elementwise work only,
+        # so no counted operations)
         rank_one = self._rank_one_blocks = rank_one_check()
-        check_flops = check_writes = check_calls = 0.0
-        for b in self._structured:
-            if c > 1 and b.positions == 1:
-                written, calls_made = ClassDirections.check_work(probe, c, b.d_out)
-                check_writes += written
-                check_calls += calls_made
+        checks = [ClassDirections.check_work(probe, c, b.d_out) for b in self._structured if c > 1 and b.positions == 1]
+        check_writes, check_calls = sum(w for w, _ in checks), sum(n for _, n in checks)
 
         def pair(compressed: list[bool]) -> float:
             total = 2.0 * c * self._explicit_numel()
@@ -148,7 +145,7 @@ class FeaturePasses:
             "batched": MethodCost("batched", flops / probe, writes / probe, pair([False] * len(rank_one)),
                                   float(calls), 0.0, stored),
             # the compressed blocks' stored output gradients are C times smaller: fewer numbers written
-            "structured": MethodCost("structured", (flops + check_flops) / probe,
+            "structured": MethodCost("structured", flops / probe,
                                      (writes + check_writes) / probe - compressed, pair(rank_one),
                                      float(calls + check_calls), 1.0 if any(rank_one) else 0.0, stored - compressed),
             "jacobian": MethodCost("jacobian", flops / probe + formed, writes / probe + c * numel, 2.0 * c * numel,
