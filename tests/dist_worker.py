@@ -7,7 +7,10 @@ Fault modes: ``die`` — rank 1 exits abruptly in the middle of the audit (after
 in the first attack's update), as a crashed worker would; ``hang`` — rank 1 stops answering there
 (the others must give up after the collective timeout, 10 s here); ``tiny`` — a training set of one
 example for two processes; ``userinf`` — an influence estimator built with ``distributed=False``.
-``dual`` runs the audit with the dual solve (``n <= k``) instead of the primal one. ``exact`` and ``exact-ce``
+``work`` runs only the audit, keeping its stages in ``OUT_DIR/work``; ``work-die`` the same, with rank 1 exiting
+abruptly in its refit after the first attack's (the controls' and the first attack's passes finished); ``work-none``
+the same audit without a work folder. ``dual`` runs the audit with the dual solve (``n <= k``) instead of the primal
+one. ``exact`` and ``exact-ce``
 run the exact NTK influence (``projection_dim=None``: the tiles of the kernel and its factor dealt out over the
 processes) with the MSE and the cross-entropy loss, the audit with the default ``projection_dim="auto"`` (exact
 here), and the tiled dual solve on a random kernel with its tiles in memory and on disk (``tiles.npz``).
@@ -49,6 +52,9 @@ def run(out: str, mode: str = "ok") -> None:
     # the process group is the launch's: a worker that fell back to one process would compare a run with itself
     assert shard.world_size == int(os.environ.get("WORLD_SIZE", "1")), (shard.world_size, os.environ.get("WORLD_SIZE"))
     clf, x, y, xq, yq = problem()
+    if mode.startswith("work"):
+        resumable_audit(shard, clf, x, y, xq, yq, out, mode)
+        return
     if mode in ("die", "hang") and shard.rank == 1:
 
         def fault(*args, **kwargs):
@@ -89,6 +95,30 @@ def run(out: str, mode: str = "ok") -> None:
         tiles = tiled_solves(shard, out)
         if shard.rank == 0:
             np.savez(os.path.join(out, "tiles.npz"), **tiles)
+
+
+def resumable_audit(shard, clf, x, y, xq, yq, out: str, mode: str) -> None:
+    """The audit of ``work``, ``work-die`` and ``work-none`` (see the module's docstring)."""
+    from art_malleability import MalleabilityEstimator
+    from art_malleability.influence import NTKInfluence
+
+    if mode == "work-die" and shard.rank == 1:
+        refit, done = NTKInfluence.refit, []
+
+        def dies_at_the_second_attack(self, *args, **kwargs):
+            done.append(1)
+            if len(done) == 4:  # two control draws and the first attack finished
+                os._exit(7)
+            return refit(self, *args, **kwargs)
+
+        NTKInfluence.refit = dies_at_the_second_attack
+    report = MalleabilityEstimator(
+        clf, attacks=("fgsm", "pgd"), projection_dim=48, n_queries=12, n_bootstrap=40, verbose=False, device="cpu",
+        attack_max_iter=5, control_draws=2, work_dir=None if mode == "work-none" else os.path.join(out, "work"),
+    ).evaluate(x, y, xq, yq)
+    if shard.rank == 0:
+        with open(os.path.join(out, "report.json"), "w") as handle:
+            json.dump(report.to_dict(), handle)
 
 
 def tiled_solves(shard, out: str) -> dict:

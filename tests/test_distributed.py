@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from art_malleability._utils.work_folder import WorkFolder
 from art_malleability.distributed import ONE_PROCESS, Shard, current_shard
 
 WORKER = Path(__file__).with_name("dist_worker.py")
@@ -70,6 +71,32 @@ def test_two_gloo_processes_give_the_single_process_report(tmp_path, mode):
                 assert int(tiles_one[name]) == 45 and int(tiles_two[name]) < 30
             else:
                 assert _close(tiles_two[name], tiles_one[name], 1e-10), name
+
+
+def test_a_sharded_audit_killed_in_one_process_resumes_every_process_from_the_work_folder(tmp_path):
+    # rank 1 dies in the second attack's refit; rerun, each process reuses its own attacked rows and rank 0 the
+    # finished passes, and the report is the one of an uninterrupted two-process run
+    died = _torchrun(str(WORKER), str(tmp_path), "work-die")
+    assert died.returncode != 0 and not (tmp_path / "report.json").exists()
+    stages = [s["stage"] for s in WorkFolder(tmp_path / "work").stages()]
+    assert stages.count("pass") == 3  # two control draws and FGSM's
+    assert stages.count("attack") == 4  # FGSM's and PGD's rows, each process its own
+    done = _torchrun(str(WORKER), str(tmp_path), "work")
+    assert done.returncode == 0, done.stderr[-3000:]
+    resumed = json.loads((tmp_path / "report.json").read_text())
+    # rank 0's: the passes of the controls and FGSM (not attacked again), PGD's attacked rows
+    assert resumed["execution"]["work_folder"]["reused"] == {"passes": 3, "attack chunks": 1}
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    done = _torchrun(str(WORKER), str(whole), "work-none")
+    assert done.returncode == 0, done.stderr[-3000:]
+    uninterrupted = json.loads((whole / "report.json").read_text())
+
+    def numbers(report):
+        return [{k: v for k, v in r.items() if k != "seconds"} for r in report["results"]]
+
+    assert numbers(resumed) == numbers(uninterrupted)
+    assert resumed["scores_before"] == uninterrupted["scores_before"]
 
 
 def test_a_dying_process_ends_the_job_with_its_error(tmp_path):

@@ -135,6 +135,33 @@ def test_primal_row_update_equals_fit_from_scratch():
         assert _rel(a.numpy(), b.numpy()) < 1e-10
 
 
+def test_a_primal_update_puts_the_last_ones_rows_back_and_does_not_depend_on_it():
+    # each update is the fitted set with its own rows replaced: the same numbers, bit for bit, whichever update ran
+    # before it (the rows of an earlier update go back to their fitted values)
+    n, k, ridge = 80, 12, 1e-1
+    phi, phi_q, targets = _problem(n, k, seed=6)
+    rng = np.random.default_rng(7)
+    first, second = np.array([3, 17, 40, 41]), np.array([41, 3, 60])  # overlapping, and given unsorted
+    rows_first = torch.tensor(rng.normal(size=(len(first), k)))
+    rows_second = torch.tensor(rng.normal(size=(len(second), k)))
+    q = torch.tensor(phi_q)
+    after_first = PrimalRidge(ridge).fit(torch.tensor(phi.copy()), torch.tensor(targets))
+    after_first.update(first, rows_first)
+    after_first.update(second, rows_second)
+    alone = PrimalRidge(ridge).fit(torch.tensor(phi.copy()), torch.tensor(targets))
+    alone.update(second, rows_second)
+    for a, b in zip(after_first.loo_parts(q), alone.loo_parts(q), strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(after_first.features_, alone.features_)
+    new = phi.copy()
+    new[second] = rows_second.numpy()
+    fresh = PrimalRidge(ridge).fit(torch.tensor(new), torch.tensor(targets))
+    for a, b in zip(alone.loo_parts(q), fresh.loo_parts(q), strict=True):
+        assert _rel(a.numpy(), b.numpy()) < 1e-10
+    alone.update(np.zeros(0, dtype=np.int64), torch.zeros((0, k), dtype=torch.float64))  # back to the fit
+    assert torch.equal(alone.features_, torch.tensor(phi))
+
+
 def test_loo_scores_are_loss_differences():
     f = torch.tensor([[0.2, 0.8], [0.6, 0.1]], dtype=torch.float64)
     b = torch.tensor([[1.0, -2.0, 0.5], [0.0, 1.0, 3.0]], dtype=torch.float64)
@@ -208,6 +235,13 @@ def test_failed_updates_leave_the_solvers_as_they_were():
         primal.update(np.array([3, 4]), bad)
     for a, b in zip(primal.loo_parts(q), before, strict=True):
         assert torch.equal(a, b)
+    primal.update(np.array([4, 9]), torch.tensor(phi[[4, 9]] + 0.5))  # a valid change, then a failed one after it
+    before, features = [t.clone() for t in primal.loo_parts(q)], primal.features_.clone()
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        primal.update(np.array([9, 11]), bad)
+    for a, b in zip(primal.loo_parts(q), before, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(primal.features_, features)
     dual = DualRidge(ridge).fit(torch.tensor(phi @ phi.T), torch.tensor(targets))
     dual.update(np.array([1, 2]), torch.tensor(phi[[1, 2]] @ phi.T))  # a first, valid change
     k_q = torch.tensor(phi_q @ phi.T)

@@ -101,33 +101,67 @@ def test_digests_tell_apart_what_a_stage_depends_on():
     assert module_digest(model) != before
 
 
-def test_the_estimator_reuses_finished_attacks_and_reports_the_same(tmp_path, monkeypatch, digits_classifier):
+def test_the_estimator_reuses_finished_attacks_and_passes_and_reports_the_same(tmp_path, monkeypatch,
+                                                                               digits_classifier):
     from art_malleability.audit import _run
     from art_malleability.audit.estimator import MalleabilityEstimator
+    from art_malleability.influence import NTKInfluence
 
     clf, x, y = digits_classifier
-    calls = []
-    real = _run.perturb_training_set
+    calls, refits = [], []
+    real, refit = _run.perturb_training_set, NTKInfluence.refit
     monkeypatch.setattr(_run, "perturb_training_set", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(NTKInfluence, "refit", lambda *a, **k: refits.append(1) or refit(*a, **k))
     params = {"attacks": ("fgsm", "pgd"), "attack_max_iter": 3, "n_bootstrap": 50, "verbose": False,
               "control_draws": 2, "n_queries": 15, "device": "cpu", "work_dir": tmp_path / "work"}
     first = MalleabilityEstimator(clf, **params).evaluate(x, y)
-    assert len(calls) == 2
+    assert len(calls) == 2 and len(refits) == 4  # two attacks, two control draws
     second = MalleabilityEstimator(clf, **params).evaluate(x, y)
-    assert len(calls) == 2  # nothing attacked again
-    assert second.execution["work_folder"]["reused"] == {"attack chunks": 2}
+    assert len(calls) == 2 and len(refits) == 4  # nothing attacked or refitted again
+    folder = second.execution["work_folder"]
+    assert folder["reused"] == {"passes": 4} and folder["to_compute"] == []
+    assert folder["finished_before"] == ["control eps=0.3 draw 1", "control eps=0.3 draw 2", "fgsm", "pgd"]
     assert not any("work folder" in w for w in second.warnings)
-    for stage in (tmp_path / "work").glob("attack-*.npz"):  # altered on disk: detected, recomputed, said in the report
-        stage.write_bytes(stage.read_bytes()[:-10])
+    for stage in (tmp_path / "work").glob("pass-*.npz"):  # altered on disk: detected, recomputed, said in the report
+        data = bytearray(stage.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        stage.write_bytes(bytes(data))
     third = MalleabilityEstimator(clf, **params).evaluate(x, y)
-    assert len(calls) == 4 and third.execution["work_folder"]["reused"] == {"attack chunks": 0}
+    # every pass refitted; the attacks' inputs are still the kept ones
+    assert len(refits) == 8 and len(calls) == 2
+    assert third.execution["work_folder"]["reused"] == {"attack chunks": 2}
     said = [w for w in third.warnings if "work folder" in w]
-    assert len(said) == 1 and "truncated or altered" in said[0], third.warnings
+    assert len(said) == 1 and "'pass' stage" in said[0] and "truncated or altered" in said[0], third.warnings
+    for stage in (tmp_path / "work").glob("attack-*.npz"):
+        stage.write_bytes(stage.read_bytes()[:-10])
+    WorkFolder(tmp_path / "work").remove(["pass"])
+    fourth = MalleabilityEstimator(clf, **params).evaluate(x, y)
+    assert len(calls) == 4 and len(refits) == 12 and fourth.execution["work_folder"]["reused"] == {"attack chunks": 0}
+    said = [w for w in fourth.warnings if "work folder" in w]
+    assert len(said) == 1 and "'attack' stage" in said[0], fourth.warnings
     plain = MalleabilityEstimator(clf, **{**params, "work_dir": None}).evaluate(x, y)
+
     def numbers(report):
         return [{k: v for k, v in r.items() if k != "seconds"} for r in report.to_dict()["results"]]
 
-    assert numbers(first) == numbers(second) == numbers(third) == numbers(plain)
+    assert numbers(first) == numbers(second) == numbers(third) == numbers(fourth) == numbers(plain)
+
+
+def test_a_pass_of_other_parameters_is_not_reused(tmp_path, digits_classifier):
+    from art_malleability.audit.estimator import MalleabilityEstimator
+
+    clf, x, y = digits_classifier
+    params = {"attacks": ("fgsm",), "n_bootstrap": 50, "verbose": False, "control_draws": 1, "n_queries": 15,
+              "device": "cpu", "work_dir": tmp_path / "work"}
+    MalleabilityEstimator(clf, **params).evaluate(x, y)
+    for change in ({"confidence": 0.9}, {"ridge": 1e-2}, {"top_fraction": 0.2}, {"n_queries": 16}, {"seed": 1}):
+        again = MalleabilityEstimator(clf, **{**params, **change}).evaluate(x, y)
+        assert again.execution["work_folder"]["reused"].get("passes", 0) == 0, change
+    # the attack's own parameters do not change the control's pass, only the attack's
+    again = MalleabilityEstimator(clf, **{**params, "eps": 0.2}).evaluate(x, y)
+    assert again.execution["work_folder"]["reused"].get("passes", 0) == 0  # another budget: another control too
+    again = MalleabilityEstimator(clf, **{**params, "attacks": ("fgsm", "pgd"), "attack_max_iter": 3}).evaluate(x, y)
+    assert again.execution["work_folder"]["reused"]["passes"] == 2  # the control and FGSM
 
 
 def test_work_dir_is_checked_and_a_refusal_changes_nothing(digits_classifier):
@@ -181,12 +215,14 @@ def test_a_killed_audit_resumes_to_the_same_report(tmp_path, uninterrupted, sig)
     assert proc.returncode == (-signal.SIGKILL if sig == signal.SIGKILL else 143), "not killed while it ran"
     assert not (tmp_path / "killed" / "2l-relu" / "report.json").exists()
     kept = {s["stage"] for s in WorkFolder(work).stages()}
-    assert kept == {"weights", "attack"}
+    assert kept == {"weights", "pass", "attack"}  # the controls' passes ran before the attacks
     resumed = subprocess.run([*COMMAND, "--output", "killed"], cwd=tmp_path, env=env, timeout=600,
                              capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr
     report = json.loads((tmp_path / "killed" / "2l-relu" / "report.json").read_text())
-    assert report["execution"]["work_folder"]["reused"]["attack chunks"] >= 1
+    reused = report["execution"]["work_folder"]["reused"]
+    # the control's draws at least, and the first attack's inputs or its whole pass
+    assert reused["passes"] >= 2 and (reused.get("attack chunks", 0) >= 1 or reused["passes"] >= 3), reused
     assert _report_numbers(tmp_path / "killed" / "2l-relu" / "report.json") == uninterrupted
 
 
@@ -210,8 +246,8 @@ def test_an_audit_that_failed_in_one_attack_reuses_the_finished_ones(tmp_path, m
     real = _run.perturb_training_set
     monkeypatch.setattr(_run, "perturb_training_set", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
     again = MalleabilityEstimator(clf, attacks=("fgsm", "pgd"), **params).evaluate(x, y)
-    assert [type(a).__name__ for a in calls] == ["ProjectedGradientDescent"]  # FGSM's inputs were kept
-    assert again.execution["work_folder"]["reused"] == {"attack chunks": 1}
+    assert [type(a).__name__ for a in calls] == ["ProjectedGradientDescent"]  # FGSM's pass was kept
+    assert again.execution["work_folder"]["reused"] == {"passes": 3, "attack chunks": 0}  # FGSM and the controls
 
 
 def test_the_command_refuses_a_work_dir_it_did_not_create_before_reading_data(tmp_path, capsys, monkeypatch):
@@ -287,3 +323,41 @@ def test_an_attack_on_another_model_is_not_taken_for_one_on_the_audited_model(tm
     assert len(calls) == 2  # a transfer attack from the surrogate is computed, not read from the direct one's stage
     MalleabilityEstimator(clf, attacks=(FastGradientMethod(surrogate, eps=0.3),), **params).evaluate(x, y)
     assert len(calls) == 2
+
+
+def test_the_work_command_lists_and_removes_only_what_the_package_wrote(tmp_path, capsys):
+    from art_malleability.cli import main
+
+    parent = tmp_path / "out.work"
+    one, two = WorkFolder(parent / "2l-relu"), WorkFolder(parent / "mlp-attn")
+    for i in range(3):
+        one.save("attack", {**KEY, "seed": i}, {"x_adv": np.zeros(100)})
+    one.save("pass", KEY, {"aggregates": np.ones(50)})
+    two.save("weights", KEY, {"w": np.ones(10)})
+    (parent / "mine.txt").write_text("not the package's")
+    assert main(["work", str(parent)]) == 0
+    out = capsys.readouterr().out
+    assert "5 stage(s)" in out and "in 2 work folder(s)" in out
+    assert [line.split()[1:3] for line in out.splitlines()[2:5]] == [["attack", "3"], ["pass", "1"], ["weights", "1"]]
+    altered = next((parent / "2l-relu").glob("attack-*.npz"))
+    altered.write_bytes(altered.read_bytes() + b"x")
+    assert main(["work", str(parent / "2l-relu"), "--remove", "--stage", "attack"]) == 0
+    assert "removed 2 stage(s); 1 left" in capsys.readouterr().out
+    assert [s["stage"] for s in WorkFolder(parent / "2l-relu").stages()] == ["attack", "pass"]
+    assert altered.exists()
+    assert main(["work", str(parent), "--remove"]) == 0
+    assert not (parent / "mlp-attn").exists()  # nothing else was in it: gone with its marker
+    assert sorted(p.name for p in (parent / "2l-relu").iterdir()) == sorted(
+        [MARKER_NAME, altered.name, altered.with_suffix(".json").name])
+    assert (parent / "mine.txt").read_text() == "not the package's"
+
+
+def test_the_work_command_refuses_a_folder_that_is_not_a_work_folder_and_creates_nothing(tmp_path, capsys):
+    from art_malleability.cli import main
+
+    assert main(["work", str(tmp_path / "missing")]) == 2
+    assert "FOLDER must be a work folder this package created" in capsys.readouterr().err
+    assert not (tmp_path / "missing").exists()
+    (tmp_path / "plain").mkdir()
+    assert main(["work", str(tmp_path / "plain"), "--remove"]) == 2
+    assert list((tmp_path / "plain").iterdir()) == []

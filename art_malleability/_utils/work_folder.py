@@ -153,6 +153,18 @@ class WorkFolder:
         except (OSError, ValueError, KeyError, AttributeError, EOFError) as err:
             return self._distrust(stage, f"it cannot be read ({type(err).__name__})")
 
+    def has(self, stage: str, key: dict) -> bool:
+        """
+        :return: Whether a finished stage of this key is recorded (its array file is checked only when it is
+            loaded: :meth:`load`).
+        """
+        _, record_path, key_digest = self._files(stage, key)
+        try:
+            record = json.loads(record_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return False
+        return isinstance(record, dict) and record.get("format") == _RECORD_FORMAT and record.get("key") == key_digest
+
     def _distrust(self, stage: str, why: str) -> None:
         message = f"work folder {self.path}: a kept {stage!r} stage was not used and was computed again: {why}"
         if message not in self.distrusted:
@@ -202,18 +214,62 @@ class WorkFolder:
         for record in stages:
             if total <= max_bytes:
                 break
-            arrays = self.path / record["file"]
-            with contextlib.suppress(OSError):
-                if arrays.exists() and file_digest(arrays) != record["sha256"]:
-                    continue
-                arrays.unlink(missing_ok=True)
-                arrays.with_suffix(".json").unlink()
+            if self._remove(record):
                 removed.append(record["file"])
                 total -= record["bytes"]
         if removed:
             logger.info("work folder %s: %d oldest stage(s) removed to stay within %.3g GB", self.path, len(removed),
                         max_bytes / 1e9)
         return removed
+
+    def remove(self, stages: Iterable[str] | None = None) -> tuple[list[str], list[str]]:
+        """
+        Remove the finished stages (those named ``stages``, or all), each only where its array file still has the
+        digest its record gives; then, when nothing but the marker is left, the marker and the folder.
+
+        :param stages: Stage names (``"weights"``, ``"attack"``, ``"pass"``), or ``None`` for every stage.
+        :return: The array files removed, and those left because the package cannot prove it wrote them as they are.
+        """
+        names = None if stages is None else set(stages)
+        removed, left = [], []
+        for record in self.stages():
+            if names is None or record["stage"] in names:
+                (removed if self._remove(record) else left).append(record["file"])
+        entries = list(self.path.iterdir())
+        if [p.name for p in entries] == [MARKER_NAME]:
+            (self.path / MARKER_NAME).unlink()
+            with contextlib.suppress(OSError):  # another process wrote into it meanwhile: it stays
+                self.path.rmdir()
+        return removed, left
+
+    def _remove(self, record: dict) -> bool:
+        """Remove one stage's array file and record where the array file still has its recorded digest."""
+        arrays = self.path / record["file"]
+        try:
+            if arrays.exists() and file_digest(arrays) != record["sha256"]:
+                return False
+            arrays.unlink(missing_ok=True)
+            arrays.with_suffix(".json").unlink()
+        except OSError:
+            return False
+        return True
+
+    @classmethod
+    def find(cls, path: str | os.PathLike) -> list[WorkFolder]:
+        """
+        The work folders at ``path``: itself where it is one, else its subfolders that are (the command line keeps one
+        per model). Nothing is created.
+
+        :raises ValueError: Where there is none.
+        """
+        path = Path(path)
+        if (path / MARKER_NAME).is_file():
+            return [cls(path)]
+        found = sorted(p for p in path.iterdir() if (p / MARKER_NAME).is_file()) if path.is_dir() else []
+        if not found:
+            raise ValueError(f"folder must be a work folder this package created (holding {MARKER_NAME}) or a folder "
+                             f"of them, got {str(path)!r}")
+        return [cls(p) for p in found]
 
     def cached(self, stage: str, key: dict, compute: Any, names: Iterable[str]) -> tuple[tuple, bool]:
         """

@@ -122,7 +122,9 @@ def estimate_audit(est: Any, n_train: int, n_query: int, refits: int, x_probe: n
         one = influence.score_seconds(model, x_probe, y_probe, n_train, block) if full else 0.0
         rest = influence.score_seconds(model, x_probe, y_probe, n_train, last) if last else 0.0
         influence_seconds = passes * (full * one + rest)
-    steps = sum(1 if a == "fgsm" else int(est.attack_max_iter) for a in est.attacks)
+    budgets = len(est.eps) if isinstance(est.eps, tuple) else 1  # a named attack runs at each budget
+    steps = sum((1 if a == "fgsm" else int(est.attack_max_iter)) * (budgets if isinstance(a, str) else 1)
+                for a in est.attacks)
     attacks = changed * steps * _step_seconds(model, x_probe, est)
     one_thread, _ = nominal_gemm_rate(resolve_device(est.device), threads=1)
     pairs = min(SPEARMAN_PAIRS, n_query * n_train)

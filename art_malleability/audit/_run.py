@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import copy
 import gc
+import json
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -21,19 +23,20 @@ from art.attacks import EvasionAttack
 from art.utils import compute_success_array
 
 from art_malleability._utils.checks import near_chance_warnings, one_hot
-from art_malleability._utils.io import progress_bar
+from art_malleability._utils.io import duration_text, progress_bar
 from art_malleability._utils.provenance import library_versions
 from art_malleability._utils.torch_utils import numpy_dtype, release_freed_memory, resolve_device
 from art_malleability._utils.work_folder import WorkFolder, module_digest, value_digest
 from art_malleability.audit._classifier import AuditInputs, PerturbedRows
+from art_malleability.audit._estimate import estimate_audit
 from art_malleability.audit.attacks import (
     CONTROL_LABEL,
     attack_config,
-    attack_label,
+    attack_labels,
     perturb_training_set,
     random_sign_perturbation,
 )
-from art_malleability.audit.params import PROJECTION_SEEDS, control_budgets
+from art_malleability.audit.params import PROJECTION_SEEDS, audit_refits, control_budgets
 from art_malleability.audit.report import AttackResult, MalleabilityReport, control_summary, undecided_warning
 from art_malleability.data.input_pipeline import with_input_pipeline
 from art_malleability.data.streaming import ExampleSource
@@ -42,9 +45,9 @@ from art_malleability.influence import InfluenceEstimator, NTKInfluence
 from art_malleability.metrics import (
     ControlMetrics,
     MalleabilityMetrics,
+    PassStatistics,
     aggregate_jaccard,
     combine_controls,
-    pass_metrics,
     projection_noise,
     spearman,
 )
@@ -62,6 +65,16 @@ logger = logging.getLogger(__name__)
 
 #: Share of the influential set with undecidable perturbed signs above which the report warns.
 UNDECIDED_WARNING = 0.25
+#: The audit's parameters a perturbed pass does not depend on (given its perturbed inputs): those of the attacks and
+#: controls, and how the audit shows its progress and keeps its work.
+PASS_FREE_PARAMS = ("attacks", "eps", "attack_max_iter", "batch_size", "controls", "control_draws", "work_dir",
+                    "verbose")
+#: The NTK influence's parameters that say how much work the audit plans (one refit per attack and control draw): they
+#: choose the mode of ``projection_dim="auto"``, which the pass's key holds itself.
+PLANNING_PARAMS = ("planned_refits", "planned_queries")
+#: What the report's ``execution`` says the influence ran, in a pass's key (the reasons, which count the planned work,
+#: left out).
+RAN = ("influence", "mode", "ridge", "projection_dim", "projection_seed", "projection_groups", "world_size", "backend")
 #: Draw ``d`` of a random-sign control is seeded with ``seed + CONTROL_SEED_STRIDE * d``.
 CONTROL_SEED_STRIDE = 1000
 
@@ -90,6 +103,7 @@ def run_audit(est: Any, given: AuditInputs, dataset: str | None) -> Malleability
         y_acc = given.y if given.queries is given.source else given.queries.labels(est.batch_size * 8)
         warnings = near_chance_warnings(accuracy, y_acc, query_source)
     perturbed = run.score_clean(given)
+    run.plan_passes(given, perturbed)
     control_metrics = run.run_controls(perturbed)
     results = [run.run_attack(attack, control_metrics, perturbed) for attack in est._attacks]
     run.steps.close()
@@ -137,6 +151,7 @@ class AuditRun:
                 f"{type(self.influence).__name__}, which runs in one process"
             )
         self.controls = control_budgets(est)
+        self.labels = dict(zip(est._attacks, attack_labels(est._attacks), strict=True))
         self.seconds: dict[str, float] = {}
         self.steps = progress_bar(total=1 + 2 * len(est._attacks) + len(set(self.controls.values())),
                                   desc="malleability", verbose=est.verbose)
@@ -146,6 +161,8 @@ class AuditRun:
         self.metrics_device = resolve_device(est.device)
         self.work_folder = None if est.work_dir is None else WorkFolder(est.work_dir)
         self.reused: dict[str, int] = {}
+        self.pass_keys: dict[Any, dict | None] = {}  # each pass's key in the work folder (plan_passes)
+        self.resume: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ influence
     def _score_blocks(self, estimator: InfluenceEstimator) -> Iterator[np.ndarray]:
@@ -329,26 +346,130 @@ class AuditRun:
         self.shard.raise_if_any(error)
         return seconds
 
-    def _metrics_of(self, blocks: Iterator[np.ndarray], control: ControlMetrics | None = None,
-                    timing: dict[str, float] | None = None) -> tuple[MalleabilityMetrics, np.ndarray]:
+    def _kept(self, key: dict | None) -> dict[str, np.ndarray] | bool:
         """
-        The metrics of a perturbed pass against the clean one (with their replicates, as a control's draw needs), and
-        its aggregate scores (on every process).
+        A finished pass of this key in the work folder (collective): its arrays on the first process, ``True`` on the
+        others; ``False`` everywhere where there is none (or no work folder).
+        """
+        found = None
+        if key is not None and self.shard.rank == 0:
+            found = self.work_folder.load("pass", key)
+        if not self.shard.broadcast_object(found is not None):
+            return False
+        self.reused["passes"] = self.reused.get("passes", 0) + 1
+        return True if found is None else found
+
+    def _pass(self, x_new: np.ndarray | None, rows: np.ndarray, whole: tuple | None, key: dict | None,
+              control: ControlMetrics | None = None, timing: dict[str, float] | None = None,
+              kept: dict[str, np.ndarray] | bool = False,
+              extra: dict[str, float] | None = None) -> tuple[MalleabilityMetrics, np.ndarray]:
+        """
+        One perturbed pass: the influence refitted with this process's perturbed rows replaced by ``x_new``, its
+        metrics against the clean pass (with their replicates, as a control's draw needs) and its aggregate scores (on
+        every process). A pass kept in the work folder (``kept``: :meth:`_kept`) is read back instead; a pass computed
+        with a work folder (``key``) is kept, with the numbers of ``extra``.
 
         :param timing: Where to add the seconds of the influence (``influence``) and of the metrics (``metrics``).
         """
-        est, result = self.est, None
+        est, shard = self.est, self.shard
         start = time.perf_counter()
-        perturbed = PerturbedScores(self.clean) if self.shard.rank == 0 else None
-        accumulating = self._consume(blocks, None if perturbed is None else perturbed.add)
-        influence_s = time.perf_counter() - start - accumulating
-        result = self.shard.run_everywhere(lambda: None if perturbed is None else (
-            pass_metrics(perturbed, est.confidence, self.noise, control, keep_draws=True), perturbed.aggregates()))
-        result = self.shard.broadcast_object(result)
+        if kept is not False:
+            influence_s = 0.0
+            statistics = (None if kept is True
+                          else PassStatistics.from_arrays(kept, self.clean.resampling.identity))
+        else:
+            blocks = self._perturbed_scores(x_new, rows, whole)
+            scores = PerturbedScores(self.clean) if shard.rank == 0 else None
+            accumulating = self._consume(blocks, None if scores is None else scores.add)
+            influence_s = time.perf_counter() - start - accumulating
+            statistics = shard.run_everywhere(
+                lambda: None if scores is None else PassStatistics.of(scores, est.confidence, self.noise))
+            if key is not None:
+                numbers = {f"extra.{name}": np.float64(value) for name, value in (extra or {}).items()}
+                shard.run_everywhere(lambda: None if statistics is None else self.work_folder.save(
+                    "pass", key, {**statistics.to_arrays(), **numbers}))
+        result = shard.run_everywhere(lambda: None if statistics is None else (
+            statistics.metrics(est.confidence, control, keep_draws=True), statistics.aggregates))
+        result = shard.broadcast_object(result)
         if timing is not None:
             timing["influence"] = timing.get("influence", 0.0) + influence_s
             timing["metrics"] = timing.get("metrics", 0.0) + time.perf_counter() - start - influence_s
         return result
+
+    def plan_passes(self, given: AuditInputs, perturbed: PerturbedRows) -> None:
+        """
+        With a work folder, the key of every pass the audit will run (each random-sign control draw, each attack:
+        what it perturbs, by what, and the clean pass's key), which of them a run before finished, and one line in
+        the log (and in the report's ``execution``) that names the passes reused and those left, with the estimate
+        of the rest. Collective.
+        """
+        if self.work_folder is None:
+            return
+        est, clip = self.est, self.est.classifier.clip_values
+        local = np.frombuffer(bytes.fromhex(value_digest([perturbed.rows, perturbed.x, perturbed.y_onehot])),
+                              dtype=np.int64).copy()
+        rows = value_digest(self.shard.all_gather_rows(torch.as_tensor(local)[None]))  # every process's rows
+        base = {**self._clean_key(), "rows": rows}
+        names = {}
+        for eps in sorted(set(self.controls.values())):
+            for draw in range(est.control_draws):
+                self.pass_keys[(eps, draw)] = {**base, "perturbation": {
+                    "control": eps, "seed": est.seed + CONTROL_SEED_STRIDE * draw,
+                    "clip_values": None if clip is None else np.asarray(clip, dtype=np.float64)}}
+                names[(eps, draw)] = f"control eps={eps:g} draw {draw + 1}"
+        for attack in est._attacks:
+            self.pass_keys[attack] = {**base, "perturbation": self._attack_identity(attack)}
+            names[attack] = self.labels[attack]
+        finished = [self.work_folder.has("pass", key) for key in self.pass_keys.values()]
+        finished = self.shard.broadcast_object(finished)
+        done = [names[p] for p, f in zip(self.pass_keys, finished, strict=True) if f]
+        left = [p for p, f in zip(self.pass_keys, finished, strict=True) if not f]
+        self.resume = {"finished_before": done, "to_compute": [names[p] for p in left]}
+        if not done:
+            return
+        plan = estimate_audit(est, self.n, len(self.x_q), audit_refits(est), given.probe)
+        attacks_left = sum(1 for p in left if p in est._attacks)
+        seconds = plan.seconds
+        rest = ((seconds["influence"] or 0.0) * len(left) / (len(self.pass_keys) + 1)
+                + seconds["attacks"] * attacks_left / max(len(est._attacks), 1)
+                + seconds["metrics"] * len(left) / max(len(self.pass_keys), 1))
+        self.resume["estimated_rest_s"] = rest
+        line = (f"work folder {self.work_folder.path}: {len(done)} of {len(self.pass_keys)} passes finished before "
+                f"and reused ({', '.join(done)}); {len(left)} to compute"
+                + (f" ({', '.join(self.resume['to_compute'])}), about {duration_text(rest)}" if left else ""))
+        logger.info("%s", line)
+        if not self.steps.disable:  # beside the progress bar, where the audit shows its progress
+            self.steps.write(line, file=sys.stderr)
+
+    def _clean_key(self) -> dict:
+        """
+        What every perturbed pass shares: the versions, the model's architecture and weights, the process count, the
+        audit's parameters but those of the attacks and controls, what the influence ran (its parameters, mode and
+        ridge), the queries, and the clean pass's result (the aggregates, the influential set and the noise model).
+        """
+        if getattr(self, "_clean_key_", None) is None:
+            est = self.est
+            params = {name: value if isinstance(value, (bool, int, float, str)) or value is None else str(value)
+                      for name, value in est.get_params().items() if name not in PASS_FREE_PARAMS}
+            ran = self.execution()
+            execution = {name: ran[name] for name in RAN if name in ran}
+            execution["params"] = {name: value for name, value in ran["params"].items()
+                                   if name not in PLANNING_PARAMS}  # what ran is in the mode, which stays
+            execution["kernel_method"] = (ran.get("kernel_method") or {}).get("method")
+            self._clean_key_ = {
+                "versions": library_versions(), "model": self._model_digest(), "world_size": self.shard.world_size,
+                "params": params, "execution": value_digest(json.loads(json.dumps(execution, default=str))),
+                "queries": value_digest([self.x_q, self.y_q, self.self_pairs]),
+                "clean": value_digest([self.agg_before, self.top]),
+                "noise": None if self.noise is None else [float(v) for v in self.noise],
+            }
+        return self._clean_key_
+
+    def _model_digest(self) -> str:
+        """The audited model's digest (:func:`~art_malleability._utils.work_folder.module_digest`), computed once."""
+        if getattr(self, "_model_digest_", None) is None:
+            self._model_digest_ = module_digest(self.est.classifier.model)
+        return self._model_digest_
 
     # ------------------------------------------------------------------ controls and attacks
     def run_controls(self, perturbed: PerturbedRows) -> dict[float, ControlMetrics]:
@@ -363,9 +484,11 @@ class AuditRun:
                 draws = []
                 for draw in range(self.est.control_draws):
                     self.steps.set_postfix_str(f"control eps={eps:g} draw {draw + 1}", refresh=False)
-                    x_ctrl = self.shard.run_everywhere(self._control_rows, perturbed, eps, draw)
-                    scores = self._perturbed_scores(x_ctrl, perturbed.rows, perturbed.whole)
-                    draws.append(self._metrics_of(scores)[0])
+                    key = self.pass_keys.get((eps, draw))
+                    kept = self._kept(key)
+                    x_ctrl = None if kept is not False else self.shard.run_everywhere(
+                        self._control_rows, perturbed, eps, draw)
+                    draws.append(self._pass(x_ctrl, perturbed.rows, perturbed.whole, key, kept=kept)[0])
                 control_metrics[eps] = combine_controls(draws, self.est.confidence)  # every process has the draws
             self.steps.update()
         return control_metrics
@@ -376,19 +499,26 @@ class AuditRun:
         :param perturbed: The rows to perturb (:meth:`score_clean`).
         :return: The result of one attack: the influence after it, against the clean one and the control.
         """
-        label, timing = attack_label(attack), {}
+        label, timing = self.labels[attack], {}
         self.steps.set_postfix_str(f"attack {label}", refresh=False)
+        key = self.pass_keys.get(attack)
+        kept = self._kept(key)
         with timed(timing, "attack"):
-            x_adv, changed, linf = self.shard.run_everywhere(self._attack_rows, attack, perturbed)
-            success, linf = _combine_attack_stats(changed, linf, len(self.perturbed), self.shard)
+            if kept is False:
+                x_adv, changed, linf = self.shard.run_everywhere(self._attack_rows, attack, perturbed)
+                success, linf = _combine_attack_stats(changed, linf, len(self.perturbed), self.shard)
+            else:  # its pass was kept with the attack's numbers: the attack is not run again
+                x_adv = None
+                success, linf = self.shard.broadcast_object(
+                    None if kept is True else (float(kept["extra.attack_success"]),
+                                               float(kept["extra.max_perturbation"])))
         self.steps.update()
         self.steps.set_postfix_str(f"influence ({label})", refresh=False)
         eps = self.controls.get(attack)
         control = control_metrics.get(eps)
-        start = time.perf_counter()
-        scores = self._perturbed_scores(x_adv, perturbed.rows, perturbed.whole)  # the refit on the perturbed rows
-        timing["influence"] = time.perf_counter() - start
-        metrics, scores_after = self._metrics_of(scores, control, timing)
+        metrics, scores_after = self._pass(  # the refit on the perturbed rows
+            x_adv, perturbed.rows, perturbed.whole, key, control, timing, kept,
+            {"attack_success": success, "max_perturbation": linf})
         self.steps.update()
         result = AttackResult.from_metrics(
             metrics,
@@ -420,21 +550,11 @@ class AuditRun:
         x_adv = np.empty_like(x)
         changed, linf = 0, 0.0
         chunk = max(est.batch_size * 8, 1)
-        bar = progress_bar(total=len(x), desc=f"attack {attack_label(attack)}", unit="ex", leave=False,
+        bar = progress_bar(total=len(x), desc=f"attack {self.labels[attack]}", unit="ex", leave=False,
                            verbose=est.verbose and len(x) > chunk)
         dtype = numpy_dtype(est.classifier.model)  # predictions in the model's dtype (a float64 model's included)
-        found, base = 0, None  # base: what every chunk's stage depends on (with a work folder)
-        if self.work_folder is not None:
-            model = module_digest(est.classifier.model)
-            # an attack given ready-made may run on another model than the audited one: its own is in the key too
-            attacked = getattr(getattr(attack, "estimator", None), "model", None)
-            if isinstance(attacked, torch.nn.Module) and attacked is not est.classifier.model:
-                model = value_digest([model, module_digest(attacked)])
-            clip = est.classifier.clip_values
-            base = {"versions": library_versions(), "model": model, "attack": type(attack).__name__,
-                    "params": attack_config(attack), "dtype": str(dtype), "batch_size": est.batch_size,
-                    "clip_values": None if clip is None else np.asarray(clip, dtype=np.float64),
-                    "device": est.classifier.device.type}
+        found = 0
+        base = None if self.work_folder is None else self._attack_identity(attack)  # what every chunk depends on
 
         def chunk_rows(xb: np.ndarray, yb: np.ndarray, seed: int) -> tuple[np.ndarray, int]:
             adv = perturb_training_set(attack, xb, yb, np.arange(len(xb)), seed=seed)
@@ -461,8 +581,26 @@ class AuditRun:
             chunks = -(-len(x) // chunk)
             self.reused["attack chunks"] = self.reused.get("attack chunks", 0) + found
             logger.info("%s: %d of %d chunks of perturbed inputs reused from the work folder, %d computed",
-                        attack_label(attack), found, chunks, chunks - found)
+                        self.labels[attack], found, chunks, chunks - found)
         return x_adv, changed, linf
+
+    def _attack_identity(self, attack: EvasionAttack) -> dict:
+        """
+        What an attack's perturbed inputs depend on besides the rows and the seed: the versions, the model (and the
+        one the attack runs on, where a ready-made attack was given on another), the attack and every parameter, the
+        dtype, the batch size, the clip values and the device kind.
+        """
+        est = self.est
+        model = self._model_digest()
+        # an attack given ready-made may run on another model than the audited one: its own is in the key too
+        attacked = getattr(getattr(attack, "estimator", None), "model", None)
+        if isinstance(attacked, torch.nn.Module) and attacked is not est.classifier.model:
+            model = value_digest([model, module_digest(attacked)])
+        clip = est.classifier.clip_values
+        return {"versions": library_versions(), "model": model, "attack": type(attack).__name__,
+                "params": attack_config(attack), "dtype": str(numpy_dtype(est.classifier.model)),
+                "batch_size": est.batch_size, "device": est.classifier.device.type,
+                "clip_values": None if clip is None else np.asarray(clip, dtype=np.float64)}
 
     def _control_rows(self, perturbed: PerturbedRows, eps: float, draw: int) -> np.ndarray:
         """
@@ -485,7 +623,7 @@ class AuditRun:
         found = [undecided_warning(self.undecided)] if self.undecided else []
         if self.work_folder is not None:
             found.extend(self.work_folder.distrusted)
-        missing = [attack_label(a) for a in self.est._attacks if a not in self.controls]
+        missing = [self.labels[a] for a in self.est._attacks if a not in self.controls]
         if self.est.controls and missing:
             found.append(
                 f"no random-perturbation control for {missing}: a control needs an l-inf attack with one scalar eps"
@@ -513,8 +651,8 @@ class AuditRun:
         seed, noise = self.est.seed, self.noise
         return {
             "method": "empirical-Bayes deconvolution of the influential set's paired clean and perturbed aggregates "
-            "(bivariate normal, covariance of the two means from the per-query scores; selection of the set by the "
-            "clean aggregates corrected), posterior share of sign changes",
+            "(bivariate Student-t, covariance of the two means from the per-query scores, degrees of freedom from "
+            "their kurtosis; selection of the set by the clean aggregates corrected), posterior share of sign changes",
             "projection_sd": None if noise is None else {"intercept": noise[0], "slope": noise[1]},
             "projection_seeds": None if noise is None else [int(seed) + i for i in range(PROJECTION_SEEDS)],
             "seed_agreement": getattr(self, "seed_agreement", None),
@@ -543,7 +681,7 @@ class AuditRun:
             details["projection_groups"] = influence.projector_.describe()
         details["world_size"], details["backend"] = shard.world_size, shard.backend
         if self.work_folder is not None:
-            details["work_folder"] = {"path": str(self.work_folder.path), "reused": dict(self.reused)}
+            details["work_folder"] = {"path": str(self.work_folder.path), "reused": dict(self.reused), **self.resume}
         return details
 
 

@@ -23,6 +23,8 @@ input alone.
 from __future__ import annotations
 
 import logging
+from collections import Counter
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -130,6 +132,29 @@ def attack_label(attack: EvasionAttack) -> str:
     """
     known = {FastGradientMethod: "fgsm", ProjectedGradientDescent: "pgd", MomentumIterativeMethod: "mim"}
     return known.get(type(attack), type(attack).__name__)
+
+
+#: What follows an attack's label when the audit runs it at several budgets (an ε list): ``"fgsm eps=0.1"``.
+EPS_SUFFIX = " eps="
+
+
+def attack_labels(attacks: Sequence[EvasionAttack]) -> list[str]:
+    """
+    The labels of an audit's attacks, one each: :func:`attack_label`, followed by :data:`EPS_SUFFIX` and the scalar
+    budget where the same label is given more than once (an ε list: ``"pgd eps=0.1"``, ``"pgd eps=0.3"``).
+
+    :param attacks: ART evasion attacks.
+    :return: Their labels, in order (not necessarily distinct: two attacks of one kind and budget share theirs).
+    """
+    base = [attack_label(a) for a in attacks]
+    repeated = Counter(base)
+    labels = []
+    for attack, label in zip(attacks, base, strict=True):
+        eps = getattr(attack, "eps", None)
+        if repeated[label] > 1 and eps is not None and np.ndim(eps) == 0:
+            label = f"{label}{EPS_SUFFIX}{float(eps):g}"
+        labels.append(label)
+    return labels
 
 
 def attack_config(attack: EvasionAttack) -> dict:

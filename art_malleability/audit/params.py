@@ -34,12 +34,21 @@ from art_malleability._utils.params import (
     InvalidParameterError,
     Rule,
     RuleTable,
+    check_value,
     check_values,
     invalid,
     one_of,
 )
 from art_malleability._utils.torch_utils import total_memory
-from art_malleability.audit.attacks import ATTACK, ATTACK_NAMES, STRATEGIES, attack_label, control_eps, make_attack
+from art_malleability.audit.attacks import (
+    ATTACK,
+    ATTACK_NAMES,
+    STRATEGIES,
+    attack_label,
+    attack_labels,
+    control_eps,
+    make_attack,
+)
 from art_malleability.influence import INFLUENCE, InfluenceEstimator, NTKInfluence, get_influence
 from art_malleability.influence.ntk import MEMORY_SHARE
 from art_malleability.influence.ridge_choice import RIDGE
@@ -96,6 +105,23 @@ _check_attacks.must = (  # type: ignore[attr-defined] - the rule's words (the pa
 )
 
 
+def _check_eps(eps: object, name: str) -> float | tuple[float, ...]:
+    """The rule of ``eps``: a positive finite number (a float), or a non-empty sequence of distinct ones (a tuple)."""
+    if isinstance(eps, (list, tuple)):
+        if not eps:
+            raise invalid(name, "name at least one budget", list(eps))
+        budgets = tuple(check_value(POSITIVE_NUMBER, e, name) for e in eps)
+        if len(set(budgets)) != len(budgets):
+            raise invalid(name, "hold distinct budgets (each one once)", list(eps))
+        return budgets[0] if len(budgets) == 1 else budgets
+    return check_value(POSITIVE_NUMBER, eps, name)
+
+
+_check_eps.must = (  # type: ignore[attr-defined] - the rule's words (the page of parameter rules reads them)
+    "be a positive number, or a non-empty sequence of distinct positive numbers (an audit at each budget)"
+)
+
+
 #: The influence: the influence package's rule (:data:`~art_malleability.influence.INFLUENCE`), in its words, after a
 #: type check that makes a value neither a name nor an estimator a ``TypeError`` too.
 _INFLUENCE = (
@@ -107,7 +133,7 @@ _INFLUENCE = (
 #: and the command line's ``audit`` check through it. The attacks become a tuple, the numbers floats or ints.
 PARAMETER_RULES: RuleTable = {
     "attacks": _check_attacks,
-    "eps": POSITIVE_NUMBER,
+    "eps": _check_eps,
     "influence": _INFLUENCE,
     "top_fraction": TOP_FRACTION,
     "strategy": one_of(STRATEGIES),
@@ -133,7 +159,7 @@ PARAMETER_RULES: RuleTable = {
 def check_params(est: Any) -> None:
     """
     Validate the parameters of an estimator against :data:`PARAMETER_RULES` and keep their normalised values
-    (``attacks`` a tuple, ``eps`` a float, ...).
+    (``attacks`` a tuple, ``eps`` a float or a tuple of them, ...).
 
     :param est: A :class:`~art_malleability.audit.estimator.MalleabilityEstimator` being configured.
     :raises InvalidParameterError: Naming the first invalid parameter (a ``ValueError``; also a ``TypeError`` for a
@@ -147,7 +173,7 @@ def check_params(est: Any) -> None:
         adopt_influence_params(est, est.influence)
 
 
-def check_eps_range(classifier: Any, attacks: tuple, eps: float) -> None:
+def check_eps_range(classifier: Any, attacks: tuple, eps: float | tuple[float, ...]) -> None:
     """
     An ℓ∞ budget that covers the whole valid input range is a unit mistake (8 meant as 8/255), not an audit: refused
     where the parameters are checked (construction, ``set_params``), so that an invalid ``eps`` changes nothing.
@@ -156,10 +182,14 @@ def check_eps_range(classifier: Any, attacks: tuple, eps: float) -> None:
     """
     clip = classifier.clip_values
     named = any(isinstance(a, str) for a in attacks)
-    if clip is not None and named and eps >= float(np.max(np.asarray(clip[1]) - np.asarray(clip[0]))):
-        raise InvalidParameterError(
-            "eps", f"be smaller than the classifier's whole input range clip_values={tuple(map(float, clip))}",
-            f"{eps:g}", "; give eps in the input's units (e.g. 8/255, not 8)")
+    if clip is None or not named:
+        return
+    whole = float(np.max(np.asarray(clip[1]) - np.asarray(clip[0])))
+    for budget in eps if isinstance(eps, tuple) else (eps,):
+        if budget >= whole:
+            raise InvalidParameterError(
+                "eps", f"be smaller than the classifier's whole input range clip_values={tuple(map(float, clip))}",
+                f"{budget:g}", "; give eps in the input's units (e.g. 8/255, not 8)")
 
 
 def adopt_influence_params(est: Any, influence: NTKInfluence) -> None:
@@ -235,7 +265,7 @@ class AuditParams:
     def get_params(self) -> dict[str, Any]:
         """:return: The estimator's parameters as JSON-ready values (attacks and influence by name)."""
         params = {name: getattr(self, name) for name in self.estimator_params}
-        params["attacks"] = [attack_label(a) for a in self._attacks]
+        params["attacks"] = [a if isinstance(a, str) else attack_label(a) for a in self.attacks]
         params["influence"] = getattr(self._influence, "name", type(self._influence).__name__)
         return params
 
@@ -332,14 +362,18 @@ def planned_work(influence: InfluenceEstimator, refits: int, queries: int) -> It
 
 
 def build_attacks(est: Any) -> list[EvasionAttack]:
-    """:return: The ART attacks of an estimator's ``attacks`` (named ones built on its classifier), distinct."""
+    """
+    :return: The ART attacks of an estimator's ``attacks``, distinct: a named one built on its classifier at each of
+        its budgets ``eps`` (one attack per name and budget, in the order of the names), a given one as it is.
+    """
+    budgets = est.eps if isinstance(est.eps, tuple) else (est.eps,)
     attacks = [
-        a
-        if isinstance(a, EvasionAttack)
-        else make_attack(a, est.classifier, est.eps, est.attack_max_iter, est.batch_size)
+        made
         for a in est.attacks
+        for made in ([a] if isinstance(a, EvasionAttack) else
+                     [make_attack(a, est.classifier, e, est.attack_max_iter, est.batch_size) for e in budgets])
     ]
-    labels = [attack_label(a) for a in attacks]
+    labels = attack_labels(attacks)
     if len(set(labels)) != len(labels):
         raise ValueError(f"attacks must be distinct (one result per attack), got {labels}")
     return attacks

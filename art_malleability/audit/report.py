@@ -28,23 +28,23 @@ from art_malleability._utils.report_base import (
     text_table,
     value_ci,
 )
+from art_malleability.audit._reading import (
+    UNDECIDED_SHARE_LIMIT,
+    UNDECIDED_WIDTH,
+    axes,
+    noise_aware_text,
+    points_ci,
+    undecided,
+    wide_interval,
+)
 from art_malleability.audit._report_nulls import null_reasons
+from art_malleability.audit.eps_sweep import FIGURE_NAME as EPS_FIGURE
+from art_malleability.audit.eps_sweep import eps_series, eps_table, plot_flip_rate_against_eps
 from art_malleability.metrics import ControlMetrics, MalleabilityMetrics
 
 logger = logging.getLogger(__name__)
 
 PERCENT_METRICS = ("flip_rate", "per_query_flip_rate", "top_k_jaccard", "attack_success")
-#: A noise-aware flip rate whose interval is wider than this share of the set reads "undecided" in the tables: such an
-#: interval cannot tell a rate of a few percent (the paper's 2L-ReLU) from one of 20 to 40 % (its MLP-Attn), so its
-#: point value says nothing. The interval itself is shown; the JSON keeps every number.
-UNDECIDED_WIDTH = 0.2
-#: A noise-aware flip rate whose influential set has more than this share of undecidable perturbed signs (the
-#: ``undecided_share``: perturbed aggregates within a standard error of zero, as attacks leave the members they do
-#: not flip) also reads "undecided". There the deconvolution's estimate leans upward and its interval's low end can
-#: stand above the truth: in the planted grid (``benchmarks/noise_aware_grid.py``, docs/metrics.md) the intervals no
-#: wider than ``UNDECIDED_WIDTH`` covered 0.88-1.00 in every design once those with a share above 0.15 were set
-#: aside, where 11 of the 40 narrow intervals above it missed (each one above the truth).
-UNDECIDED_SHARE_LIMIT = 0.15
 
 
 def undecided_warning(shares: dict[str, tuple[float, tuple[float, float] | None]]) -> str:
@@ -61,7 +61,7 @@ def undecided_warning(shares: dict[str, tuple[float, tuple[float, float] | None]
     wide, narrow = [], []
     for attack, (_, interval) in shares.items():
         low, high = interval if interval is not None else (float("nan"), float("nan"))
-        if not (math.isfinite(low) and math.isfinite(high)) or _wide([low, high]):
+        if not (math.isfinite(low) and math.isfinite(high)) or wide_interval([low, high]):
             wide.append(attack)
         else:
             narrow.append(f"{attack} [{100 * low:.1f}, {100 * high:.1f}]%")
@@ -361,10 +361,14 @@ class MalleabilityReport(SavedReport):
                                    r.control.get("signed_retention_ci", [None, None])),
                   format_percent_ci(r.control["flip_rate"], r.control["flip_rate_ci"]),
                   format_percent(r.control.get("flip_rate_null")),
-                  _noise_aware(r.control["flip_rate_above_floor"], r.control["flip_rate_above_floor_ci"]),
+                  noise_aware_text(r.control["flip_rate_above_floor"], r.control["flip_rate_above_floor_ci"]),
                   format_number_ci(r.control["spearman"], r.control["spearman_ci"]),
                   format_number_ci(r.control["top_k_jaccard"], r.control["top_k_jaccard_ci"])] for r in controls],
             ))
+        series = eps_series(self.results)
+        if series:
+            lines += ["", "## Flip rate against eps", "", eps_table(series, self.config.get("confidence", 0.95)),
+                      "", f"![flip rate against eps]({EPS_FIGURE})"]
         lines += ["", "Per-query flip rates (each query's own top set): "
                   + ", ".join(f"{r.attack} {format_percent(r.per_query_flip_rate)}" for r in self.results)]
         if self.fidelity is not None:
@@ -394,6 +398,8 @@ class MalleabilityReport(SavedReport):
 
     def _figures(self) -> dict[str, Any]:
         figures = {"flip_rates.png": self.plot_flip_rates}
+        if eps_series(self.results):
+            figures[EPS_FIGURE] = partial(plot_flip_rate_against_eps, self)
         figures.update({f"scatter_{slugify(r.attack)}.png": partial(self.plot_influence_scatter, r.attack)
                         for r in self.results})
         return figures
@@ -407,7 +413,7 @@ class MalleabilityReport(SavedReport):
         :param ax: Optional matplotlib axes.
         :return: The matplotlib figure.
         """
-        ax = _axes(ax, (1.4 + 1.6 * len(self.results), 3.4))
+        ax = axes(ax, (1.4 + 1.6 * len(self.results), 3.4))
         labels = [r.attack for r in self.results]
         series = [
             ("flip rate", "tab:red", [(r.flip_rate, r.flip_rate_ci) for r in self.results]),
@@ -459,7 +465,7 @@ class MalleabilityReport(SavedReport):
         :return: The matplotlib figure.
         """
         r = self.result(attack)
-        ax = _axes(ax, (4.2, 4.0))
+        ax = axes(ax, (4.2, 4.0))
         before = np.array([nan_if_none(v) for v in self.scores_before])
         after = np.array([nan_if_none(v) for v in r.scores_after])
         top = np.array(self.top_indices, dtype=int)
@@ -543,39 +549,13 @@ def _row(r: AttackResult) -> list[str]:
         value_ci(r.excess_retention, r.excess_retention_ci, 1.0, "+.3f", ""),
         format_percent_ci(r.flip_rate, r.flip_rate_ci),
         format_percent(r.flip_rate_null),
-        _noise_aware(r.flip_rate_above_floor, r.flip_rate_above_floor_ci, r.undecided_share),
+        noise_aware_text(r.flip_rate_above_floor, r.flip_rate_above_floor_ci, r.undecided_share),
         "n/a" if r.control is None else format_percent(r.control["flip_rate"]),
-        _points_ci(r.excess_flip_rate, r.excess_flip_rate_ci),
+        points_ci(r.excess_flip_rate, r.excess_flip_rate_ci),
         format_number_ci(r.spearman, r.spearman_ci),
         format_number_ci(r.top_k_jaccard, r.top_k_jaccard_ci),
         format_percent(r.attack_success),
     ]
-
-
-def undecided(v: float | None, ci: list[float | None], share: float | None = None) -> bool:
-    """
-    Whether a noise-aware flip rate reads undecided (the tables, the figure and the warning use this one rule): its
-    interval wider than :data:`UNDECIDED_WIDTH`, or more than :data:`UNDECIDED_SHARE_LIMIT` of its set undecidable.
-
-    :param v: The rate.
-    :param ci: Its interval.
-    :param share: The set's ``undecided_share`` (``None``: not known, as for a control's mean over draws).
-    """
-    if v is None or None in ci:
-        return False
-    return _wide(ci) or (share is not None and math.isfinite(share) and share > UNDECIDED_SHARE_LIMIT)
-
-
-def _wide(ci: list[float]) -> bool:
-    """Whether an interval is wider than :data:`UNDECIDED_WIDTH` (the one comparison of the width rule)."""
-    return ci[1] - ci[0] > UNDECIDED_WIDTH + 1e-12
-
-
-def _noise_aware(v: float | None, ci: list[float | None], share: float | None = None) -> str:
-    """The noise-aware flip rate [CI]; ``"undecided [CI]"`` where :func:`undecided` says so."""
-    if undecided(v, ci, share):
-        return f"undecided [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]"
-    return format_percent_ci(v, ci)
 
 
 def _number(v: float | None) -> str:
@@ -586,12 +566,7 @@ def _flip_and_excess(r: AttackResult) -> str:
     text = format_percent_ci(r.flip_rate, r.flip_rate_ci)
     if r.excess_flip_rate is None:
         return text
-    return f"{text}; excess {_points_ci(r.excess_flip_rate, r.excess_flip_rate_ci)}"
-
-
-def _points_ci(v: float | None, ci: list[float | None]) -> str:
-    """A difference of rates in percentage points, signed, with its interval."""
-    return value_ci(v, ci, 100.0, "+.1f", " pts")
+    return f"{text}; excess {points_ci(r.excess_flip_rate, r.excess_flip_rate_ci)}"
 
 
 def _scale_in_labels(ax: Any) -> None:
@@ -604,12 +579,3 @@ def _scale_in_labels(ax: Any) -> None:
         if text:
             offset.set_visible(False)
             axis.set_label_text(f"{axis.get_label_text()} (× {text.replace('×', '').strip()})")
-
-
-def _axes(ax: Any, size: tuple[float, float]) -> Any:
-    if ax is not None:
-        return ax
-    import matplotlib.pyplot as plt
-
-    _, ax = plt.subplots(figsize=size)
-    return ax

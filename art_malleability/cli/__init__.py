@@ -1,5 +1,5 @@
 """
-Command line: ``art-malleability audit``, ``validate``, ``ntk-check``, ``spectrum`` and ``reproduce``.
+Command line: ``art-malleability audit``, ``validate``, ``ntk-check``, ``spectrum``, ``reproduce`` and ``work``.
 
 ``art-malleability audit`` with no arguments trains the two reference models (2L-ReLU and MLP-Attn)
 on scikit-learn's bundled digits, audits both with FGSM, PGD and MIM, prints the tables and writes
@@ -32,11 +32,12 @@ from art_malleability.cli.studies import (
     run_spectrum,
 )
 from art_malleability.cli.validate import add_validate, run_validate
+from art_malleability.cli.work import add_work, run_work
 from art_malleability.distributed import launched_by_torchrun, peer_failure
 
 __all__ = [
     "UsageError", "build_parser", "console_main", "main", "run_audit", "run_ntk_check", "run_reproduce", "run_spectrum",
-    "run_validate",
+    "run_validate", "run_work",
 ]
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_spectrum(sub, run_spectrum)
     add_reproduce(sub, run_reproduce)
     add_validate(sub, run_validate)
+    add_work(sub, run_work)
     for command in sub.choices.values():
         add_output_options(command)
     return parser

@@ -58,7 +58,11 @@ def add_audit(sub: argparse._SubParsersAction, run: Runner) -> None:
     )
     group = audit.add_argument_group("audit")
     group.add_argument("--attacks", nargs="+", choices=ATTACK_NAMES, default=list(ATTACK_NAMES))
-    group.add_argument("--eps", type=float, default=0.3, help="l-inf attack budget on [0, 1] inputs")
+    group.add_argument(
+        "--eps", type=float, nargs="+", default=0.3,
+        help="l-inf attack budget on [0, 1] inputs; several (--eps 0.1 0.2 0.3) run each attack at each budget after "
+        "one clean fit, and the report shows the flip rate against eps",
+    )
     group.add_argument("--attack-max-iter", type=int, default=20, action=Typed, help="steps of PGD and MIM")
     group.add_argument("--influence", choices=INFLUENCE_NAMES, default="ntk", help="influence estimator")
     group.add_argument(
@@ -288,8 +292,9 @@ def _audit_model(args: argparse.Namespace, name: str, data: Dataset, shard: Shar
         WorkFolder(folder).prune(args.work_dir_max_gb * 1e9)
     if lead:
         report.stage(args.out, slugify(name))
-        kept = report.execution.get("work_folder", {}).get("reused", {}).get("attack chunks", 0)
-        reused = f" ({kept} chunk(s) of attacked inputs reused from the work folder)" if kept else ""
+        kept = report.execution.get("work_folder", {}).get("reused", {})
+        parts = [f"{kept[what]} {what}" for what in ("passes", "attack chunks") if kept.get(what)]
+        reused = f" (reused from the work folder: {', '.join(parts)})" if parts else ""
         say(args, f"\n{name}: {what} in {trained:.1f} s, audited in {time.perf_counter() - start:.1f} s{reused} -> "
                   f"{Path(args.output) / slugify(name)}", report.summary())
     return report

@@ -149,9 +149,19 @@ _POSITIVE_INT = shown(POSITIVE_INT, as_typed)
 _EPS = _rule("lie in (0, 1): an l-inf budget on inputs scaled to [0, 1] (every --dataset is)",
              lambda v: v is None or 0 < v < 1, note=f"; give it in those units (8/255 = {8 / 255:.4f}, not 8)")
 
+_EPS_LIST = _each(_EPS)
+
+
+def _eps(value: Any, name: str) -> Any:
+    """The rule of ``--eps``: one budget (``reproduce``), or each of a list (``audit``)."""
+    return (_EPS_LIST if isinstance(value, list) else _EPS)(value, name)
+
+
+_eps.must = _EPS.must  # type: ignore[attr-defined] - the rule's words
+
 #: The options of every subcommand that has them: the library's rules of the same settings.
 _SHARED_RULES: dict[str, Check | tuple[Check, ...]] = {
-    "--seed": SEED, "--seeds": _each(SEED), "--n-queries": N_QUERIES, "--eps": _EPS, "--eps-grid": _each(_EPS),
+    "--seed": SEED, "--seeds": _each(SEED), "--n-queries": N_QUERIES, "--eps": _eps, "--eps-grid": _EPS_LIST,
     "--device": DEVICE,
     "--dist-timeout": shown(POSITIVE_SECONDS, as_typed),
 }

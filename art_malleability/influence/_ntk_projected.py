@@ -79,8 +79,6 @@ class ProjectedNTKFit:
             with s.clock("solve"):
                 reduce = partial(s.comm, s.shard.all_reduce)
                 self.solver = PrimalRidge(s.ridge_value, reduce=reduce).fit(phi, s.targets(y))
-        self._prev_local = np.zeros(0, dtype=np.int64)
-        self._prev_base = None
         logger.debug("NTK influence (projected, k=%d of %d, %s): %d examples here of %d", projector.dim,
                      projector.full_dim, type(self.solver).__name__, stop - start, n)
 
@@ -147,19 +145,8 @@ class ProjectedNTKFit:
                 self.solver.update(mine, feats @ phi.T)
             self._phi = phi
             return
-        # primal: rows changed by the previous refit go back to their fitted values in the same update
-        local, prev, prev_base = mine - start, self._prev_local, self._prev_base
-        restore = np.setdiff1d(prev, local)
-        rows_restore = prev_base[torch.as_tensor(np.searchsorted(prev, restore))] if len(restore) else feats[:0]
-        base_new = self.solver.features_[torch.as_tensor(local)].clone()
-        in_prev = np.isin(local, prev)
-        if in_prev.any():
-            base_new[torch.as_tensor(np.flatnonzero(in_prev))] = prev_base[
-                torch.as_tensor(np.searchsorted(prev, local[in_prev]))
-            ]
-        with s.clock("solve"):
-            self.solver.update(np.concatenate([restore, local]), torch.cat([rows_restore, feats]))
-        self._prev_local, self._prev_base = local, base_new
+        with s.clock("solve"):  # primal: the solver puts the rows of the previous refit back itself
+            self.solver.update(mine - start, feats)
 
     # ------------------------------------------------------------------ queries
     def query_parts(self, x_query: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

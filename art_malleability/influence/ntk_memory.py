@@ -159,10 +159,13 @@ def plan_bytes(plan: tuple[int | None, bool], n: int, device: torch.device | Non
 
 
 def projected_bytes(n_local: int, n_total: int, k: int) -> int:
-    """Bytes of the projected mode's large buffers (primal: ``Φ``, four ``k × k``; dual: two ``Φ``, two ``n × n``)."""
+    """
+    Bytes of the projected mode's large buffers (primal: ``Φ`` and five ``k × k``: the fit's and the last refit's
+    ``ΦᵀΦ``, the factor, and a refit's new ``ΦᵀΦ`` and its working copy; dual: two ``Φ``, two ``n × n``).
+    """
     if n_total <= k:
         return 16 * n_total * k + 16 * n_total * n_total + int(DEFAULT_CHUNK_MB * 2**20)
-    return 8 * n_local * k + 32 * k * k + 8 * 8192 * k + int(DEFAULT_CHUNK_MB * 2**20)
+    return 8 * n_local * k + 40 * k * k + 8 * 8192 * k + int(DEFAULT_CHUNK_MB * 2**20)
 
 
 def memory_budget(memory_limit_gb: float | None, device: torch.device, shard: Shard = ONE_PROCESS) -> int:

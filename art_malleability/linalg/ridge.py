@@ -330,7 +330,8 @@ class PrimalRidge:
     :param ridge: Ridge ``λ > 0``.
     :param reduce: Sum over processes (identity in one process).
 
-    Fitted attributes: ``features_`` (local ``Φ``), ``gram_`` (``ΦᵀΦ``), ``cross_`` (``ΦᵀY``),
+    Fitted attributes: ``features_`` (local ``Φ``, as the last update left it), ``gram_`` (the fit's ``ΦᵀΦ``),
+    ``cross_`` (the fit's ``ΦᵀY``),
     ``weights_`` (``W``), ``hat_`` (``h``), ``beta_`` (``r / (1 − h)``).
     """
 
@@ -348,40 +349,62 @@ class PrimalRidge:
         self.targets_ = targets.to(features.dtype)
         self.gram_ = self.reduce(features.T @ features)
         self.cross_ = self.reduce(features.T @ self.targets_)
+        self._changed = np.zeros(0, dtype=np.int64)  # local rows an update replaced (sorted), and their fitted values
+        self._fitted_rows = features[:0].clone()
+        self._current: tuple[torch.Tensor, torch.Tensor] | None = None  # ΦᵀΦ and ΦᵀY after the last update
         self._linv = None
         self._solve(self.gram_, self.cross_)
         return self
 
     def update(self, changed: np.ndarray, rows: torch.Tensor) -> PrimalRidge:
         """
-        Replace the local feature rows ``changed`` and solve again (a collective call in a
-        sharded run: every process calls it, possibly with no rows). If it fails, the solver is
-        left as it was.
+        Solve for the fitted training set with the local feature rows ``changed`` replaced by ``rows``; rows an
+        earlier update replaced go back to their fitted values in the same call. Each update is taken from the fit's
+        ``ΦᵀΦ`` and ``ΦᵀY``, so its result does not depend on the updates before it (an attack's refit is the same
+        whichever ran before it, and a resumed audit's is the uninterrupted one's). A collective call in a sharded
+        run: every process calls it, possibly with no rows. If it fails, the solver is left as it was.
 
-        :param changed: Local indices of the changed examples.
+        :param changed: Local indices of the changed examples (distinct).
         :param rows: Their new features ``(m, k)``.
         :return: ``self``.
         """
-        idx = torch.as_tensor(np.asarray(changed, dtype=np.int64), device=self.features_.device)
-        rows = rows.to(self.features_.dtype)
-        old = self.features_[idx]
+        changed = np.asarray(changed, dtype=np.int64)
+        order = np.argsort(changed, kind="stable")
+        changed, rows = changed[order], rows.to(self.features_.dtype)[torch.as_tensor(order)]
+        idx = torch.as_tensor(changed, device=self.features_.device)
+        fitted = self._fitted(changed)
         y = self.targets_[idx]
         delta = rows.T @ rows
-        delta.addmm_(old.T, old, alpha=-1.0)
+        delta.addmm_(fitted.T, fitted, alpha=-1.0)
         gram = self.reduce(delta)
         del delta
         gram += self.gram_
-        cross = self.cross_ + self.reduce(rows.T @ y - old.T @ y)
+        cross = self.cross_ + self.reduce(rows.T @ y - fitted.T @ y)
+        back = torch.as_tensor(self._changed, device=self.features_.device)
+        current = self.features_[back].clone()  # the rows of the last update, as they are now
+        self.features_[back] = self._fitted_rows
         self.features_[idx] = rows
         self._linv = None  # released before the new factor is allocated
         try:
             self._solve(gram, cross)
         except BaseException:
-            self.features_[idx] = old
-            self._solve(self.gram_, self.cross_)
+            self.features_[idx] = fitted
+            self.features_[back] = current
+            self._solve(*(self._current or (self.gram_, self.cross_)))
             raise
-        self.gram_, self.cross_ = gram, cross
+        self._current = None if len(changed) == 0 else (gram, cross)
+        self._changed, self._fitted_rows = changed, fitted
         return self
+
+    def _fitted(self, changed: np.ndarray) -> torch.Tensor:
+        """:return: The fitted feature rows of the sorted local indices ``changed``."""
+        rows = self.features_[torch.as_tensor(changed, device=self.features_.device)].clone()
+        at = np.searchsorted(self._changed, changed)
+        earlier = at < len(self._changed)
+        earlier[earlier] = self._changed[at[earlier]] == changed[earlier]
+        if earlier.any():  # replaced by the last update: its fitted values were kept
+            rows[torch.as_tensor(np.flatnonzero(earlier))] = self._fitted_rows[torch.as_tensor(at[earlier])]
+        return rows
 
     def _solve(self, gram: torch.Tensor, cross: torch.Tensor) -> None:
         a = gram.clone()

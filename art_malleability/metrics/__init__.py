@@ -91,6 +91,7 @@ from art_malleability.metrics._spearman import SPEARMAN_PAIRS
 from art_malleability.metrics._summary import (
     BOUNDS,
     VARIANCE_FACTOR,
+    PassStatistics,
     combine_controls,
     malleability_metrics,
     pass_metrics,
@@ -129,6 +130,7 @@ __all__ = [
     "aggregate_jaccard",
     "check_confidence",
     "pass_metrics",
+    "PassStatistics",
     "replicated",
     "projection_noise",
     "SPEARMAN_PAIRS",

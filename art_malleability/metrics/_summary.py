@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -84,6 +85,102 @@ def _interval(name: str, point: float, replicates: np.ndarray, confidence: float
                            variance_factor=VARIANCE_FACTOR.get(name, 1.0))
 
 
+@dataclass(frozen=True, eq=False)
+class PassStatistics:
+    """
+    What one perturbed pass gives its metrics before the control is known: the statistics with replicates (points and
+    replicates), the per-query flip rates, the noise-aware flip rate's deconvolution and the perturbed aggregates.
+    :meth:`metrics` completes them (intervals, and the excesses over a control). An audit keeps them in its work folder
+    (:meth:`to_arrays`, :meth:`from_arrays`) so that a resumed audit does not refit a finished pass.
+
+    :param points: Each replicated statistic (:data:`REPLICATED`) on all queries.
+    :param draws: Their replicates (the retention's loadings under ``EB_LOADINGS``).
+    :param per_query: Each query's own flip rate.
+    :param noise_aware: The :class:`MalleabilityMetrics` fields of the deconvolution (``noise_aware_flip_rate``,
+        ``flip_rate_null``, ``no_flip_statistic``, ``undecided_share``, ``counted_flips``).
+    :param aggregates: The perturbed aggregate score of every training example.
+    :param identity: The resamples of the queries the replicates were computed on.
+    """
+
+    points: dict[str, float]
+    draws: dict[str, np.ndarray]
+    per_query: np.ndarray
+    noise_aware: dict[str, Any]
+    aggregates: np.ndarray
+    identity: ResamplingIdentity
+
+    @classmethod
+    def of(cls, perturbed: PerturbedScores, confidence: float = 0.95, noise: tuple[float, float] | None = None,
+           selected: bool = True) -> PassStatistics:
+        """
+        :param perturbed: A complete :class:`~.accumulators.PerturbedScores`.
+        :param confidence: Interval coverage (the noise-aware interval's, and the retention's reporting rule).
+        :param noise: A projected estimator's noise model.
+        :param selected: Whether the set was chosen from these clean scores.
+        """
+        clean = perturbed.clean
+        points, draws = replicated(perturbed, selected=selected, confidence=confidence)
+        return cls(points, draws, perturbed.per_query.cpu().numpy(),
+                   _noise_aware(perturbed, clean.threshold(selected), noise, confidence), perturbed.aggregates(),
+                   clean.resampling.identity)
+
+    def metrics(self, confidence: float = 0.95, control: MalleabilityMetrics | ControlMetrics | None = None,
+                keep_draws: bool = False) -> MalleabilityMetrics:
+        """
+        :param confidence: Interval coverage.
+        :param control: The control's combined metrics (:func:`combine_controls`), or one draw's metrics with their
+            replicates, or ``None``.
+        :param keep_draws: Also keep the replicates and the resampling's identity.
+        :return: The pass's metrics (see :func:`pass_metrics`).
+        """
+        points, draws = self.points, self.draws
+        estimates = {
+            name: Estimate.of(points[name], _interval(name, points[name], draws[name], confidence,
+                                                      extra_variance=_eb_variance(name, draws)))
+            for name in REPLICATED
+        }
+        per_query_rate = Estimate.of(finite_mean(self.per_query), t_interval(self.per_query, confidence,
+                                                                             BOUNDS["per_query_flip_rate"]))
+        excesses = {} if control is None else _excesses(points, draws, control, self.identity, confidence)
+        return MalleabilityMetrics(
+            **estimates,
+            per_query_flip_rate=per_query_rate,
+            **self.noise_aware,
+            **excesses,
+            replicates=Replicates.from_draws(draws, self.identity) if keep_draws else None,
+        )
+
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        """:return: The statistics as named arrays (what :meth:`from_arrays` reads back); the identity left out."""
+        rate = self.noise_aware["noise_aware_flip_rate"]
+        arrays = {f"point.{name}": np.float64(value) for name, value in self.points.items()}
+        arrays.update({f"draw.{name}": np.asarray(values) for name, values in self.draws.items()})
+        arrays.update({f"noise_aware.{name}": np.float64(self.noise_aware[name]) for name in _NOISE_AWARE_NUMBERS})
+        arrays.update(per_query=self.per_query, aggregates=self.aggregates,
+                      noise_aware_rate=np.array([rate.value, rate.low, rate.high], dtype=np.float64),
+                      counted_flips=np.asarray(self.noise_aware["counted_flips"], dtype=np.int64))
+        return arrays
+
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, np.ndarray], identity: ResamplingIdentity) -> PassStatistics:
+        """
+        :param arrays: What :meth:`to_arrays` gave.
+        :param identity: The resamples they were computed on (the clean pass's).
+        """
+        def named(prefix: str) -> dict[str, np.ndarray]:
+            return {key[len(prefix):]: value for key, value in arrays.items() if key.startswith(prefix)}
+
+        noise_aware: dict[str, Any] = {name: float(v) for name, v in named("noise_aware.").items()}
+        noise_aware["noise_aware_flip_rate"] = Estimate(*(float(v) for v in arrays["noise_aware_rate"]))
+        noise_aware["counted_flips"] = tuple(int(i) for i in arrays["counted_flips"])
+        return cls({name: float(v) for name, v in named("point.").items()}, named("draw."),
+                   np.asarray(arrays["per_query"]), noise_aware, np.asarray(arrays["aggregates"]), identity)
+
+
+#: The noise-aware deconvolution's single numbers among :class:`MalleabilityMetrics` fields.
+_NOISE_AWARE_NUMBERS = ("flip_rate_null", "no_flip_statistic", "undecided_share")
+
+
 def pass_metrics(
     perturbed: PerturbedScores,
     confidence: float = 0.95,
@@ -105,25 +202,7 @@ def pass_metrics(
     :param selected: Whether the set was chosen from these clean scores.
     :return: The metrics.
     """
-    clean = perturbed.clean
-    points, draws = replicated(perturbed, selected=selected, confidence=confidence)
-    estimates = {
-        name: Estimate.of(points[name], _interval(name, points[name], draws[name], confidence,
-                                                  extra_variance=_eb_variance(name, draws)))
-        for name in REPLICATED
-    }
-    per_query = perturbed.per_query.cpu().numpy()
-    per_query_rate = Estimate.of(finite_mean(per_query), t_interval(per_query, confidence,
-                                                                     BOUNDS["per_query_flip_rate"]))
-    identity = clean.resampling.identity
-    excesses = {} if control is None else _excesses(points, draws, control, identity, confidence)
-    return MalleabilityMetrics(
-        **estimates,
-        per_query_flip_rate=per_query_rate,
-        **_noise_aware(perturbed, clean.threshold(selected), noise, confidence),
-        **excesses,
-        replicates=Replicates.from_draws(draws, identity) if keep_draws else None,
-    )
+    return PassStatistics.of(perturbed, confidence, noise, selected).metrics(confidence, control, keep_draws)
 
 
 def _excesses(points: dict[str, float], draws: dict[str, np.ndarray], control: MalleabilityMetrics | ControlMetrics,
