@@ -75,7 +75,7 @@ def numbers(report: Path) -> dict:
 def stages(work: Path) -> list[dict]:
     """The stage records of a work folder, with their file names."""
     found = []
-    for record in work.glob("*.json"):
+    for record in work.rglob("*.json"):
         data = json.loads(record.read_text())
         if data.get("format") == "art-malleability stage":
             found.append({"stage": data["stage"], "file": record.name, "written": data["written"]})

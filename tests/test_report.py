@@ -121,7 +121,8 @@ def test_a_rerun_replaces_what_the_last_save_wrote_and_nothing_else(tmp_path):
     fewer.results = fewer.results[:1]  # the pgd result is gone, and with it its figure
     fewer.save(tmp_path)
     assert _visible(tmp_path) == {
-        "report.json", "report.md", "flip_rates.png", "scatter_fgsm.png", "notes.txt", "scatter.png", "summary.md"
+        "report.json", "report.md", "report.html", "flip_rates.png", "scatter_fgsm.png", "notes.txt", "scatter.png",
+        "summary.md",
     }
     assert MalleabilityReport.load(tmp_path) == fewer
 

@@ -40,6 +40,7 @@ from art_malleability.audit._reading import (
 from art_malleability.audit._report_nulls import null_reasons
 from art_malleability.audit.eps_sweep import FIGURE_NAME as EPS_FIGURE
 from art_malleability.audit.eps_sweep import eps_series, eps_table, plot_flip_rate_against_eps
+from art_malleability.audit.report_html import HTML_NAME, render_html
 from art_malleability.metrics import ControlMetrics, MalleabilityMetrics
 
 logger = logging.getLogger(__name__)
@@ -211,7 +212,8 @@ def control_summary(control: ControlMetrics, eps: float | None, perturbation: st
 class MalleabilityReport(SavedReport):
     """
     The result of :meth:`art_malleability.MalleabilityEstimator.evaluate`. :meth:`save` writes ``report.json``,
-    ``report.md``, ``flip_rates.png`` and one ``scatter_<attack>.png`` per attack; :meth:`load` reads it back.
+    ``report.md``, ``report.html`` (one self-contained page: :meth:`to_html`), ``flip_rates.png`` and one
+    ``scatter_<attack>.png`` per attack; :meth:`load` reads it back.
 
     :param model: Name of the audited model.
     :param config: The estimator's parameters.
@@ -395,6 +397,16 @@ class MalleabilityReport(SavedReport):
         conf = int(round(100 * self.config.get("confidence", 0.95)))
         return ["attack", f"retention [{conf}% CI]", "control", "excess [CI]", "flip rate [CI]", "by noise",
                 "noise-aware [CI]", "control", "excess [CI]", "Spearman", "top-k Jaccard", "success"]
+
+    def to_html(self) -> str:
+        """:return: The report as one self-contained HTML page (:mod:`~art_malleability.audit.report_html`)."""
+        return render_html(self)
+
+    def _side_files(self) -> dict[str, str | bytes]:
+        """The figures as PNG, and the HTML page (``report.html``) with the same figures inline."""
+        files = super()._side_files()
+        files[HTML_NAME] = render_html(self, {name: png for name, png in files.items() if name.endswith(".png")})
+        return files
 
     def _figures(self) -> dict[str, Any]:
         figures = {"flip_rates.png": self.plot_flip_rates}
