@@ -398,6 +398,19 @@ class MalleabilityReport(SavedReport):
         return ["attack", f"retention [{conf}% CI]", "control", "excess [CI]", "flip rate [CI]", "by noise",
                 "noise-aware [CI]", "control", "excess [CI]", "Spearman", "top-k Jaccard", "success"]
 
+    def log_to_mlflow(self, run: Any = None) -> str:
+        """
+        Log the report to MLflow (the ``[mlflow]`` extra; :mod:`~art_malleability.audit.report_mlflow`): each attack's
+        statistics with their intervals as metrics, the settings as parameters, a JSON summary table, and the JSON,
+        Markdown, HTML and figures as artifacts.
+
+        :param run: An MLflow run or its id; ``None``: the active run, or a new one when none is active.
+        :return: The run's id.
+        """
+        from art_malleability.audit.report_mlflow import log_to_mlflow
+
+        return log_to_mlflow(self, run)
+
     def to_html(self) -> str:
         """:return: The report as one self-contained HTML page (:mod:`~art_malleability.audit.report_html`)."""
         return render_html(self)

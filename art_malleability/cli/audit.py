@@ -116,6 +116,12 @@ def add_audit(sub: argparse._SubParsersAction, run: Runner) -> None:
         help="output folder of 'art-malleability validate' for the same data and training settings: each report "
         "then states its estimator's LDS against retraining (from <folder>/<model>/validation.json)",
     )
+    group.add_argument(
+        "--mlflow", action="store_true",
+        help="also log every model's report to MLflow (needs the [mlflow] extra): metrics with their intervals, the "
+        "settings, and the JSON, Markdown, HTML and figures as artifacts, in one run (the active one, MLFLOW_RUN_ID's, "
+        "or a new one; MLFLOW_TRACKING_URI and MLFLOW_EXPERIMENT_NAME choose where)",
+    )
     add_run_options(audit, "malleability-audit")
     work = audit.add_argument_group("work folder")
     work.add_argument(
@@ -212,6 +218,34 @@ def run_audit(args: argparse.Namespace) -> int:
         table = comparison_table(reports)
         args.out.write("summary.md", f"# Influence malleability on {data.name}\n\n{table}\n")
         say(args, f"\n{table}\n\nreports in {args.output}/")
+        if args.mlflow:
+            return _log_to_mlflow(args, reports)
+    return 0
+
+
+def _log_to_mlflow(args: argparse.Namespace, reports: list[MalleabilityReport]) -> int:
+    """
+    ``--mlflow``: every model's report in one MLflow run (the active one, ``MLFLOW_RUN_ID``'s, or a new one in
+    ``MLFLOW_EXPERIMENT_NAME``'s experiment), metrics and parameters prefixed with the model. A failure to log is one
+    line and status 1; the reports are written to ``--output`` either way.
+    """
+    import sys
+
+    import mlflow
+
+    from art_malleability._utils.report_base import slugify
+    from art_malleability.audit.report_mlflow import log_to_mlflow
+
+    try:
+        with mlflow.start_run(run_name="art-malleability audit", nested=mlflow.active_run() is not None) as run:
+            for name, report in zip(model_names(args), reports, strict=True):
+                log_to_mlflow(report, run, prefix=f"{slugify(name)}.")
+    except Exception as err:  # noqa: BLE001 - the reports stay; the failure is said and the status is 1
+        print(f"art-malleability audit: error: logging to MLflow ({mlflow.get_tracking_uri()}) failed: "
+              f"{type(err).__name__}: {err}; the reports are in {args.output}/", file=sys.stderr)
+        return 1
+    say(args, f"logged to MLflow: run {run.info.run_id} of experiment {run.info.experiment_id} "
+              f"({mlflow.get_tracking_uri()})")
     return 0
 
 

@@ -90,6 +90,12 @@ def preflight(args: argparse.Namespace) -> None:
             if len(names) != 1:
                 raise ValueError(f"--weights must come with exactly one --model, got {len(names) or 'no'} --model")
             read_weights(args.weights)
+        if getattr(args, "mlflow", False):
+            import importlib.util
+
+            if importlib.util.find_spec("mlflow") is None:
+                raise ValueError("--mlflow needs MLflow, which is not installed: "
+                                 "pip install 'art-malleability[mlflow]'")
         _check_option_rules(args)
         _check_settings(args)
         _check_clashes(args)
