@@ -55,8 +55,11 @@ HEADLINE: tuple[tuple[str, str, str | None, str], ...] = (
 
 
 def lookup(data: Mapping[str, Any], key: str) -> Any:
-    """:return: The value at a dotted path of the report's JSON (``"results.0.control.flip_rate"``), ``None`` where a
-        step is missing or ``null``."""
+    """
+    :param data: The report's JSON.
+    :param key: A dotted path in it (``"results.0.control.flip_rate"``).
+    :return: The value there, ``None`` where a step is missing or ``null``.
+    """
     value: Any = data
     for step in key.split("."):
         if value is None:
