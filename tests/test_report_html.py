@@ -91,9 +91,11 @@ def test_the_default_audits_page_in_a_real_browser(default_audit, tmp_path):
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.on("request", lambda r: requests.append(r.url))
             page.goto(page_file.as_uri(), wait_until="load")
-            images = page.eval_on_selector_all(
-                "img", "els => els.map(e => [e.dataset.figure, e.complete, e.naturalWidth, e.naturalHeight,"
-                       " e.getBoundingClientRect().width, e.getBoundingClientRect().height])")
+            shown = ("els => els.map(e => [e.dataset.figure || e.dataset.thumbnail, e.complete, e.naturalWidth,"
+                     " e.naturalHeight, e.getBoundingClientRect().width, e.getBoundingClientRect().height])")
+            images = page.eval_on_selector_all("img[data-figure]", shown)
+            thumbnails = page.eval_on_selector_all("img[data-thumbnail]", shown)
+            assert page.eval_on_selector_all("img", "els => els.length") == len(images) + len(thumbnails)
             cells = page.eval_on_selector_all(
                 "[data-key]", "els => els.map(e => [e.dataset.key, e.dataset.value, e.dataset.low, e.dataset.high,"
                               " e.dataset.format, e.innerText.trim()])")
@@ -104,7 +106,10 @@ def test_the_default_audits_page_in_a_real_browser(default_audit, tmp_path):
     assert requests == [page_file.as_uri()]  # the page itself, nothing else (data: images are not requests)
     names = sorted(p.name for p in page_file.parent.glob("*.png"))
     assert sorted(i[0] for i in images) == names
-    for name, complete, natural_w, natural_h, width, height in images:
+    examples = [e for r in data["results"] for e in r["examples"]]
+    assert examples and len(thumbnails) == 2 * len(examples)  # digits are images: clean and attacked side by side
+    assert [t[0] for t in thumbnails] == ["clean", "attacked"] * len(examples)
+    for name, complete, natural_w, natural_h, width, height in images + thumbnails:
         assert complete and natural_w > 0 and natural_h > 0 and width > 0 and height > 0, name
     assert len(cells) == len(data["results"]) * len(HEADLINE)
     for key, value, low, high, style, text in cells:

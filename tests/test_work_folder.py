@@ -122,6 +122,8 @@ def test_the_estimator_reuses_finished_attacks_and_passes_and_reports_the_same(t
     assert folder["reused"] == {"passes": 4} and folder["to_compute"] == []
     assert folder["finished_before"] == ["control eps=0.3 draw 1", "control eps=0.3 draw 2", "fgsm", "pgd"]
     assert not any("work folder" in w for w in second.warnings)
+    assert [r.examples for r in second.results] == [r.examples for r in first.results]  # kept beside the passes
+    assert all(r.examples for r in first.results)
     for stage in (tmp_path / "work").glob("pass-*.npz"):  # altered on disk: detected, recomputed, said in the report
         data = bytearray(stage.read_bytes())
         data[len(data) // 2] ^= 0xFF
@@ -361,3 +363,17 @@ def test_the_work_command_refuses_a_folder_that_is_not_a_work_folder_and_creates
     (tmp_path / "plain").mkdir()
     assert main(["work", str(tmp_path / "plain"), "--remove"]) == 2
     assert list((tmp_path / "plain").iterdir()) == []
+
+
+def test_a_rerun_without_the_kept_examples_says_they_are_not_known(tmp_path, digits_classifier):
+    from art_malleability.audit.estimator import MalleabilityEstimator
+
+    clf, x, y = digits_classifier
+    params = {"attacks": ("fgsm",), "n_bootstrap": 50, "verbose": False, "control_draws": 1, "n_queries": 15,
+              "device": "cpu", "work_dir": tmp_path / "work"}
+    first = MalleabilityEstimator(clf, **params).evaluate(x, y)
+    assert first.results[0].examples
+    WorkFolder(tmp_path / "work").remove(["examples"])
+    again = MalleabilityEstimator(clf, **params).evaluate(x, y)
+    assert again.execution["work_folder"]["reused"] == {"passes": 2} and again.results[0].examples is None
+    assert "Not known: this run reused the attack's finished pass without its examples." in again.to_html()

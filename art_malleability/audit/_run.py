@@ -36,6 +36,7 @@ from art_malleability.audit.attacks import (
     perturb_training_set,
     random_sign_perturbation,
 )
+from art_malleability.audit.examples import choose_examples, describe_examples
 from art_malleability.audit.params import PROJECTION_SEEDS, audit_refits, control_budgets
 from art_malleability.audit.report import AttackResult, MalleabilityReport, control_summary, undecided_warning
 from art_malleability.data.input_pipeline import with_input_pipeline
@@ -519,6 +520,7 @@ class AuditRun:
         metrics, scores_after = self._pass(  # the refit on the perturbed rows
             x_adv, perturbed.rows, perturbed.whole, key, control, timing, kept,
             {"attack_success": success, "max_perturbation": linf})
+        examples = self._examples(key, kept, perturbed, x_adv, metrics, scores_after)
         self.steps.update()
         result = AttackResult.from_metrics(
             metrics,
@@ -530,6 +532,7 @@ class AuditRun:
             max_perturbation=linf,
             scores_after=scores_after,
             seconds=timing,
+            examples=examples,
         )
         logger.info("%s: flip rate %.3f", label, metrics.flip_rate.value)
         if metrics.undecided_share > UNDECIDED_WARNING:
@@ -537,6 +540,40 @@ class AuditRun:
             rate = metrics.noise_aware_flip_rate
             self.undecided[label] = (metrics.undecided_share, (rate.low, rate.high))
         return result
+
+    def _examples(self, key: dict | None, kept: dict | bool, perturbed: PerturbedRows, x_adv: np.ndarray | None,
+                  metrics: MalleabilityMetrics, after: np.ndarray) -> list[dict[str, Any]] | None:
+        """
+        The training examples behind an attack's result (:mod:`~art_malleability.audit.examples`), on the first
+        process (``None`` elsewhere): every process hands over its rows among them. With a work folder they are kept
+        beside the attack's pass (an ``examples`` stage of the same key), so that a rerun that does not attack again
+        shows them too; ``None`` where such a stage is missing.
+        """
+        shard = self.shard
+        flipped, held = choose_examples(self.top, self.agg_before, after, metrics.counted_flips)
+        names = ("index", "label", "clean", "attacked")
+        if kept is not False:  # the attack did not run again: its examples were kept with its pass
+            found = self.work_folder.load("examples", key) if shard.rank == 0 else None
+            arrays = None if found is None or set(found) != set(names) else [found[n] for n in names]
+        else:
+            here = np.isin(perturbed.rows, np.concatenate([flipped, held]))
+            mine = (perturbed.rows[here], perturbed.y_onehot[here].argmax(axis=1), perturbed.x[here], x_adv[here])
+            arrays = list(mine) if shard.world_size == 1 else [
+                shard.all_gather_rows(torch.as_tensor(np.ascontiguousarray(a))).numpy() for a in mine]
+            if key is not None:
+                shard.run_everywhere(lambda: None if shard.rank != 0 else self.work_folder.save(
+                    "examples", key, dict(zip(names, arrays, strict=True))))
+        if shard.rank != 0 or arrays is None:
+            return None
+        index, labels, clean, attacked = arrays
+        position = {int(i): n for n, i in enumerate(index)}
+        clip = self.est.classifier.clip_values
+        found = []
+        for kind, chosen in (("flipped", flipped), ("kept", held)):
+            at = [position[int(i)] for i in chosen if int(i) in position]
+            found += describe_examples(kind, index[at], labels[at], clean[at], attacked[at], self.agg_before, after,
+                                       clip)
+        return found
 
     def _attack_rows(self, attack: EvasionAttack, perturbed: PerturbedRows) -> tuple[np.ndarray, int, float]:
         """

@@ -135,6 +135,10 @@ class AttackResult:
     :param excess_retention: ``signed_retention`` minus the control's (below 0: the attack wipes out more influence
         than random signs of its size).
     :param excess_retention_ci: Normal interval, paired as the excess flip rate's.
+    :param examples: The training examples behind the result (:mod:`~art_malleability.audit.examples`): the most
+        influential members that flipped and that kept their sign, with their labels, clean and perturbed aggregate
+        influence and clean and attacked inputs (small PNGs of image inputs, the values otherwise); ``None`` where not
+        known (a rerun that reused the attack's pass without its examples).
     """
 
     attack: str
@@ -165,6 +169,7 @@ class AttackResult:
     signed_retention_ci: list[float | None] = field(default_factory=lambda: [None, None])
     excess_retention: float | None = None
     excess_retention_ci: list[float | None] = field(default_factory=lambda: [None, None])
+    examples: list[dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):

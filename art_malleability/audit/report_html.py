@@ -1,6 +1,7 @@
 """
 The audit's report as one self-contained HTML page (``report.html``), for reading in a browser: the headline of each
-attack, the figures, the warnings, the plan and what ran, and how to run it again. Everything is inline (styles and
+attack, the figures, the training examples behind each result (clean and attacked side by side), the warnings, the
+plan and what ran, and how to run it again. Everything is inline (styles and
 figures as ``data:`` URIs; no script, no request leaving the file), so the page reads offline and travels as one file.
 
 The page is rendered from a Jinja2 template (``templates/report.html``, escaped by default) with the same numbers as
@@ -113,6 +114,10 @@ def render_html(report: Any, figures: Mapping[str, bytes] | None = None) -> str:
         + [(f"{r.attack} {k}", f"{v:.2f}") for r in report.results for k, v in r.seconds.items()],
         measured=f"{measured:.1f}", estimated=None if estimate is None else f"{estimate:.1f}",
         versions=sorted(report.versions.items()), reproduce=_reproduce(report),
+        examples=[{"attack": r.attack, "known": r.examples is not None,
+                   "kinds": [(kind, [e for e in r.examples or [] if e["kind"] == kind])
+                             for kind in ("flipped", "kept")]}
+                  for r in report.results],
     )
 
 
