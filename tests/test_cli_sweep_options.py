@@ -110,8 +110,8 @@ def test_the_report_states_the_settings_of_the_audited_model(tmp_path):
     model = report["config"]["model"]
     assert model == {"name": "mlp-attn", "width": 16, "attention_context": "gram", "weights": None,
                      "epochs": 2, "lr": 0.02, "weight_decay": 0.001, "loss": "mse", "batch_size": 64}
-    markdown = (out / "mlp-attn" / "report.md").read_text()
-    assert "'attention_context': 'gram'" in markdown and "'epochs': 2" in markdown
+    page = (out / "mlp-attn" / "report.html").read_text()  # the settings are on the page
+    assert "&#34;attention_context&#34;: &#34;gram&#34;" in page and "&#34;epochs&#34;: 2" in page
 
 
 def test_the_report_of_loaded_weights_states_the_file_and_no_training(tmp_path):

@@ -1,6 +1,7 @@
 """MalleabilityReport: round trip, files, tables, undefined values."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -82,7 +83,7 @@ def test_undefined_values_become_none_and_json_is_strict(tmp_path):
     text = (report.save(tmp_path) / "report.json").read_text()
     json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
     assert MalleabilityReport.load(tmp_path) == report
-    assert "25.0%" in report.to_markdown()
+    assert "fgsm 25.0%" in report.to_html()  # the per-query flip rate, with its interval undefined
 
 
 def test_summary_markdown_and_comparison():
@@ -96,7 +97,10 @@ def test_summary_markdown_and_comparison():
     assert ("| fgsm | 0.250 [0.125, 0.375] | 0.600 | -0.350 [-0.500, -0.200] | 20.0% [0.0, 60.0] | 15.0% | "
             "undecided [0.0, 40.0] | 5.0% | +15.0 pts") in markdown
     assert "positive = helpful" in markdown and "noise-aware" in markdown and "retention" in markdown
-    assert "| fgsm | 0.3 | 5 | 0.600 [0.500, 0.700] | 5.0% [0.0, 20.0] | 4.0% |" in markdown  # the controls' table
+    assert "[report.html](report.html)" in markdown and "(report.html#controls)" in markdown
+    page = report.to_html()  # the controls' table is on the page
+    assert re.search(r'<th scope="row">fgsm</th><td class="number">0.3</td><td class="number">5</td>'
+                     r'<td[^>]*>0.600 \[0.500, 0.700\]</td><td[^>]*>5.0% \[0.0, 20.0\]</td><td[^>]*>4.0%</td>', page)
     table = comparison_table([report, report])
     assert table.count("| 2l-relu |") == 2 and "pgd flip rate" in table and "excess +15.0 pts" in table
     assert table.index("fgsm retention") < table.index("fgsm flip rate")

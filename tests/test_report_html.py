@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from art_malleability.audit.report_html import FORMATS, HEADLINE, HTML_NAME, lookup
+from art_malleability.audit.report_html import CONTROL_COLUMNS, FORMATS, HEADLINE, HTML_NAME, lookup
 
 #: Where CI requires the browser test to run (``.ci/run`` installs Debian's chromium and sets it); elsewhere the test is
 #: skipped, saying why, when no chromium is installed.
@@ -46,7 +46,11 @@ def test_the_page_is_self_contained_and_holds_the_jsons_headline(default_audit):
         assert all(src.startswith("data:image/png;base64,") for src in re.findall(r'src="([^"]*)"', page))
         assert "<script" not in page and not re.search(r"(href|src)=\"(https?:)?//", page)
         keys = re.findall(r'data-key="([^"]+)"', page)
-        assert keys == [f"results.{i}.{column[1]}" for i in range(len(data["results"])) for column in HEADLINE]
+        n = len(data["results"])
+        headline = [f"results.{i}.{column[1]}" for i in range(n) for column in HEADLINE]
+        controls = [f"results.{i}.{column[1]}" for i in range(n) for column in CONTROL_COLUMNS
+                    if data["results"][i]["control"] is not None]
+        assert controls and keys == headline + controls
         for warning in data["warnings"]:
             assert page.count(_escaped(warning)) == 1  # each once
 
@@ -97,8 +101,9 @@ def test_the_default_audits_page_in_a_real_browser(default_audit, tmp_path):
             thumbnails = page.eval_on_selector_all("img[data-thumbnail]", shown)
             assert page.eval_on_selector_all("img", "els => els.length") == len(images) + len(thumbnails)
             cells = page.eval_on_selector_all(
-                "[data-key]", "els => els.map(e => [e.dataset.key, e.dataset.value, e.dataset.low, e.dataset.high,"
-                              " e.dataset.format, e.innerText.trim()])")
+                "[data-key]", "els => els.map(e => [e.dataset.key, e.dataset.intervalKey, e.dataset.shareKey,"
+                              " e.dataset.value, e.dataset.low, e.dataset.high, e.dataset.format,"
+                              " e.innerText.trim()])")
             page.screenshot(path=str(tmp_path / "page.png"))
         finally:
             browser.close()
@@ -111,15 +116,15 @@ def test_the_default_audits_page_in_a_real_browser(default_audit, tmp_path):
     assert [t[0] for t in thumbnails] == ["clean", "attacked"] * len(examples)
     for name, complete, natural_w, natural_h, width, height in images + thumbnails:
         assert complete and natural_w > 0 and natural_h > 0 and width > 0 and height > 0, name
-    assert len(cells) == len(data["results"]) * len(HEADLINE)
-    for key, value, low, high, style, text in cells:
+    with_control = sum(r["control"] is not None for r in data["results"])
+    assert len(cells) == len(data["results"]) * len(HEADLINE) + with_control * len(CONTROL_COLUMNS)
+    for key, interval_key, share_key, value, low, high, style, text in cells:
         expected = lookup(data, key)
-        assert json.loads(value) == expected or (expected is None and value == "null"), key
-        index, name = key.split(".")[1], key.split(".", 2)[2]
-        interval = next(c[2] for c in HEADLINE if c[1] == name)
-        ci = [None, None] if interval is None else lookup(data, f"results.{index}.{interval}")
+        assert json.loads(value) == expected, key
+        ci = lookup(data, interval_key) if interval_key else [None, None]
         assert [json.loads(low), json.loads(high)] == list(ci), key
-        assert text == FORMATS[style](expected, ci, lookup(data, f"results.{index}.undecided_share")), key
+        share = lookup(data, share_key) if share_key else None
+        assert text == FORMATS[style](expected, ci, share), key
     if os.environ.get("ART_MALLEABILITY_UPDATE_SCREENSHOT"):  # the docs figure, kept in the repository
         shutil.copyfile(tmp_path / "page.png", SCREENSHOT)
 

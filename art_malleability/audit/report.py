@@ -329,73 +329,38 @@ class MalleabilityReport(SavedReport):
         )
 
     def to_markdown(self) -> str:
-        """:return: The report as Markdown: settings, the tables, the noise model, timings and versions."""
-        header = self._header()
+        """
+        :return: The report's headline as Markdown: the title line, the warnings, one table row per attack (the
+            budget sweep's table where eps is a list, the fidelity where known), and links to the sections of the
+            self-contained page ``report.html`` (:meth:`to_html`), which holds the rest: figures, training examples,
+            controls, noise model, settings, execution, time, versions and how to run it again.
+        """
+        sections = ", ".join(f"[{name}]({HTML_NAME}#{anchor})" for name, anchor in (
+            ("figures", "figures"), ("training examples", "examples"), ("controls", "controls"),
+            ("noise model", "noise-model"), ("plan and execution", "plan"), ("reproduce", "reproduce")))
         lines = [
             f"# Influence malleability: {self.model}",
             "",
             self._title(),
             "",
             *[f"> **Warning:** {w}\n" for w in self.warnings],
-            "Influence scores have shape (n_query, n_train); positive = helpful (removing the training "
-            "example would raise the query's loss). The *retention* is how much of the clean top set's aggregate "
-            "influence the perturbed influence keeps, on balance (1: unchanged, 0: wiped out, below 0: reversed), "
-            "decided at any number of queries, beside its random-sign *control* and the *excess* (attack minus "
-            "control). The *flip rate* (the paper's) is the share of the clean top set "
-            "whose measured aggregate influence changes sign after the attack; *by noise* is what query noise alone "
-            "would give (no population aggregate changing sign); the *noise-aware* rate estimates the share whose "
-            "population aggregate changes sign (empirical-Bayes deconvolution of the paired aggregates); *control* "
-            "perturbs the same examples by random signs at the same budget (mean of several sign draws), and "
-            "*excess* is the attack's flip rate minus the control's. Intervals (docs/metrics.md gives each one's "
-            "estimand and measured coverage): flip rate, excesses and overlap: normal with the bootstrap standard "
-            "error over queries; retention: normal with the bootstrap variance plus the empirical-Bayes error; "
-            "Spearman: delete-a-group jackknife over queries; noise-aware: profile likelihood of the deconvolution. "
-            "A noise-aware rate whose interval is wider than "
-            f"{100 * UNDECIDED_WIDTH:.0f} percentage points reads *undecided*: such an interval cannot tell a rate of "
-            "a few percent from one of 20 to 40 %; so does one whose set has more than "
-            f"{100 * UNDECIDED_SHARE_LIMIT:.0f} % undecidable signs, where its low end can stand above the truth.",
+            f"The whole report is the page [{HTML_NAME}]({HTML_NAME}): {sections}. Influence scores: positive = "
+            "helpful. *Retention*: how much of the clean top set's aggregate influence the perturbed influence keeps "
+            "(1 unchanged, 0 wiped out, below 0 reversed); *flip rate*: the share of the set whose measured aggregate "
+            "changes sign, *by noise* what query noise alone gives; *noise-aware*: the share whose population "
+            f"aggregate changes sign, *undecided* where its interval is wider than {100 * UNDECIDED_WIDTH:.0f} "
+            f"percentage points or the set has more than {100 * UNDECIDED_SHARE_LIMIT:.0f} % undecidable signs; "
+            "*control*: random signs at the same budget, *excess*: attack minus control (docs/metrics.md: each "
+            "estimand and its measured coverage).",
             "",
-            markdown_table(header, [_row(r) for r in self.results]),
+            markdown_table(self._header(), [_row(r) for r in self.results]),
         ]
-        controls = [r for r in self.results if r.control is not None]
-        if controls:
-            lines += ["", "## Random-perturbation controls", ""]
-            lines.append(markdown_table(
-                ["beside", "eps", "draws", "retention", "flip rate", "by noise", "noise-aware", "Spearman",
-                 "top-k Jaccard"],
-                [[r.attack, f"{r.control['eps']:g}", str(r.control.get("draws")),
-                  format_number_ci(r.control.get("signed_retention"),
-                                   r.control.get("signed_retention_ci", [None, None])),
-                  format_percent_ci(r.control["flip_rate"], r.control["flip_rate_ci"]),
-                  format_percent(r.control.get("flip_rate_null")),
-                  noise_aware_text(r.control["flip_rate_above_floor"], r.control["flip_rate_above_floor_ci"]),
-                  format_number_ci(r.control["spearman"], r.control["spearman_ci"]),
-                  format_number_ci(r.control["top_k_jaccard"], r.control["top_k_jaccard_ci"])] for r in controls],
-            ))
         series = eps_series(self.results)
         if series:
             lines += ["", "## Flip rate against eps", "", eps_table(series, self.config.get("confidence", 0.95)),
                       "", f"![flip rate against eps]({EPS_FIGURE})"]
-        lines += ["", "Per-query flip rates (each query's own top set): "
-                  + ", ".join(f"{r.attack} {format_percent(r.per_query_flip_rate)}" for r in self.results)]
         if self.fidelity is not None:
             lines += ["", "## Influence fidelity", "", self._fidelity_line() + "."]
-        if self.noise_model:
-            projection = self.noise_model.get("projection_sd")
-            lines += ["", "## Noise model", "", f"{self.noise_model.get('method')}; projection noise: "
-                      + ("none (deterministic estimator)" if projection is None else
-                         f"sd = {projection['intercept']:.3g} + {projection['slope']:.3g} |score| "
-                         f"(seeds {self.noise_model.get('projection_seeds')})") + "."]
-        lines += ["", "## Settings", ""]
-        lines += [f"- `{k}`: `{v}`" for k, v in self.config.items()]
-        lines += ["", "## Time (seconds)", ""]
-        lines += [f"- {k}: {v:.2f}" for k, v in self.seconds.items()]
-        for r in self.results:
-            lines += [f"- {r.attack} {k}: {v:.2f}" for k, v in r.seconds.items()]
-        lines += ["", "## Versions", ""]
-        lines += [f"- {k} {v}" for k, v in self.versions.items()]
-        lines += ["", "![flip rates](flip_rates.png)", ""]
-        lines += [f"![{r.attack}](scatter_{slugify(r.attack)}.png)" for r in self.results]
         return "\n".join(lines) + "\n"
 
     def _header(self) -> list[str]:

@@ -69,15 +69,33 @@ def lookup(data: Mapping[str, Any], key: str) -> Any:
     return value
 
 
+#: The controls' table: as :data:`HEADLINE`, keys in an attack's ``control``.
+CONTROL_COLUMNS: tuple[tuple[str, str, str | None, str], ...] = (
+    ("retention", "control.signed_retention", "control.signed_retention_ci", "number_ci"),
+    ("flip rate", "control.flip_rate", "control.flip_rate_ci", "percent_ci"),
+    ("by noise", "control.flip_rate_null", None, "percent"),
+    ("noise-aware", "control.flip_rate_above_floor", "control.flip_rate_above_floor_ci", "noise_aware"),
+    ("Spearman", "control.spearman", "control.spearman_ci", "number_ci"),
+    ("top-k Jaccard", "control.top_k_jaccard", "control.top_k_jaccard_ci", "number_ci"),
+)
+
+
 def headline_cell(data: Mapping[str, Any], index: int, column: tuple[str, str, str | None, str]) -> dict[str, Any]:
-    """One headline cell of attack ``index``: its JSON path, number, interval, format, text and undecided flag."""
+    """
+    One cell of attack ``index``: the JSON paths of its number, of its interval and of the undecided share its format
+    reads (empty where none), the number, its interval, the format, the text and whether it reads undecided.
+    """
     _, name, interval, style = column
     key = f"results.{index}.{name}"
+    interval_key = "" if interval is None else f"results.{index}.{interval}"
+    # a control's noise-aware rate is a mean over draws: its undecided share is not known (the width rule alone)
+    share_key = f"results.{index}.undecided_share" if not name.startswith("control.") else ""
     value = lookup(data, key)
-    ci = [None, None] if interval is None else (lookup(data, f"results.{index}.{interval}") or [None, None])
-    share = lookup(data, f"results.{index}.undecided_share")
-    return {"key": key, "value": _attribute(value), "low": _attribute(ci[0]), "high": _attribute(ci[1]),
-            "format": style, "text": FORMATS[style](value, ci, share),
+    ci = (lookup(data, interval_key) if interval_key else None) or [None, None]
+    share = lookup(data, share_key) if share_key else None
+    return {"key": key, "interval_key": interval_key, "share_key": share_key, "value": _attribute(value),
+            "low": _attribute(ci[0]), "high": _attribute(ci[1]), "format": style,
+            "text": FORMATS[style](value, ci, share),
             "undecided": style == "noise_aware" and undecided(value, ci, share)}
 
 
@@ -99,13 +117,25 @@ def render_html(report: Any, figures: Mapping[str, bytes] | None = None) -> str:
                              trim_blocks=True, lstrip_blocks=True)
     rows = [{"attack": r["attack"], "cells": [headline_cell(data, i, column) for column in HEADLINE]}
             for i, r in enumerate(data["results"])]
+    controls = [{"attack": r["attack"], "eps": r["control"].get("eps"), "draws": r["control"].get("draws"),
+                 "cells": [headline_cell(data, i, column) for column in CONTROL_COLUMNS]}
+                for i, r in enumerate(data["results"]) if r.get("control")]
+    noise = report.noise_model or {}
+    projection = noise.get("projection_sd")
     images = {name: "data:image/png;base64," + base64.b64encode(png).decode("ascii")
               for name, png in figures.items()}
     measured = sum(report.seconds.values()) + sum(sum(r.seconds.values()) for r in report.results)
     estimate = (report.config.get("estimate") or {}).get("seconds", {}).get("total")
     return env.get_template(HTML_NAME).render(
         title=f"Influence malleability: {report.model}", summary=report._title(), warnings=report.warnings,
-        columns=[c[0] for c in HEADLINE], rows=rows, confidence=int(round(100 * report.config.get("confidence", 0.95))),
+        columns=[c[0] for c in HEADLINE], rows=rows,
+        confidence=int(round(100 * report.config.get("confidence", 0.95))),
+        control_columns=[c[0] for c in CONTROL_COLUMNS], controls=controls,
+        per_query=[(r.attack, format_percent(r.per_query_flip_rate)) for r in report.results],
+        noise_method=noise.get("method"),
+        projection=None if projection is None else (f"sd = {projection['intercept']:.3g} + {projection['slope']:.3g} "
+                                                    f"|score| (seeds {noise.get('projection_seeds')})"),
+        fidelity=None if report.fidelity is None else report._fidelity_line(),
         figures=[{"name": name, "src": src, "alt": name.removesuffix(".png").replace("_", " ")}
                  for name, src in images.items()],
         config=[(k, _shown(v)) for k, v in report.config.items() if k != "estimate"],
