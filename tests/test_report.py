@@ -234,3 +234,36 @@ def test_a_trained_models_missing_weights_file_has_its_reason():
                             "results": []})
     assert reasons["config.model.weights"].startswith("no weights file was given (--weights)")
     assert "not recorded" not in " ".join(reasons.values())
+
+
+def test_the_scatter_colours_each_member_by_what_the_audit_decides_of_it():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    report = _report()
+    r = report.results[0]
+    top = report.top_indices
+    r.counted_flips, r.undecided_members = [top[0]], [top[0], top[1], top[2]]  # a flip can also sit near zero
+    ax = report.plot_influence_scatter("fgsm").axes[0]
+    shown = {c.get_label().split(" (")[0]: {tuple(p) for p in c.get_offsets()} for c in ax.collections}
+    before, after = np.array(report.scores_before), np.array(r.scores_after)
+
+    def points(ids):
+        return {(before[i], after[i]) for i in ids}
+
+    assert shown["top set: decided flip"] == points([top[0]])
+    assert shown["top set: undecided, within 1 SE of 0"] == points([top[1], top[2]])
+    assert shown["top set: decided keep"] == points(top[3:])
+
+
+def test_the_undecided_members_are_those_the_undecided_share_counts():
+    from art_malleability.metrics import malleability_metrics
+
+    rng = np.random.default_rng(3)
+    before = rng.normal(1.0, 1.0, size=(200, 40)) * np.where(np.arange(40) < 20, 1.0, 0.05)
+    after = before + rng.normal(0, 1.0, size=before.shape) - np.where(np.arange(40) % 3 == 0, 1.0, 0.0)
+    metrics = malleability_metrics(before, after, top_fraction=0.5, n_bootstrap=50)
+    k = 20
+    assert 0 < len(metrics.undecided_members) < k
+    assert metrics.undecided_share == pytest.approx(len(metrics.undecided_members) / k)
+    assert metrics.to_dict()["undecided_members"] == list(metrics.undecided_members)

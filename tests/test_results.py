@@ -28,9 +28,9 @@ LOADINGS = "signed_retention_eb_loadings"
 RESULT_KEYS = [
     "attack", "params", "n_perturbed", "attack_success", "max_perturbation", "flip_rate", "flip_rate_ci",
     "per_query_flip_rate", "per_query_flip_rate_ci", "spearman", "spearman_ci", "top_k_jaccard", "top_k_jaccard_ci",
-    "scores_after", "seconds", "flip_rate_above_floor", "flip_rate_above_floor_ci", "counted_flips", "control",
-    "excess_flip_rate", "excess_flip_rate_ci", "flip_rate_null", "no_flip_statistic", "undecided_share",
-    "signed_retention", "signed_retention_ci", "excess_retention", "excess_retention_ci",
+    "scores_after", "seconds", "flip_rate_above_floor", "flip_rate_above_floor_ci", "counted_flips",
+    "undecided_members", "control", "excess_flip_rate", "excess_flip_rate_ci", "flip_rate_null", "no_flip_statistic",
+    "undecided_share", "signed_retention", "signed_retention_ci", "excess_retention", "excess_retention_ci", "examples",
 ]
 CONTROL_KEYS = [
     "perturbation", "eps", "draws", "flip_rate_null", "flip_rate", "flip_rate_ci", "flip_rate_above_floor",
@@ -68,6 +68,7 @@ def _old_pass(perturbed, control=None):
         "flip_rate_null": posterior.null_raw_flip_rate(), "no_flip_statistic": posterior.no_flip_statistic(),
         "undecided_share": posterior.undecided_share(),
         "counted_flips": clean.top[np.nan_to_num(posterior.flip_probabilities()) >= 0.5].tolist(),
+        "undecided_members": clean.top[posterior.undecided_members()].tolist(),
     })
     if control is not None:
         for excess, name in (("excess_flip_rate", "flip_rate"), ("excess_retention", "signed_retention")):

@@ -114,6 +114,8 @@ class AttackResult:
     :param flip_rate_above_floor_ci: Its interval (profile likelihood of the prior's flip mass; includes 0 when the
         likelihood-ratio test of no flips does not reject).
     :param counted_flips: Members of the top set whose posterior probability of a sign change is at least 1/2.
+    :param undecided_members: Members of the top set whose perturbed aggregate lies within one standard error of
+        zero (those ``undecided_share`` counts).
     :param control: The random-perturbation control of the same examples at the same ℓ∞ budget (random signs at
         ``±eps``, clipped; ``draws`` independent sign draws, averaged): its ``eps``, ``draws``, ``flip_rate``,
         ``flip_rate_null``, ``flip_rate_above_floor``, ``spearman``, ``top_k_jaccard`` with intervals; ``None``
@@ -159,6 +161,7 @@ class AttackResult:
     flip_rate_above_floor: float | None = None
     flip_rate_above_floor_ci: list[float | None] = field(default_factory=lambda: [None, None])
     counted_flips: list[int] = field(default_factory=list)
+    undecided_members: list[int] = field(default_factory=list)
     control: dict[str, Any] | None = None
     excess_flip_rate: float | None = None
     excess_flip_rate_ci: list[float | None] = field(default_factory=lambda: [None, None])
@@ -451,9 +454,10 @@ class MalleabilityReport(SavedReport):
 
     def plot_influence_scatter(self, attack: str, ax: Any = None) -> Any:
         """
-        Aggregate influence of each training example before vs after one attack; the clean top set is
-        highlighted and sign flips are marked: crosses for the members whose posterior probability of a population
-        sign change is at least 1/2, open circles for measured sign changes that query noise explains better.
+        Aggregate influence of each training example before vs after one attack; the clean top set coloured by what
+        the audit decides of each member: a flip (red cross: posterior probability of a population sign change at
+        least 1/2), undecided (gold: its perturbed aggregate within one standard error of zero), or a decided keep
+        (blue); open circles mark the measured sign changes that query noise explains better.
 
         :param attack: Attack label.
         :param ax: Optional matplotlib axes.
@@ -466,11 +470,15 @@ class MalleabilityReport(SavedReport):
         top = np.array(self.top_indices, dtype=int)
         flipped = top[np.sign(before[top]) * np.sign(after[top]) < 0]
         counted = np.array(r.counted_flips, dtype=int)
+        open_ = np.setdiff1d(np.array(r.undecided_members, dtype=int), counted)
+        kept = np.setdiff1d(top, np.union1d(counted, open_))
         within = np.setdiff1d(flipped, counted)
         ax.scatter(before, after, s=6, color="0.65", label="all training examples")
-        ax.scatter(before[top], after[top], s=14, color="tab:blue", label=f"top {len(top)}")
+        ax.scatter(before[kept], after[kept], s=14, color="tab:blue", label=f"top set: decided keep ({len(kept)})")
+        ax.scatter(before[open_], after[open_], s=14, color="goldenrod",
+                   label=f"top set: undecided, within 1 SE of 0 ({len(open_)})")
         ax.scatter(before[counted], after[counted], s=22, color="tab:red", marker="x",
-                   label=f"likely population flips ({len(counted)})")
+                   label=f"top set: decided flip ({len(counted)})")
         ax.scatter(before[within], after[within], s=30, facecolors="none", edgecolors="tab:orange",
                    label=f"measured flips noise explains ({len(within)})")
         ax.axhline(0, color="k", lw=0.6)

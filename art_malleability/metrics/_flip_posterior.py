@@ -365,10 +365,17 @@ class FlipPosterior:
             population sign these queries can hardly decide (the regime where the estimate's bias grows, measured in
             docs/metrics.md).
         """
-        means, cov = self.means[0, self.keep], _with_projection(self.means, self.cov, self.noise)[0, self.keep]
-        if not len(means):
+        if not self.keep.any():
             return float("nan")
-        return float(np.mean(np.abs(means[:, 1]) < np.sqrt(cov[:, 1, 1])))
+        return float(np.mean(self.undecided_members()[self.keep]))
+
+    def undecided_members(self) -> np.ndarray:
+        """
+        :return: Per member of the set, whether its perturbed aggregate lies within one standard error of zero (those
+            :meth:`undecided_share` counts; a member measured exactly is never undecided).
+        """
+        cov = _with_projection(self.means, self.cov, self.noise)[0]
+        return self.keep & (np.abs(self.means[0, :, 1]) < np.sqrt(cov[:, 1, 1]))
 
     def no_flip_statistic(self) -> float:
         """:return: The likelihood-ratio statistic of "no member flips" (``G`` on sign-keeping atoms only)."""

@@ -196,6 +196,8 @@ class MalleabilityMetrics(_Legacy):
     :param top_k_jaccard: Jaccard overlap of the clean and perturbed top sets (normal, bootstrap standard error).
     :param signed_retention: How much of the set's clean influence the perturbed influence keeps, on balance.
     :param counted_flips: Members of the set whose posterior flip probability is at least one half.
+    :param undecided_members: Members of the set whose perturbed aggregate lies within one standard error of zero
+        (those ``undecided_share`` counts).
     :param excess_flip_rate: The flip rate minus the control's (paired interval); ``None`` without a control.
     :param excess_retention: The signed retention minus the control's; ``None`` without a control.
     :param replicates: The replicates and their resamples (``keep_draws=True``, as a control needs); else ``None``.
@@ -211,6 +213,7 @@ class MalleabilityMetrics(_Legacy):
     top_k_jaccard: Estimate
     signed_retention: Estimate
     counted_flips: tuple[int, ...] = ()
+    undecided_members: tuple[int, ...] = ()
     excess_flip_rate: Estimate | None = None
     excess_retention: Estimate | None = None
     replicates: Replicates | None = None
@@ -219,7 +222,8 @@ class MalleabilityMetrics(_Legacy):
         """
         The metrics under their report keys: each statistic's value and ``<key>_ci`` interval ``(low, high)``, the
         noise-aware rate under ``flip_rate_above_floor``, ``flip_rate_null``, ``no_flip_statistic``,
-        ``undecided_share``, ``counted_flips`` (a list), the excesses where a control was given.
+        ``undecided_share``, ``counted_flips`` and ``undecided_members`` (lists), the excesses where a control was
+        given.
 
         :param replicates: Also give the replicates under ``"draws"`` and their resamples under ``"resamples"``
             (where kept).
@@ -233,6 +237,7 @@ class MalleabilityMetrics(_Legacy):
         out["no_flip_statistic"] = self.no_flip_statistic
         out["undecided_share"] = self.undecided_share
         out["counted_flips"] = list(self.counted_flips)
+        out["undecided_members"] = list(self.undecided_members)
         for attribute in ("excess_flip_rate", "excess_retention"):
             if getattr(self, attribute) is not None:
                 _put(out, attribute, getattr(self, attribute))

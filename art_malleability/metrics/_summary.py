@@ -97,7 +97,7 @@ class PassStatistics:
     :param draws: Their replicates (the retention's loadings under ``EB_LOADINGS``).
     :param per_query: Each query's own flip rate.
     :param noise_aware: The :class:`MalleabilityMetrics` fields of the deconvolution (``noise_aware_flip_rate``,
-        ``flip_rate_null``, ``no_flip_statistic``, ``undecided_share``, ``counted_flips``).
+        ``flip_rate_null``, ``no_flip_statistic``, ``undecided_share``, ``counted_flips``, ``undecided_members``).
     :param aggregates: The perturbed aggregate score of every training example.
     :param identity: The resamples of the queries the replicates were computed on.
     """
@@ -158,7 +158,8 @@ class PassStatistics:
         arrays.update({f"noise_aware.{name}": np.float64(self.noise_aware[name]) for name in _NOISE_AWARE_NUMBERS})
         arrays.update(per_query=self.per_query, aggregates=self.aggregates,
                       noise_aware_rate=np.array([rate.value, rate.low, rate.high], dtype=np.float64),
-                      counted_flips=np.asarray(self.noise_aware["counted_flips"], dtype=np.int64))
+                      counted_flips=np.asarray(self.noise_aware["counted_flips"], dtype=np.int64),
+                      undecided_members=np.asarray(self.noise_aware["undecided_members"], dtype=np.int64))
         return arrays
 
     @classmethod
@@ -173,6 +174,7 @@ class PassStatistics:
         noise_aware: dict[str, Any] = {name: float(v) for name, v in named("noise_aware.").items()}
         noise_aware["noise_aware_flip_rate"] = Estimate(*(float(v) for v in arrays["noise_aware_rate"]))
         noise_aware["counted_flips"] = tuple(int(i) for i in arrays["counted_flips"])
+        noise_aware["undecided_members"] = tuple(int(i) for i in arrays["undecided_members"])
         return cls({name: float(v) for name, v in named("point.").items()}, named("draw."),
                    np.asarray(arrays["per_query"]), noise_aware, np.asarray(arrays["aggregates"]), identity)
 
@@ -274,7 +276,7 @@ def _noise_aware(perturbed: PerturbedScores, threshold: float | None, noise: tup
     nan = float("nan")
     if clean.top.size == 0 or clean.n_query < MIN_INTERVAL_QUERIES:
         return {"noise_aware_flip_rate": Estimate.undefined(), "flip_rate_null": nan, "no_flip_statistic": nan,
-                "undecided_share": nan, "counted_flips": ()}
+                "undecided_share": nan, "counted_flips": (), "undecided_members": ()}
     posterior = FlipPosterior(perturbed.paired_sums(), threshold, clean.rank_by, noise)
     probabilities = posterior.flip_probabilities()
     return {
@@ -283,6 +285,7 @@ def _noise_aware(perturbed: PerturbedScores, threshold: float | None, noise: tup
         "no_flip_statistic": float(posterior.no_flip_statistic()),
         "undecided_share": float(posterior.undecided_share()),
         "counted_flips": tuple(clean.top[np.nan_to_num(probabilities) >= 0.5].tolist()),
+        "undecided_members": tuple(clean.top[posterior.undecided_members()].tolist()),
     }
 
 
