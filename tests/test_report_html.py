@@ -141,3 +141,35 @@ def test_lookup_reads_dotted_paths_of_the_json():
     assert lookup(data, "results.0.flip_rate") == 0.25
     assert lookup(data, "results.0.control.flip_rate") is None
     assert lookup(data, "results.0.ci.1") == math.inf
+
+
+def test_a_tabular_audit_without_controls_shows_its_examples_as_values(tmp_path):
+    import numpy as np
+    import torch
+    from helpers import digits
+
+    from art_malleability.audit.estimator import MalleabilityEstimator
+    from art_malleability.audit.examples import MAX_VALUES
+    from art_malleability.models import make_classifier, train_model
+
+    data = digits()
+    x, y = data.x_train.reshape(len(data.x_train), -1), data.y_train  # 64 features: not an image
+    net = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+    net = train_model(net, x, y, epochs=30, batch_size=200, lr=0.05, seed=0, verbose=False, device="cpu")
+    clf = make_classifier(net, (64,), 10, device="cpu")
+    report = MalleabilityEstimator(clf, attacks=("fgsm",), controls=False, n_bootstrap=50, n_queries=30,
+                                   verbose=False, device="cpu").evaluate(x, y)
+    examples = report.results[0].examples
+    assert examples and all("clean_values" in e and "clean_png" not in e for e in examples)
+    e = examples[0]
+    assert len(e["clean_values"]) == min(64, MAX_VALUES)
+    assert e["linf"] == pytest.approx(float(np.max(np.abs(np.array(e["attacked_values"]) - e["clean_values"]))),
+                                      abs=1e-5)
+    page = report.to_html()
+    assert "<img" not in page.split('id="examples"')[1].split('id="warnings"')[0]  # values, not thumbnails
+    assert f'data-index="{e["index"]}"' in page and "clean: " in page
+    assert 'id="controls-table"' not in page
+    keys = re.findall(r'data-key="([^"]+)"', page)
+    assert keys == [f"results.0.{column[1]}" for column in HEADLINE]
+    cell = re.search(r'data-key="results\.0\.control\.flip_rate"[^>]*>([^<]*)<', page)
+    assert cell.group(1) == "n/a"  # no control: said, not left blank

@@ -185,3 +185,26 @@ def test_the_config_refuses_through_its_rule_table_naming_the_setting():
             ReproductionConfig(**{name: bad})
         assert refused.value.param == name and name in REPRODUCTION_RULES
     assert ReproductionConfig(lds_models=0, n_train=None).lds_models == 0
+
+
+def test_a_rerun_with_a_work_folder_trains_and_refits_nothing_again(tmp_path, monkeypatch):
+    from art_malleability.influence import NTKInfluence
+    from art_malleability.paper import common
+
+    config = ReproductionConfig(
+        models=("2l-relu",), n_train=60, n_test=30, width=16, seeds=(0, 1), epochs=2, attack_max_iter=3, n_queries=8,
+        n_bootstrap=10, lds_models=0, tables=("table2",), device="cpu", verbose=False, work_dir=str(tmp_path / "work"),
+    )
+    trained, refits = [], []
+    real_train, real_refit = common.train_model, NTKInfluence.refit
+    monkeypatch.setattr(common, "train_model", lambda *a, **k: trained.append(1) or real_train(*a, **k))
+    monkeypatch.setattr(NTKInfluence, "refit", lambda *a, **k: refits.append(1) or real_refit(*a, **k))
+    first = run_reproduction(config, tmp_path / "one")
+    assert len(trained) == 2 and refits  # one model per seed
+    done = len(refits)
+    second = run_reproduction(config, tmp_path / "two")
+    assert len(trained) == 2 and len(refits) == done  # every model's weights and every audit's passes were kept
+    assert first.rows == second.rows and first.tables == second.tables
+    more = ReproductionConfig(**{**config.__dict__, "seeds": (0, 1, 2)})
+    run_reproduction(more, tmp_path / "three")
+    assert len(trained) == 3  # a seed added: only its model trained

@@ -285,3 +285,30 @@ class WorkFolder:
         values = compute()
         self.save(stage, key, dict(zip(names, values, strict=True)))
         return tuple(values), False
+
+
+def kept_training(folder: str | os.PathLike, module: Any, settings: dict, train: Any) -> bool:
+    """
+    Train ``module`` in place (``train()``), or load the weights a work folder kept of the same training: the stage
+    ``weights``, keyed by the versions, the untrained module (its architecture and initial weights) and ``settings``
+    (the data, the training settings, the seed, the device: everything the trained weights depend on besides).
+
+    :param folder: The work folder.
+    :param module: The untrained ``torch.nn.Module``; trained, or given the kept weights, in place.
+    :param settings: What else the training depends on (see :func:`value_digest` for the values allowed).
+    :param train: Trains ``module`` in place.
+    :return: Whether the kept weights were used.
+    """
+    import torch
+
+    from art_malleability._utils.provenance import library_versions
+
+    store = WorkFolder(folder)
+    key = {"versions": library_versions(), "model": module_digest(module), **settings}
+    kept = store.load("weights", key)
+    if kept is not None:
+        module.load_state_dict({name: torch.from_numpy(value) for name, value in kept.items()})
+        return True
+    train()
+    store.save("weights", key, {name: value.detach().cpu().numpy() for name, value in module.state_dict().items()})
+    return False

@@ -33,7 +33,6 @@ from art_malleability.influence import INFLUENCE_NAMES
 from art_malleability.metrics import RANK_BY
 
 if TYPE_CHECKING:
-    import numpy as np
     import torch
 
     from art_malleability.audit.report import MalleabilityReport
@@ -363,32 +362,22 @@ def _train_or_load(
     if args.weights is not None:
         load_weights(module, args.weights, name)
         return f"loaded {args.weights}"
-    def train() -> dict[str, np.ndarray]:
+    def train() -> None:
         train_model(
             module, data.x_train, data.y_train, loss=args.loss, epochs=args.epochs, batch_size=args.batch_size,
             lr=args.lr, weight_decay=args.weight_decay, seed=args.seed, device=args.device, verbose=not args.quiet,
         )
-        return {k: v.detach().cpu().numpy() for k, v in module.state_dict().items()}
 
     done = f"trained {args.epochs} epochs"
     folder = work_dir(args, name)
     if lead and folder is None:  # in place
         train()
     elif lead:  # the trained weights are a stage, keyed by the untrained model, the data and the training settings
-        import torch
+        from art_malleability._utils.work_folder import kept_training, value_digest
 
-        from art_malleability._utils.provenance import library_versions
-        from art_malleability._utils.work_folder import WorkFolder, module_digest, value_digest
-
-        store = WorkFolder(folder)
-        key = {"versions": library_versions(), "model": module_digest(module), "data": value_digest(
-            [data.x_train, data.y_train]), "settings": _model_settings(args, name), "seed": args.seed,
-            "device": str(args.device)}
-        kept = store.load("weights", key)
-        if kept is None:
-            store.save("weights", key, train())
-        else:
-            module.load_state_dict({k: torch.from_numpy(v) for k, v in kept.items()})
+        settings = {"data": value_digest([data.x_train, data.y_train]), "settings": _model_settings(args, name),
+                    "seed": args.seed, "device": str(args.device)}
+        if kept_training(folder, module, settings, train):
             done = f"reused its weights of {args.epochs} epochs' training from the work folder {folder}"
     if shard.world_size > 1:  # every process audits rank 0's weights
         module.load_state_dict(shard.broadcast_object({k: v.cpu() for k, v in module.state_dict().items()}))

@@ -11,6 +11,7 @@ from scipy import stats
 
 from art_malleability._utils.checks import near_chance_warnings
 from art_malleability._utils.io import progress_bar
+from art_malleability._utils.work_folder import kept_training, value_digest
 from art_malleability.audit.estimator import MalleabilityEstimator
 from art_malleability.data.datasets import Dataset
 from art_malleability.metrics import seed_interval, z_value
@@ -30,22 +31,26 @@ def build_module(config, model: str, input_shape, nb_classes: int, seed: int, wi
 def train_module(
     config, model: str, x: np.ndarray, y: np.ndarray, seed: int, loss: str, input_shape, nb_classes, transform=None
 ) -> torch.nn.Module:
+    """
+    A reference model trained under the run's protocol; with the run's ``work_dir``, trained weights are kept there and
+    a rerun of the same training (model, initial weights, data, settings, seed, device) loads them instead.
+    """
     module = build_module(config, model, input_shape, nb_classes, seed)
     if transform is not None:
         module = transform(module)
-    return train_model(
-        module,
-        x,
-        y,
-        loss=loss,
-        epochs=config.epochs,
-        batch_size=config.batch_size,
-        lr=config.lr,
-        weight_decay=config.weight_decay,
-        seed=seed,
-        device=config.device,
-        verbose=False,
-    )
+    settings = {"loss": loss, "epochs": config.epochs, "batch_size": config.batch_size, "lr": config.lr,
+                "weight_decay": config.weight_decay}
+
+    def fit() -> None:
+        train_model(module, x, y, **settings, seed=seed, device=config.device, verbose=False)
+
+    folder = getattr(config, "work_dir", None)
+    if folder is None:
+        fit()
+    else:
+        kept_training(folder, module, {"data": value_digest([x, y]), "training": settings, "seed": seed,
+                                       "device": str(config.device)}, fit)
+    return module
 
 
 def train(config, model: str, data: Dataset, seed: int, loss: str, transform=None):
@@ -71,6 +76,7 @@ def audit(config, clf, data: Dataset, attacks, eps: float, seed: int, **override
         "device": config.device,
         **overrides,
     }
+    params.setdefault("work_dir", getattr(config, "work_dir", None))  # its passes kept beside the run's weights
     estimator = MalleabilityEstimator(clf, attacks=attacks, eps=eps, seed=seed, verbose=False, **params)
     return estimator.evaluate(data.x_train, data.y_train, data.x_test, data.y_test, dataset=data.name)
 

@@ -59,6 +59,7 @@ from art_malleability._utils.params import (
     POSITIVE_INTS,
     SIZE,
     TOP_FRACTION,
+    WORK_DIR,
     Rule,
     RuleTable,
     check_values,
@@ -142,6 +143,7 @@ REPRODUCTION_RULES: RuleTable = {
     "ntk_gd_steps": POSITIVE_INT,
     "tables": each_one_of(TABLES + STUDIES),
     "device": DEVICE,
+    "work_dir": WORK_DIR,
 }
 
 
@@ -185,6 +187,9 @@ class ReproductionConfig:
     :param tables: Which tables to run.
     :param device: ``"auto"``, ``"cpu"`` or ``"cuda"``.
     :param verbose: Progress bars.
+    :param work_dir: A work folder (:class:`~art_malleability._utils.work_folder.WorkFolder`) for every trained
+                     model's weights and every audit's finished stages: a rerun, after an interruption or with more
+                     seeds, tables or models, trains and audits only what is not there; ``None`` keeps nothing.
     """
 
     dataset: str = "digits"
@@ -216,6 +221,7 @@ class ReproductionConfig:
     tables: tuple[str, ...] = TABLES
     device: str = "auto"
     verbose: bool = True
+    work_dir: str | None = None
 
     def __post_init__(self) -> None:
         check_values(REPRODUCTION_RULES, {name: getattr(self, name) for name in REPRODUCTION_RULES})
