@@ -3,6 +3,8 @@ Read a saved audit back: the headline numbers, the flips that are likely real, a
 
     art-malleability audit --model 2l-relu --output audit     # writes audit/2l-relu/report.json
     python examples/read_report.py audit/2l-relu               # or the report.json itself
+
+The same report as a page, with the examples' images (clean and attacked side by side): audit/2l-relu/report.html.
 """
 
 from __future__ import annotations
