@@ -335,17 +335,19 @@ def test_the_work_command_lists_and_removes_only_what_the_package_wrote(tmp_path
     for i in range(3):
         one.save("attack", {**KEY, "seed": i}, {"x_adv": np.zeros(100)})
     one.save("pass", KEY, {"aggregates": np.ones(50)})
+    one.save("examples", KEY, {"index": np.arange(3)})
     two.save("weights", KEY, {"w": np.ones(10)})
     (parent / "mine.txt").write_text("not the package's")
     assert main(["work", str(parent)]) == 0
     out = capsys.readouterr().out
-    assert "5 stage(s)" in out and "in 2 work folder(s)" in out
-    assert [line.split()[1:3] for line in out.splitlines()[2:5]] == [["attack", "3"], ["pass", "1"], ["weights", "1"]]
+    assert "6 stage(s)" in out and "in 2 work folder(s)" in out
+    assert [line.split()[1:3] for line in out.splitlines()[2:6]] == [
+        ["attack", "3"], ["pass", "1"], ["examples", "1"], ["weights", "1"]]
     altered = next((parent / "2l-relu").glob("attack-*.npz"))
     altered.write_bytes(altered.read_bytes() + b"x")
     assert main(["work", str(parent / "2l-relu"), "--remove", "--stage", "attack"]) == 0
     assert "removed 2 stage(s); 1 left" in capsys.readouterr().out
-    assert [s["stage"] for s in WorkFolder(parent / "2l-relu").stages()] == ["attack", "pass"]
+    assert [s["stage"] for s in WorkFolder(parent / "2l-relu").stages()] == ["attack", "pass", "examples"]
     assert altered.exists()
     assert main(["work", str(parent), "--remove"]) == 0
     assert not (parent / "mlp-attn").exists()  # nothing else was in it: gone with its marker

@@ -15,7 +15,7 @@ from art_malleability.cli.checks import UsageError
 from art_malleability.cli.options import say
 
 #: The stages an audit keeps.
-STAGES = ("weights", "attack", "pass")
+STAGES = ("weights", "attack", "pass", "examples")
 
 _DESCRIPTION = (
     "List the finished stages an audit kept in its work folder (by kind: how many, their size, when the last was "
