@@ -53,6 +53,10 @@ def test_the_page_is_self_contained_and_holds_the_jsons_headline(default_audit):
         assert controls and keys == headline + controls
         for warning in data["warnings"]:
             assert page.count(_escaped(warning)) == 1  # each once
+        # how to run it again: the command line that ran it, then the library call
+        command = f"art-malleability audit --output {default_audit} --no-work-dir --quiet"
+        assert data["execution"]["command"] == command and _escaped(command) in page.split('id="reproduce"')[1]
+        assert "MalleabilityEstimator(classifier, " in page.split('id="reproduce"')[1]
 
 
 def test_the_page_escapes_what_it_shows(default_audit):

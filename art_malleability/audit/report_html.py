@@ -164,7 +164,12 @@ def _shown(value: Any) -> str:
 
 
 def _reproduce(report: Any) -> str:
-    """The library call that runs this audit again (the settings as recorded; the classifier and data are yours)."""
-    skip = {"estimate", "work_dir", "verbose"}
+    """
+    How to run this audit again: the command line that ran it (where the command line did), and the library call
+    with the settings as recorded (the classifier and the data are yours).
+    """
+    skip = {"estimate", "work_dir", "verbose", "model"}
     args = ", ".join(f"{k}={v!r}" for k, v in report.config.items() if k not in skip)
-    return f"MalleabilityEstimator(classifier, {args}).evaluate(x_train, y_train, x_test, y_test)"
+    call = f"MalleabilityEstimator(classifier, {args}).evaluate(x_train, y_train, x_test, y_test)"
+    command = report.execution.get("command")
+    return call if command is None else f"{command}\n\n# in the library:\n{call}"

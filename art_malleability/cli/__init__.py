@@ -75,6 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         write), 1 for a failure while running (data, weights, training, another process), 130 when interrupted.
     """
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # the command line, as a report states it
     level = logging.ERROR if args.quiet else (logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)]
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")  # a handler, if the process has none
     package = logging.getLogger("art_malleability")

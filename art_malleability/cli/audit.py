@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -318,6 +319,7 @@ def _audit_model(args: argparse.Namespace, name: str, data: Dataset, shard: Shar
     report.config["estimate"] = plan.to_dict()
     report.seconds["train"] = trained
     report.config["model"] = _model_settings(args, name)
+    report.execution["command"] = shlex.join(["art-malleability", *getattr(args, "argv", [])])  # to run it again
     folder = work_dir(args, name)
     if lead and folder is not None and args.work_dir_max_gb is not None:
         from art_malleability._utils.work_folder import WorkFolder
