@@ -16,6 +16,7 @@ from art_malleability.cli.checks import (
     load_weights,
     model_names,
     note_replaced,
+    open_work_folder,
     validation_for,
 )
 from art_malleability.cli.options import (
@@ -25,10 +26,12 @@ from art_malleability.cli.options import (
     add_data_options,
     add_model_options,
     add_run_options,
+    add_work_dir_options,
     estimator_params,
     projection_dim,
     ridge_value,
     say,
+    work_root,
 )
 from art_malleability.influence import INFLUENCE_NAMES
 from art_malleability.metrics import RANK_BY
@@ -123,14 +126,8 @@ def add_audit(sub: argparse._SubParsersAction, run: Runner) -> None:
         "or a new one; MLFLOW_TRACKING_URI and MLFLOW_EXPERIMENT_NAME choose where)",
     )
     add_run_options(audit, "malleability-audit")
-    work = audit.add_argument_group("work folder")
-    work.add_argument(
-        "--work-dir", default=None, metavar="DIR",
-        help="folder of finished stages (each model's trained weights, each attack's perturbed inputs chunk by "
-        "chunk), so that the same command rerun after an interruption redoes only what was not finished; default: "
-        "<output>.work beside the report folder",
-    )
-    work.add_argument("--no-work-dir", action="store_true", help="keep no finished stages")
+    work = add_work_dir_options(audit, "each model's trained weights, each attack's perturbed inputs and each finished "
+                                "refit")
     work.add_argument(
         "--work-dir-max-gb", type=float, default=None, metavar="GB",
         help="the most each model's work folder keeps: after its audit the oldest stages are removed until its "
@@ -142,16 +139,10 @@ def add_audit(sub: argparse._SubParsersAction, run: Runner) -> None:
 def _open_work_dirs(args: argparse.Namespace) -> None:
     """Every model's work folder opened (created where missing) before any data is read: one the package did not
     create is refused, naming ``--work-dir``."""
-    from art_malleability._utils.work_folder import WorkFolder
-    from art_malleability.cli.checks import UsageError
-
     for name in model_names(args):
         folder = work_dir(args, name)
         if folder is not None:
-            try:
-                WorkFolder(folder)
-            except ValueError as err:
-                raise UsageError(f"--work-dir {str(err).removeprefix('work_dir ')}") from None
+            open_work_folder(folder)
 
 
 def work_dir(args: argparse.Namespace, name: str) -> Path | None:
@@ -159,11 +150,8 @@ def work_dir(args: argparse.Namespace, name: str) -> Path | None:
     ``None`` with ``--no-work-dir``."""
     from art_malleability._utils.report_base import slugify
 
-    if args.no_work_dir:
-        return None
-    out = Path(args.output).resolve()  # beside it, also for --output . (the folder's own name, not ".")
-    root = Path(args.work_dir) if args.work_dir is not None else out.parent / f"{out.name}.work"
-    return root / slugify(name)
+    root = work_root(args)
+    return None if root is None else root / slugify(name)
 
 
 #: How the audit plan's line says to change it (the options that set what it estimates).

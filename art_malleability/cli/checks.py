@@ -563,3 +563,14 @@ def _import_factory(name: str) -> object:
             f"(or from no arguments), got {name!r}, which needs {', '.join(map(repr, needed))}"
         )
     return factory
+
+
+def open_work_folder(folder: Path) -> None:
+    """Open (create where missing) a work folder before any work; one the package did not create is a usage error
+    naming ``--work-dir``."""
+    from art_malleability._utils.work_folder import WorkFolder
+
+    try:
+        WorkFolder(folder)
+    except (ValueError, OSError) as err:
+        raise UsageError(f"--work-dir {str(err).removeprefix('work_dir ')}") from None

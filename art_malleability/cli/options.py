@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 #: What runs a subcommand: parsed arguments in, exit status out.
@@ -128,6 +129,32 @@ def add_output_options(parser: argparse.ArgumentParser) -> None:
         "-v", "--verbose", action="count", default=0,
         help="log progress (-vv: debug) and show the traceback of an error",
     )
+
+
+def add_work_dir_options(parser: argparse.ArgumentParser, kept: str) -> argparse._ArgumentGroup:
+    """
+    The ``work folder`` group of a command that keeps its finished stages: ``--work-dir`` and ``--no-work-dir``.
+
+    :param kept: What the command keeps there, in the help.
+    :return: The group (a command adds its own options to it).
+    """
+    work = parser.add_argument_group("work folder")
+    work.add_argument(
+        "--work-dir", default=None, metavar="DIR",
+        help=f"folder of finished stages ({kept}), so that a rerun of the command, after an interruption or with "
+        "more to do, redoes only what is not there; default: <output>.work beside the report folder",
+    )
+    work.add_argument("--no-work-dir", action="store_true", help="keep no finished stages")
+    return work
+
+
+def work_root(args: argparse.Namespace) -> Path | None:
+    """:return: ``--work-dir``, or ``<output>.work`` beside the report folder (also for ``--output .``: the folder's own
+    name); ``None`` with ``--no-work-dir``."""
+    if args.no_work_dir:
+        return None
+    out = Path(args.output).resolve()
+    return Path(args.work_dir) if args.work_dir is not None else out.parent / f"{out.name}.work"
 
 
 def say(args: argparse.Namespace, *lines: str) -> None:

@@ -7,16 +7,17 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
-from art_malleability.cli.checks import load_data
+from art_malleability.cli.checks import load_data, open_work_folder
 from art_malleability.cli.options import (
     DEFAULT_MODELS,
     Runner,
     add_command,
     add_data_options,
     add_run_options,
+    add_work_dir_options,
     say,
+    work_root,
 )
 from art_malleability.models.reference import CONTEXTS
 from art_malleability.ntk.convergence import PROTOCOLS
@@ -136,31 +137,17 @@ def add_reproduce(sub: argparse._SubParsersAction, run: Runner) -> None:
                        help="models retrained on random halves for Table 2's LDS (first seed; 0 skips it)")
     group.add_argument("--ntk-n-train", type=int, default=defaults.ntk_n_train, help="Table 1 kernel points")
     group.add_argument("--ntk-adam-epochs", type=int, default=defaults.ntk_adam_epochs, help="Table 1 training")
-    work = rep.add_argument_group("work folder")
-    work.add_argument(
-        "--work-dir", default=None, metavar="DIR",
-        help="folder of finished stages (every trained model's weights, every audit's attacked inputs and refits), so "
-        "that a rerun (after an interruption, or with more seeds, tables or models) trains and audits only what is "
-        "not there; default: <output>.work beside the report folder",
-    )
-    work.add_argument("--no-work-dir", action="store_true", help="keep no finished stages")
+    add_work_dir_options(rep, "every trained model's weights, every audit's attacked inputs and refits")
     add_run_options(rep, "reproduction", seed_help=None)
 
 
 def _work_dir(args: argparse.Namespace) -> str | None:
     """``reproduce``'s work folder: ``--work-dir``, or ``<output>.work`` beside the report folder; ``None`` with
     ``--no-work-dir``."""
-    from art_malleability._utils.work_folder import WorkFolder
-    from art_malleability.cli.checks import UsageError
-
-    if args.no_work_dir:
+    folder = work_root(args)
+    if folder is None:
         return None
-    out = Path(args.output).resolve()
-    folder = Path(args.work_dir) if args.work_dir is not None else out.parent / f"{out.name}.work"
-    try:
-        WorkFolder(folder)  # created, or checked to be the package's, before any work
-    except (ValueError, OSError) as err:
-        raise UsageError(str(err).replace("work_dir must", "--work-dir must", 1)) from err
+    open_work_folder(folder)  # created, or checked to be the package's, before any work
     return str(folder)
 
 
