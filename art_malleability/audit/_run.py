@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -410,7 +411,7 @@ class AuditRun:
         local = np.frombuffer(bytes.fromhex(value_digest([perturbed.rows, perturbed.x, perturbed.y_onehot])),
                               dtype=np.int64).copy()
         rows = value_digest(self.shard.all_gather_rows(torch.as_tensor(local)[None]))  # every process's rows
-        base = {**self._clean_key(), "rows": rows}
+        base = {**self._clean_key, "rows": rows}
         names = {}
         for eps in sorted(set(self.controls.values())):
             for draw in range(est.control_draws):
@@ -421,8 +422,8 @@ class AuditRun:
         for attack in est._attacks:
             self.pass_keys[attack] = {**base, "perturbation": self._attack_identity(attack)}
             names[attack] = self.labels[attack]
-        finished = [self.work_folder.has("pass", key) for key in self.pass_keys.values()]
-        finished = self.shard.broadcast_object(finished)
+        finished = self.shard.broadcast_object(  # the first process reads the records, as it keeps the passes
+            [self.work_folder.has("pass", key) for key in self.pass_keys.values()] if self.shard.rank == 0 else None)
         done = [names[p] for p, f in zip(self.pass_keys, finished, strict=True) if f]
         left = [p for p, f in zip(self.pass_keys, finished, strict=True) if not f]
         self.resume = {"finished_before": done, "to_compute": [names[p] for p in left]}
@@ -442,35 +443,34 @@ class AuditRun:
         if not self.steps.disable:  # beside the progress bar, where the audit shows its progress
             self.steps.write(line, file=sys.stderr)
 
+    @cached_property
     def _clean_key(self) -> dict:
         """
-        What every perturbed pass shares: the versions, the model's architecture and weights, the process count, the
-        audit's parameters but those of the attacks and controls, what the influence ran (its parameters, mode and
-        ridge), the queries, and the clean pass's result (the aggregates, the influential set and the noise model).
+        What every perturbed pass shares (once the clean pass is done): the versions, the model's architecture and
+        weights, the process count, the audit's parameters but those of the attacks and controls, what the influence
+        ran (its parameters, mode and ridge), the queries, and the clean pass's result (the aggregates, the influential
+        set and the noise model).
         """
-        if getattr(self, "_clean_key_", None) is None:
-            est = self.est
-            params = {name: value if isinstance(value, (bool, int, float, str)) or value is None else str(value)
-                      for name, value in est.get_params().items() if name not in PASS_FREE_PARAMS}
-            ran = self.execution()
-            execution = {name: ran[name] for name in RAN if name in ran}
-            execution["params"] = {name: value for name, value in ran["params"].items()
-                                   if name not in PLANNING_PARAMS}  # what ran is in the mode, which stays
-            execution["kernel_method"] = (ran.get("kernel_method") or {}).get("method")
-            self._clean_key_ = {
-                "versions": library_versions(), "model": self._model_digest(), "world_size": self.shard.world_size,
-                "params": params, "execution": value_digest(json.loads(json.dumps(execution, default=str))),
-                "queries": value_digest([self.x_q, self.y_q, self.self_pairs]),
-                "clean": value_digest([self.agg_before, self.top]),
-                "noise": None if self.noise is None else [float(v) for v in self.noise],
-            }
-        return self._clean_key_
+        est = self.est
+        params = {name: value if isinstance(value, (bool, int, float, str)) or value is None else str(value)
+                  for name, value in est.get_params().items() if name not in PASS_FREE_PARAMS}
+        ran = self.execution()
+        execution = {name: ran[name] for name in RAN if name in ran}
+        execution["params"] = {name: value for name, value in ran["params"].items()
+                               if name not in PLANNING_PARAMS}  # what ran is in the mode, which stays
+        execution["kernel_method"] = (ran.get("kernel_method") or {}).get("method")
+        return {
+            "versions": library_versions(), "model": self._model_digest, "world_size": self.shard.world_size,
+            "params": params, "execution": value_digest(json.loads(json.dumps(execution, default=str))),
+            "queries": value_digest([self.x_q, self.y_q, self.self_pairs]),
+            "clean": value_digest([self.agg_before, self.top]),
+            "noise": None if self.noise is None else [float(v) for v in self.noise],
+        }
 
+    @cached_property
     def _model_digest(self) -> str:
         """The audited model's digest (:func:`~art_malleability._utils.work_folder.module_digest`), computed once."""
-        if getattr(self, "_model_digest_", None) is None:
-            self._model_digest_ = module_digest(self.est.classifier.model)
-        return self._model_digest_
+        return module_digest(self.est.classifier.model)
 
     # ------------------------------------------------------------------ controls and attacks
     def run_controls(self, perturbed: PerturbedRows) -> dict[float, ControlMetrics]:
@@ -628,7 +628,7 @@ class AuditRun:
         dtype, the batch size, the clip values and the device kind.
         """
         est = self.est
-        model = self._model_digest()
+        model = self._model_digest
         # an attack given ready-made may run on another model than the audited one: its own is in the key too
         attacked = getattr(getattr(attack, "estimator", None), "model", None)
         if isinstance(attacked, torch.nn.Module) and attacked is not est.classifier.model:
