@@ -178,6 +178,12 @@ def nan_if_none(v: float | None) -> float:
     return float("nan") if v is None else float(v)
 
 
+def setting_text(value: Any) -> str:
+    """:return: A setting as a report writes it out of its JSON (a page, a tracker's parameter): JSON for containers,
+    as written otherwise."""
+    return json.dumps(value, default=str) if isinstance(value, (dict, list, tuple)) else str(value)
+
+
 def slugify(name: str) -> str:
     """:return: ``name`` with every character outside letters, digits, ``-`` and ``_`` replaced by ``_``."""
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in name)

@@ -20,7 +20,13 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from art_malleability._utils.report_base import format_number_ci, format_percent, format_percent_ci, value_ci
+from art_malleability._utils.report_base import (
+    format_number_ci,
+    format_percent,
+    format_percent_ci,
+    setting_text,
+    value_ci,
+)
 from art_malleability.audit._reading import noise_aware_text, points_ci, undecided
 
 #: The file the page is written to, beside ``report.json``.
@@ -138,8 +144,8 @@ def render_html(report: Any, figures: Mapping[str, bytes] | None = None) -> str:
         fidelity=None if report.fidelity is None else report._fidelity_line(),
         figures=[{"name": name, "src": src, "alt": name.removesuffix(".png").replace("_", " ")}
                  for name, src in images.items()],
-        config=[(k, _shown(v)) for k, v in report.config.items() if k != "estimate"],
-        execution=[(k, _shown(v)) for k, v in report.execution.items()],
+        config=[(k, setting_text(v)) for k, v in report.config.items() if k != "estimate"],
+        execution=[(k, setting_text(v)) for k, v in report.execution.items()],
         seconds=[(k, f"{v:.2f}") for k, v in report.seconds.items()]
         + [(f"{r.attack} {k}", f"{v:.2f}") for r in report.results for k, v in r.seconds.items()],
         measured=f"{measured:.1f}", estimated=None if estimate is None else f"{estimate:.1f}",
@@ -157,10 +163,6 @@ def _attribute(value: Any) -> str:
         return "null"
     return json.dumps(value)
 
-
-def _shown(value: Any) -> str:
-    """A setting as the page shows it: JSON for containers, as written otherwise."""
-    return json.dumps(value, default=str) if isinstance(value, (dict, list, tuple)) else str(value)
 
 
 def _reproduce(report: Any) -> str:

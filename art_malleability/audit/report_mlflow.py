@@ -13,7 +13,6 @@ characters).
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import tempfile
@@ -101,7 +100,7 @@ def log_to_mlflow(report: Any, run: Any = None, prefix: str = "") -> str:
 def _log(client: Any, run_id: str, report: Any, prefix: str) -> None:
     from mlflow.entities import Metric, Param
 
-    from art_malleability._utils.report_base import slugify
+    from art_malleability._utils.report_base import setting_text, slugify
 
     data = report.to_dict()
     now = int(time.time() * 1000)
@@ -109,7 +108,7 @@ def _log(client: Any, run_id: str, report: Any, prefix: str) -> None:
     params = {f"{prefix}{k}": v for k, v in data["config"].items() if k != "estimate"}
     params.update({f"{prefix}{k}": data.get(k) for k in ("model", "dataset", "n_train", "n_queries", "top_k")})
     params.update({f"{prefix}{k}": data["execution"].get(k) for k in ("mode", "world_size")})
-    shown = [Param(name, _text(value)[:PARAM_CHARS]) for name, value in params.items()]
+    shown = [Param(name, setting_text(value)[:PARAM_CHARS]) for name, value in params.items()]
     for start in range(0, max(len(metrics), len(shown)), 100):  # MLflow takes at most 100 params in a batch
         client.log_batch(run_id, metrics=metrics[start : start + 100], params=shown[start : start + 100])
     folder = f"{ARTIFACT_FOLDER}/{slugify(report.model)}"
@@ -120,8 +119,3 @@ def _log(client: Any, run_id: str, report: Any, prefix: str) -> None:
             with open(Path(tmp) / name, mode, **({} if mode == "wb" else {"encoding": "utf-8"})) as handle:
                 handle.write(content)
         client.log_artifacts(run_id, tmp, folder)
-
-
-def _text(value: Any) -> str:
-    """A parameter's value as MLflow keeps it: JSON for containers, as written otherwise."""
-    return json.dumps(value, default=str) if isinstance(value, (dict, list, tuple)) else str(value)
